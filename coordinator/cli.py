@@ -1,0 +1,88 @@
+"""The ``fleetrl`` command line: runs demos, starts roles as processes, initialises models."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from coordinator.launcher import RoleFailed, run_demo
+    from protos.config import load_run_config
+
+    overrides = list(args.overrides)
+    if args.steps is not None:
+        overrides.append(f"trainer.num_steps={args.steps}")
+    try:
+        config = load_run_config(args.config, overrides)
+    except ValueError as error:
+        print(f"fleetrl demo: invalid config: {error}", file=sys.stderr)
+        return 2
+    out_dir = Path(args.out or f"runs/demo-{time.strftime('%Y%m%d-%H%M%S')}")
+    try:
+        summary = run_demo(config, out_dir)
+    except RoleFailed as error:
+        print(f"fleetrl demo: {error}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("fleetrl demo: interrupted; every process was stopped", file=sys.stderr)
+        return 130
+    shown = {k: v for k, v in summary.items() if k != "rewards"}
+    print(json.dumps(shown, indent=2))
+    print(f"summary written to {out_dir / 'summary.json'}")
+    return 0
+
+
+def _cmd_rollout(args: argparse.Namespace) -> int:
+    argv = [sys.executable, "-m", "rollout_service", "serve", *args.rest]
+    os.execv(sys.executable, argv)
+    return 0  # not reached
+
+
+def _cmd_model_init_tiny(args: argparse.Namespace) -> int:
+    from modeling.tiny_model import init_tiny
+
+    path = init_tiny(args.path, seed=args.seed, warmup_steps=args.warmup_steps)
+    print(f"tiny MoE checkpoint and tokenizer written to {path}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="fleetrl", description="Asynchronous disaggregated RL for LLMs.")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    demo = commands.add_parser("demo", help="run the whole loop on this machine (CPU, tiny model, embedded Redis)")
+    demo.add_argument("--steps", type=int, default=None, help="training steps (default: trainer.num_steps)")
+    demo.add_argument("--out", default=None, help="run directory (default runs/demo-<time>)")
+    demo.add_argument("--config", default=None, help="YAML/JSON run config (a recipe)")
+    demo.add_argument("overrides", nargs="*", help="dotted overrides, e.g. trainer.lr=1e-3")
+    demo.set_defaults(func=_cmd_demo)
+
+    rollout = commands.add_parser("rollout", help="rollout server commands")
+    rollout.add_argument("rest", nargs=argparse.REMAINDER, help="serve --model PATH --host H --port P ...")
+    rollout.set_defaults(func=_cmd_rollout)
+
+    model = commands.add_parser("model", help="model utilities")
+    model_commands = model.add_subparsers(dest="model_command", required=True)
+    init_tiny = model_commands.add_parser("init-tiny", help="write the tiny local MoE checkpoint + tokenizer")
+    init_tiny.add_argument("path")
+    init_tiny.add_argument("--seed", type=int, default=0)
+    init_tiny.add_argument("--warmup-steps", type=int, default=0, help="short echo warm-up (the demo uses 80)")
+    init_tiny.set_defaults(func=_cmd_model_init_tiny)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    if args.command == "rollout" and (not args.rest or args.rest[0] != "serve"):
+        print("fleetrl rollout: usage: fleetrl rollout serve --model PATH [--host H] [--port P] ...", file=sys.stderr)
+        sys.exit(2)
+    sys.exit(args.func(args))
+
+
+if __name__ == "__main__":
+    main()

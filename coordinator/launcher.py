@@ -1,0 +1,202 @@
+"""DemoLauncher: starts every role of a run as its own OS process, shows progress, writes summary.json.
+
+It only starts and supervises: the roles talk through Redis, gRPC and the weight bus. Each child runs
+in its own process group so that a stop (or Ctrl-C) takes down the vLLM engine processes too.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import redis
+
+from coordinator.redis_server import EmbeddedRedis, free_port
+from protos.config import RunConfig
+from protos.records import decode_metrics
+from protos.redis_keys import RedisKeys
+
+logger = logging.getLogger(__name__)
+
+WARMUP_STEPS = 80
+
+
+class RoleFailed(RuntimeError):
+    """A role process exited before the run finished."""
+
+
+def tiny_model_dir(warmup_steps: int = WARMUP_STEPS) -> Path:
+    """Build (once, cached) the demo's tiny MoE with its short echo warm-up; returns its directory."""
+    from modeling import tiny_model
+
+    source = Path(tiny_model.__file__).read_bytes()
+    digest = hashlib.sha256(source + str(warmup_steps).encode()).hexdigest()[:12]
+    cache = Path(os.environ.get("FLEETRL_CACHE", Path.home() / ".cache" / "fleetrl")) / f"tiny-echo-{digest}"
+    if not (cache / "config.json").exists():
+        partial = cache.with_suffix(".partial")
+        shutil.rmtree(partial, ignore_errors=True)
+        print(f"building the tiny MoE model (warm-up {warmup_steps} steps) into {cache} ...", flush=True)
+        tiny_model.init_tiny(partial, warmup_steps=warmup_steps)
+        partial.rename(cache)
+    return cache
+
+
+class DemoLauncher:
+    def __init__(self, config: RunConfig, out_dir: Path):
+        self.config = config
+        self.out_dir = out_dir
+        self.keys = RedisKeys(config.run_id)
+        self.children: dict[str, subprocess.Popen] = {}
+        self.redis_server: EmbeddedRedis | None = None
+        self.started = time.monotonic()
+
+    # process management --------------------------------------------------------------------
+    def spawn(self, name: str, args: list[str], env: dict[str, str] | None = None) -> None:
+        log = open(self.out_dir / "logs" / f"{name}.log", "wb")
+        self.children[name] = subprocess.Popen(
+            [sys.executable, *args], stdout=log, stderr=subprocess.STDOUT,
+            env={**os.environ, **(env or {})}, start_new_session=True,
+        )
+
+    def check_children(self) -> None:
+        for name, child in self.children.items():
+            if child.poll() is not None:
+                tail = (self.out_dir / "logs" / f"{name}.log").read_text(errors="replace")[-3000:]
+                raise RoleFailed(f"{name} exited with code {child.returncode}; last log lines:\n{tail}")
+
+    def stop_all(self, grace_s: float = 10.0) -> None:
+        for child in self.children.values():
+            if child.poll() is None:
+                os.killpg(child.pid, signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        for child in self.children.values():
+            try:
+                child.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+        for child in self.children.values():
+            try:  # the group may hold engine processes even after the leader exited
+                os.killpg(child.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            child.wait()
+        if self.redis_server is not None:
+            self.redis_server.stop()
+
+    # the run -------------------------------------------------------------------------------
+    def start(self) -> str:
+        (self.out_dir / "logs").mkdir(parents=True, exist_ok=True)
+        redis_url = self.config.redis_url or os.environ.get("REDIS_URL", "")
+        if not redis_url:
+            self.redis_server = EmbeddedRedis().start()
+            redis_url = self.redis_server.url
+        model = self.config.model_path or str(tiny_model_dir())
+        config_path = self.out_dir / "config.json"
+        config_path.write_text(self.config.model_dump_json(indent=2))
+        common = ["--config", str(config_path)]
+        rollout = self.config.rollout
+        addresses = []
+        for i in range(rollout.num_servers):
+            port = rollout.base_port + i if rollout.base_port else free_port()
+            addresses.append(f"{rollout.host}:{port}")
+            self.spawn(
+                f"rollout-{i}",
+                ["-m", "rollout_service", "serve", "--model", model, "--host", rollout.host, "--port", str(port),
+                 "--server-id", f"rollout-{i}", "--redis-url", redis_url, *common],
+                env={"VLLM_CPU_OMP_THREADS_BIND": str(i % (os.cpu_count() or 1)), "OMP_NUM_THREADS": "1"},
+            )
+        self.spawn("trainer", ["-m", "trainer_service", "train", "--model", model, "--redis-url", redis_url, *common])
+        self.spawn("coordinator", ["-m", "coordinator", "run", "--servers", ",".join(addresses), "--redis-url", redis_url, *common])
+        return redis_url
+
+    def monitor(self, redis_url: str) -> dict:
+        """Print a line per training step until the trainer reports done; returns the summary."""
+        client = redis.Redis.from_url(redis_url, socket_timeout=30)
+        trainer_steps: list[dict] = []
+        coordinator_last: dict = {}
+        cursors = {self.keys.metrics("trainer"): "0", self.keys.metrics("coordinator"): "0"}
+        done = False
+        while not done:
+            self.check_children()
+            reply = client.xread(cursors, block=1000) or []
+            for stream, entries in reply:
+                stream = stream.decode()
+                for entry_id, fields in entries:
+                    cursors[stream] = entry_id.decode()
+                    report = decode_metrics(fields[b"m"])
+                    if report.role == "coordinator":
+                        coordinator_last = report.values
+                    elif report.values.get("done"):
+                        done = True
+                    else:
+                        trainer_steps.append({"step": report.step, "policy_version": report.policy_version, **report.values})
+                        self.print_step(trainer_steps[-1], coordinator_last, client)
+        self.wait_for_fleet(client, trainer_steps[-1]["policy_version"] if trainer_steps else 0)
+        return self.summary(client, trainer_steps, coordinator_last)
+
+    def print_step(self, step: dict, coordinator: dict, client: redis.Redis) -> None:
+        versions = self.fleet_versions(client)
+        print(
+            f"step {step['step']:>3}/{self.config.trainer.num_steps} | policy v{step['policy_version']:<3} "
+            f"| reward {step['reward_mean']:.3f} | staleness max {step['staleness_max']:.0f} "
+            f"(bound {self.config.coordinator.max_staleness}) | rollout {coordinator.get('tokens_per_s', 0):7.0f} tok/s "
+            f"| masked {step.get('geo_mask_masked_ratio', 0):.2f} |dlogp| {step.get('mean_abs_logprob_diff', 0):.3f} "
+            f"| queue {step['queue_depth']:.0f} | servers at {versions} | {time.monotonic() - self.started:5.0f}s",
+            flush=True,
+        )
+
+    def fleet_versions(self, client: redis.Redis) -> dict[str, int]:
+        from protos.records import decode_report
+
+        return {k.decode(): decode_report(v).policy_version for k, v in client.hgetall(self.keys.fleet).items()}
+
+    def wait_for_fleet(self, client: redis.Redis, version: int, timeout_s: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            versions = self.fleet_versions(client)
+            if versions and min(versions.values()) >= version:
+                return
+            time.sleep(0.2)
+        logger.warning("not every rollout server reached v%d within %.0fs: %s", version, timeout_s, self.fleet_versions(client))
+
+    def summary(self, client: redis.Redis, steps: list[dict], coordinator: dict) -> dict:
+        rewards = [s["reward_mean"] for s in steps]
+        last = steps[-1] if steps else {}
+        versions = self.fleet_versions(client)
+        return {
+            "steps": len(steps),
+            "reward_first5": sum(rewards[:5]) / max(1, len(rewards[:5])),
+            "reward_last5": sum(rewards[-5:]) / max(1, len(rewards[-5:])),
+            "max_staleness_allowed": self.config.coordinator.max_staleness,
+            "max_staleness_seen": int(max((s["staleness_max"] for s in steps), default=0)),
+            "weight_versions_published": int(last.get("weight_versions_published", 0)),
+            "rollout_servers": len(versions),
+            "rollout_server_versions": versions,
+            "trajectories_produced": int(coordinator.get("samples_pushed", 0)),
+            "trajectories_trained": int(last.get("samples_trained", 0)),
+            "stale_samples_dropped": int(last.get("stale_dropped", 0)),
+            "rewards": rewards,
+            "wall_s": time.monotonic() - self.started,
+        }
+
+
+def run_demo(config: RunConfig, out_dir: Path) -> dict:
+    """Run the whole demo; always stops every process; returns and writes the summary."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    launcher = DemoLauncher(config, out_dir)
+    try:
+        redis_url = launcher.start()
+        print(f"run dir {out_dir} | Redis {redis_url} | logs in {out_dir / 'logs'}", flush=True)
+        summary = launcher.monitor(redis_url)
+    finally:
+        launcher.stop_all()
+    (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    return summary

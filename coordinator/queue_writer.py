@@ -1,0 +1,57 @@
+"""RolloutQueue: the coordinator's side of the trajectory stream (XADD of encoded groups).
+
+A push that fails because Redis is down or restarting is retried until ``timeout_s``: a finished
+group is never dropped silently.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import redis.asyncio as aioredis
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from protos.records import TrajectoryGroup, encode
+from protos.redis_keys import RedisKeys
+
+logger = logging.getLogger(__name__)
+
+
+class RolloutQueue:
+    def __init__(self, client: aioredis.Redis, keys: RedisKeys, timeout_s: float = 120.0):
+        self.client = client
+        self.keys = keys
+        self.timeout_s = timeout_s
+
+    async def push(self, group: TrajectoryGroup) -> str:
+        """Append one group; returns its stream entry id."""
+        payload = encode(group)
+        deadline = time.monotonic() + self.timeout_s
+        delay_s = 0.1
+        while True:
+            try:
+                entry_id = await self.client.xadd(self.keys.trajectories, {"g": payload})
+                return entry_id.decode() if isinstance(entry_id, bytes) else entry_id
+            except (RedisConnectionError, RedisTimeoutError, OSError) as error:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(
+                        f"pushing group {group.group_id} to {self.keys.trajectories}: Redis unreachable "
+                        f"for {self.timeout_s}s ({error})"
+                    ) from error
+                logger.warning("Redis unreachable while pushing %s, retrying: %s", group.group_id, error)
+                await asyncio.sleep(delay_s)
+                delay_s = min(2.0, delay_s * 2)
+
+    async def depth(self) -> int:
+        """Entries not yet delivered to the trainers (lag of their consumer group)."""
+        try:
+            groups = await self.client.xinfo_groups(self.keys.trajectories)
+        except aioredis.ResponseError:
+            return 0
+        for group in groups:
+            if group["name"] in (self.keys.trainer_group, self.keys.trainer_group.encode()):
+                return int(group.get("lag") or 0)
+        return await self.client.xlen(self.keys.trajectories)

@@ -1,0 +1,104 @@
+"""RolloutClient: the coordinator's gRPC client of one rollout server.
+
+``generate`` collects the streamed chunks of every sample into finished samples; a stream that breaks
+raises ``RolloutFailed`` so the scheduler can re-dispatch the whole group elsewhere.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import grpc
+import numpy as np
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from protos import rollout_pb2 as pb
+from protos import rollout_pb2_grpc as pb_grpc
+from protos.config import SamplingConfig
+
+_FINISH_NAMES = {
+    pb.FINISH_REASON_STOP: "stop",
+    pb.FINISH_REASON_LENGTH: "length",
+    pb.FINISH_REASON_ABORT: "abort",
+    pb.FINISH_REASON_ERROR: "error",
+}
+
+
+class RolloutFailed(RuntimeError):
+    """A Generate call failed or a server is unreachable; the work can go to another server."""
+
+
+@dataclass
+class SampleResult:
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    finish_reason: str = ""
+    version_spans: list[tuple[int, int, int]] = field(default_factory=list)
+    routed_experts: np.ndarray | None = None
+
+
+class RolloutClient:
+    """One server at ``address`` ("host:port"); ``inflight`` counts this client's open calls."""
+
+    def __init__(self, address: str):
+        self.address = address
+        self.channel = grpc.aio.insecure_channel(address)
+        self.stub = pb_grpc.RolloutServiceStub(self.channel)
+        self.health = health_pb2_grpc.HealthStub(self.channel)
+        self.inflight = 0
+        self.healthy = True
+        self.policy_version = 0
+        self.server_id = ""
+
+    async def check_health(self, timeout_s: float = 2.0) -> bool:
+        try:
+            reply = await self.health.Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout_s)
+            self.healthy = reply.status == health_pb2.HealthCheckResponse.SERVING
+        except grpc.aio.AioRpcError:
+            self.healthy = False
+        return self.healthy
+
+    async def info(self, timeout_s: float = 5.0) -> pb.ServerInfoResponse:
+        reply = await self.stub.ServerInfo(pb.ServerInfoRequest(), timeout=timeout_s)
+        self.server_id = reply.server_id
+        self.policy_version = reply.policy_version
+        return reply
+
+    async def generate(
+        self, prompt_token_ids: list[int], n: int, sampling: SamplingConfig, timeout_s: float, request_id: str = ""
+    ) -> list[SampleResult]:
+        request = pb.GenerateRequest(
+            request_id=request_id,
+            prompt_token_ids=prompt_token_ids,
+            sampling=pb.SamplingParams(
+                n=n, max_tokens=sampling.max_tokens, temperature=sampling.temperature,
+                top_p=sampling.top_p, top_k=sampling.top_k,
+            ),
+        )
+        samples = [SampleResult() for _ in range(n)]
+        finished = 0
+        self.inflight += 1
+        try:
+            async for chunk in self.stub.Generate(request, timeout=timeout_s):
+                sample = samples[chunk.sample_index]
+                sample.token_ids.extend(chunk.token_ids)
+                sample.logprobs.extend(chunk.logprobs)
+                if chunk.finished:
+                    finished += 1
+                    sample.finish_reason = _FINISH_NAMES.get(chunk.finish_reason, "")
+                    sample.version_spans = [(s.version, s.start, s.end) for s in chunk.version_spans]
+                    if chunk.HasField("routed_experts"):
+                        tensor = chunk.routed_experts
+                        sample.routed_experts = np.frombuffer(tensor.data, dtype=tensor.dtype).reshape(tensor.shape)
+        except grpc.aio.AioRpcError as error:
+            if error.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN):
+                self.healthy = False
+            raise RolloutFailed(f"{self.address}: {error.code().name}: {error.details()}") from error
+        finally:
+            self.inflight -= 1
+        if finished != n:
+            raise RolloutFailed(f"{self.address}: stream ended with {finished} of {n} samples finished")
+        return samples
+
+    async def close(self) -> None:
+        await self.channel.close()

@@ -1,0 +1,1 @@
+"""Model definitions and builders shared by every role (imports nothing else of fleetrl)."""

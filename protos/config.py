@@ -1,0 +1,142 @@
+"""The typed config tree of a run: one schema that every role process reads from a JSON file.
+
+It lives in protos/ because the resolved config is the contract handed from the launcher to each role
+process; each role's ``config.py`` re-exports its section. Imports neither torch nor vLLM.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class SamplingConfig(_Strict):
+    """Sampling of training rollouts."""
+
+    temperature: float = Field(1.0, ge=0.0, description="Sampling temperature; 1.0 keeps logprobs exact.")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass.")
+    top_k: int = Field(-1, description="Top-k; -1 disables.")
+    max_tokens: int = Field(8, gt=0, description="Maximum response tokens per sample.")
+
+
+class CoordinatorConfig(_Strict):
+    """Prompts, grouping, admission and the push onto the trajectory queue."""
+
+    task: str = Field("echo", description="Built-in task name ('echo') or a dataset path (issue 6).")
+    group_size: int = Field(8, gt=0, description="Samples per prompt (GRPO group size n).")
+    groups_per_step: int = Field(8, gt=0, description="Groups the trainer consumes per optimizer step (B).")
+    max_staleness: int = Field(1, ge=0, description="Bound k on v_trainer - min token version; 0 = on-policy.")
+    sampling: SamplingConfig = Field(default_factory=SamplingConfig)
+    request_timeout_s: float = Field(120.0, gt=0, description="Deadline of one Generate call.")
+    max_attempts: int = Field(3, gt=0, description="Dispatch attempts of one group before it is dead-lettered.")
+    metrics_port: int = Field(0, ge=0, description="Prometheus /metrics port; 0 = off.")
+    seed: int = Field(0, description="Seed of the prompt order.")
+
+
+class RolloutConfig(_Strict):
+    """One vLLM AsyncLLM engine behind gRPC (per server)."""
+
+    num_servers: int = Field(2, gt=0, description="Rollout servers the launcher starts.")
+    host: str = Field("127.0.0.1", description="Interface the gRPC server binds.")
+    base_port: int = Field(0, ge=0, description="First gRPC port; 0 picks free ports.")
+    max_model_len: int = Field(256, gt=0, description="Prompt + response token limit of the engine.")
+    kv_cache_gib: float = Field(1.0, gt=0, description="CPU KV cache size (VLLM_CPU_KVCACHE_SPACE).")
+    max_inflight_requests: int = Field(256, gt=0, description="Generate calls admitted at once; beyond: RESOURCE_EXHAUSTED.")
+    max_samples_per_request: int = Field(64, gt=0, description="Upper limit of n in one request.")
+    recompute_kv_on_update: bool = Field(
+        True, description="Drop KV cache on a weight update so later tokens see only new weights."
+    )
+    dtype: Literal["float32", "bfloat16"] = Field("float32", description="Engine dtype.")
+    seed: int = Field(0, description="Engine seed.")
+
+
+class TrainerConfig(_Strict):
+    """The trainer role: queue consumption, loss, optimizer, weight publishing."""
+
+    backend: Literal["torch"] = Field("torch", description="Training backend.")
+    num_steps: int = Field(40, gt=0, description="Optimizer steps before the trainer stops.")
+    lr: float = Field(5e-3, gt=0, description="AdamW learning rate.")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
+    grad_clip: float = Field(1.0, gt=0, description="Max global grad norm.")
+    clip_low: float = Field(0.2, ge=0, description="PPO clip epsilon below 1.")
+    clip_high: float = Field(0.28, ge=0, description="PPO clip epsilon above 1 (clip-higher).")
+    loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = "token-mean"
+    geo_mask: tuple[float, float] | None = Field((0.99, 1.01), description="Geometric sequence mask bounds.")
+    token_tis_cap: float | None = Field(None, description="Token TIS cap; None disables.")
+    icepop: tuple[float, float] | None = Field(None, description="ICEPOP token mask bounds; None disables.")
+    batch_timeout_s: float = Field(600.0, gt=0, description="Longest wait for one step's groups.")
+    seed: int = Field(0, description="Torch seed.")
+
+
+class WeightBusConfig(_Strict):
+    """How new weights travel from trainer to rollout servers."""
+
+    transport: Literal["tcp"] = Field("tcp", description="'tcp' on CPU machines; 'nccl' on GPUs (issue 5).")
+    host: str = Field("127.0.0.1", description="Interface the publisher binds.")
+    port: int = Field(0, ge=0, description="Publisher port; 0 picks a free one.")
+    bucket_mib: float = Field(512.0, gt=0, description="Bucket size.")
+    keep_versions: int = Field(2, gt=0, description="Versions the publisher keeps to serve late receivers.")
+    fetch_timeout_s: float = Field(60.0, gt=0, description="Deadline of one receive.")
+
+
+class RunConfig(_Strict):
+    """The whole run. Shared keys live here and are read by every role."""
+
+    run_id: str = Field("demo", description="Namespace of the run's Redis keys.")
+    model_path: str = Field("", description="HF checkpoint directory; '' = build the tiny model in the run dir.")
+    redis_url: str = Field("", description="Redis URL; '' = start an embedded valkey server.")
+    out_dir: str = Field("", description="Run directory (logs, summary.json, checkpoints).")
+    coordinator: CoordinatorConfig = Field(default_factory=CoordinatorConfig)
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    trainer: TrainerConfig = Field(default_factory=TrainerConfig)
+    weight_bus: WeightBusConfig = Field(default_factory=WeightBusConfig)
+
+    @field_validator("run_id")
+    @classmethod
+    def _run_id_is_a_key_part(cls, value: str) -> str:
+        if not value or any(c in value for c in " :\n"):
+            raise ValueError("run_id must be non-empty without spaces or ':' (it is part of Redis keys)")
+        return value
+
+    @model_validator(mode="after")
+    def _lengths_fit(self) -> RunConfig:
+        if self.coordinator.sampling.max_tokens >= self.rollout.max_model_len:
+            raise ValueError(
+                "coordinator.sampling.max_tokens must be below rollout.max_model_len "
+                f"({self.coordinator.sampling.max_tokens} >= {self.rollout.max_model_len})"
+            )
+        return self
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Apply ``a.b.c=value`` overrides (values parsed as YAML scalars) to a nested dict."""
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"override {item!r} is not KEY=VALUE (e.g. trainer.lr=1e-6)")
+        node = data
+        parts = key.split(".")
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ValueError(f"override {item!r}: {part!r} is not a section")
+        node[parts[-1]] = yaml.safe_load(raw)
+    return data
+
+
+def load_run_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:
+    """Load a YAML or JSON config file (or defaults) and apply dotted overrides."""
+    data: dict[str, Any] = {}
+    if path:
+        loaded = yaml.safe_load(Path(path).read_text())
+        if not isinstance(loaded, dict):
+            raise ValueError(f"config file {path} must hold a mapping at the top level")
+        data = loaded
+    return RunConfig.model_validate(apply_overrides(data, overrides or []))

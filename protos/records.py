@@ -1,0 +1,162 @@
+"""msgspec records that travel through Redis and the weight bus.
+
+Rules (see docs/architecture.md): records are append-only (new fields last, with a default, marked
+``# added in vN``), arrays are ``Array`` (bytes + dtype + shape), enums are IntEnum, no pickle.
+Each record names its producer -> consumer.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import msgspec
+import numpy as np
+
+
+class Array(msgspec.Struct, array_like=True, gc=False, frozen=True):
+    """A dense array as raw little-endian bytes; used inside other records."""
+
+    data: bytes
+    dtype: str
+    shape: tuple[int, ...]
+
+    @classmethod
+    def from_numpy(cls, array: np.ndarray) -> Array:
+        array = np.ascontiguousarray(array)
+        return cls(data=array.tobytes(), dtype=array.dtype.name, shape=tuple(array.shape))
+
+    def to_numpy(self) -> np.ndarray:
+        expected = int(np.prod(self.shape, dtype=np.int64)) * np.dtype(self.dtype).itemsize
+        if len(self.data) != expected:
+            raise ValueError(
+                f"Array.data has {len(self.data)} bytes, dtype {self.dtype} shape {self.shape} "
+                f"needs {expected}"
+            )
+        return np.frombuffer(self.data, dtype=self.dtype).reshape(self.shape)
+
+
+class FinishReason(enum.IntEnum):
+    UNSPECIFIED = 0
+    STOP = 1  # EOS or a stop token
+    LENGTH = 2  # max_tokens reached
+    ABORT = 3
+    ERROR = 4
+
+
+class VersionSpan(msgspec.Struct, array_like=True, gc=False, frozen=True):
+    """Tokens ``[start, end)`` of a response were produced by policy ``version``."""
+
+    version: int
+    start: int
+    end: int
+
+
+class Sample(msgspec.Struct, array_like=True, gc=False, frozen=True):
+    """One response of a group. Producer: coordinator (from rollout output) -> trainer."""
+
+    response_token_ids: Array  # int32 [T]
+    rollout_logprobs: Array  # float32 [T], logprob of each sampled token under the rollout policy
+    version_spans: list[VersionSpan]
+    finish_reason: FinishReason
+    reward: float
+    server_id: str = ""
+    routed_experts: Array | None = None  # [prompt + T - 1, layers, top_k], as vLLM returns them
+    error: str = ""
+
+    @property
+    def min_version(self) -> int:
+        return min((span.version for span in self.version_spans), default=-1)
+
+
+class TrajectoryGroup(msgspec.Struct, array_like=True, gc=False, frozen=True):
+    """One prompt and its n samples: the unit on the trajectory stream.
+
+    Producer: coordinator -> consumer: trainer (Redis Stream ``fleetrl:<run>:trajectories``).
+    """
+
+    group_id: str
+    prompt_id: str
+    prompt_token_ids: Array  # int32 [P]
+    samples: list[Sample]
+    data_source: str
+    admission_index: int  # 0-based order in which the coordinator admitted the prompt
+    admitted_at_version: int  # trainer policy version when admitted
+    created_s: float  # wall time the group was completed
+
+
+class TensorEntry(msgspec.Struct, array_like=True, gc=False, frozen=True):
+    """Where one tensor lies in the buckets of a published version."""
+
+    name: str  # HF checkpoint layout name
+    dtype: str  # torch dtype name of the payload, e.g. "float32", "bfloat16", "float8_e4m3fn"
+    shape: tuple[int, ...]
+    codec: str  # "raw" | "mxfp8" (then a companion "<name>_scale" entry exists)
+    bucket: int
+    offset: int  # byte offset inside the bucket
+    nbytes: int
+    checksum: int  # crc32 of the tensor bytes
+
+
+class WeightManifest(msgspec.Struct, array_like=True, gc=False, frozen=True):
+    """A published policy version. Producer: trainer (weight bus) -> rollout servers."""
+
+    version: int
+    tensors: list[TensorEntry]
+    bucket_nbytes: list[int]
+    publisher_address: str  # "host:port" of the tcp publisher holding the buckets
+    transport: str  # "tcp" | "nccl"
+    created_s: float
+
+
+class ReportStatus(enum.IntEnum):
+    OK = 0
+    STALE = 1  # could not receive the version; still serving an older one
+    FAILED = 2
+
+
+class VersionReport(msgspec.Struct, array_like=True, gc=False, frozen=True):
+    """A rollout server's current policy version. Producer: rollout server -> coordinator, CLI."""
+
+    server_id: str
+    address: str
+    policy_version: int
+    status: ReportStatus
+    message: str
+    time_s: float
+
+
+class MetricsReport(msgspec.Struct, array_like=True, gc=False, frozen=True):
+    """Periodic figures of one role. Producer: any role -> coordinator dashboard, demo, CLI."""
+
+    role: str
+    step: int
+    policy_version: int
+    time_s: float
+    values: dict[str, float]
+
+
+_encoder = msgspec.msgpack.Encoder()
+_group_decoder = msgspec.msgpack.Decoder(TrajectoryGroup)
+_manifest_decoder = msgspec.msgpack.Decoder(WeightManifest)
+_report_decoder = msgspec.msgpack.Decoder(VersionReport)
+_metrics_decoder = msgspec.msgpack.Decoder(MetricsReport)
+
+
+def encode(record: msgspec.Struct) -> bytes:
+    return _encoder.encode(record)
+
+
+def decode_group(data: bytes) -> TrajectoryGroup:
+    return _group_decoder.decode(data)
+
+
+def decode_manifest(data: bytes) -> WeightManifest:
+    return _manifest_decoder.decode(data)
+
+
+def decode_report(data: bytes) -> VersionReport:
+    return _report_decoder.decode(data)
+
+
+def decode_metrics(data: bytes) -> MetricsReport:
+    return _metrics_decoder.decode(data)

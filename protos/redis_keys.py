@@ -1,0 +1,58 @@
+"""Names of every Redis key and stream of a run, in one place (producer and consumer agree here)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class RedisKeys:
+    """Key names for run ``run_id``; all live under ``fleetrl:<run_id>:``."""
+
+    run_id: str
+
+    def _key(self, suffix: str) -> str:
+        return f"fleetrl:{self.run_id}:{suffix}"
+
+    @property
+    def trajectories(self) -> str:
+        """Stream of encoded TrajectoryGroup records (field ``g``)."""
+        return self._key("trajectories")
+
+    @property
+    def trainer_group(self) -> str:
+        """Consumer group name of the trainers on the trajectory stream."""
+        return "trainers"
+
+    @property
+    def dead_letters(self) -> str:
+        """List of undecodable stream payloads, kept for inspection."""
+        return self._key("dead_letters")
+
+    @property
+    def policy_version(self) -> str:
+        """Latest policy version the trainer has published (int as string)."""
+        return self._key("version")
+
+    def manifest(self, version: int) -> str:
+        """Encoded WeightManifest of ``version``."""
+        return self._key(f"weights:{version}")
+
+    @property
+    def weight_announcements(self) -> str:
+        """Stream of published versions (field ``v``); rollout servers follow it."""
+        return self._key("weights:announce")
+
+    @property
+    def fleet(self) -> str:
+        """Hash server_id -> encoded VersionReport."""
+        return self._key("fleet")
+
+    def metrics(self, role: str) -> str:
+        """Stream of encoded MetricsReport records of ``role`` (field ``m``)."""
+        return self._key(f"metrics:{role}")
+
+    @property
+    def control(self) -> str:
+        """Stream of control messages to the roles (field ``c``), e.g. stop."""
+        return self._key("control")

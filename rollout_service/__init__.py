@@ -1,0 +1,1 @@
+"""Rollout service: vLLM AsyncLLM behind a gRPC streaming API."""

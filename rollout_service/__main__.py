@@ -1,0 +1,93 @@
+"""``python -m rollout_service serve``: one rollout server (vLLM engine + gRPC + weight follower)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+
+from protos.config import RolloutConfig, WeightBusConfig, load_run_config
+from protos.redis_keys import RedisKeys
+
+logger = logging.getLogger("rollout_service")
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="fleetrl rollout serve", description=__doc__)
+    parser.add_argument("command", choices=["serve"])
+    parser.add_argument("--model", required=True, help="HF checkpoint directory")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=50051)
+    parser.add_argument("--config", default=None, help="run config (YAML/JSON); its rollout/weight_bus sections apply")
+    parser.add_argument("--server-id", default="")
+    parser.add_argument("--redis-url", default="", help="follow weight announcements of this Redis")
+    parser.add_argument("--run-id", default=None, help="run namespace in Redis (default: the config's)")
+    parser.add_argument("--metrics-port", type=int, default=0, help="Prometheus port; 0 = off")
+    parser.add_argument("--grace-s", type=float, default=5.0, help="shutdown grace period for in-flight calls")
+    parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. rollout.max_model_len=512")
+    return parser.parse_args(argv)
+
+
+async def run(args: argparse.Namespace) -> None:
+    from rollout_service.engine import RolloutEngine
+    from rollout_service.server import RolloutServicer, start_grpc_server
+
+    run_config = load_run_config(args.config, args.overrides)
+    rollout_config: RolloutConfig = run_config.rollout
+    bus_config: WeightBusConfig = run_config.weight_bus
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+
+    # 1) start the engine
+    engine = RolloutEngine(args.model, rollout_config, server_id=args.server_id)
+    await engine.start()
+    # 2) connect the weight bus (Redis rendezvous) if asked, and catch up to the latest version
+    follower, follow_task = None, None
+    if args.redis_url:
+        import redis.asyncio as aioredis
+
+        from rollout_service.weight_sync import WeightFollower
+
+        client = aioredis.Redis.from_url(args.redis_url, socket_timeout=30)
+        keys = RedisKeys(args.run_id or run_config.run_id)
+        follower = WeightFollower(engine, client, keys, bus_config, f"{args.host}:{args.port}")
+    # 3) serve gRPC (health turns SERVING only now)
+    servicer = RolloutServicer(engine, follower)
+    server, port = await start_grpc_server(servicer, args.host, args.port)
+    if args.metrics_port:
+        from prometheus_client import start_http_server
+
+        start_http_server(args.metrics_port, addr=args.host)
+    logger.info("rollout server %s serving on %s:%d", engine.server_id, args.host, port)
+    if follower is not None:
+        follower.address = f"{args.host}:{port}"
+        await follower.report()
+        follow_task = asyncio.create_task(follower.run(stop), name="weight-follower")
+    # 4) wait for a stop signal; a dead follower task stops the server with its error
+    waiter = asyncio.create_task(stop.wait())
+    done, _ = await asyncio.wait({t for t in (waiter, follow_task) if t}, return_when=asyncio.FIRST_COMPLETED)
+    # 5) graceful shutdown: stop accepting, give in-flight calls the grace period, stop the engine
+    stop.set()
+    await server.stop(args.grace_s)
+    engine.shutdown()
+    if follow_task is not None and follow_task in done and follow_task.exception():
+        raise follow_task.exception()
+
+
+def main(argv: list[str] | None = None) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s rollout %(levelname)s %(name)s: %(message)s")
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        import uvloop
+
+        uvloop.run(run(args))
+    except KeyboardInterrupt:
+        pass
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,83 @@
+"""Methods injected into every vLLM worker (``worker_extension_cls``), run via ``collective_rpc``.
+
+Tensors cannot travel as ``collective_rpc`` arguments (they do not pickle on CPU), so the server stages
+received weights in a shared-memory file and passes its path plus the manifest; the worker maps the file
+and feeds views of it to vLLM's layerwise ``reload_weights``, which shards, fuses and repacks in place.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+
+
+class WeightLoaderExtension:
+    """Mixed into vLLM's worker class; ``self.model_runner`` is the worker's model runner."""
+
+    def fleetrl_load_staged_weights(self, staging_path: str, manifest_bytes: bytes) -> int:
+        """Load every tensor listed in the manifest from the staging file; returns the count loaded."""
+        from weight_bus.packing import iter_tensors
+        from protos.records import decode_manifest
+
+        manifest = decode_manifest(manifest_bytes)
+        fd = os.open(staging_path, os.O_RDONLY)
+        try:
+            size = os.fstat(fd).st_size
+            # A private copy-on-write map: writable views for torch, nothing written back to the file.
+            buffer = mmap.mmap(fd, size, access=mmap.ACCESS_COPY) if size else bytearray()
+        finally:
+            os.close(fd)
+        loaded = 0
+
+        def counted():
+            nonlocal loaded
+            for name, tensor in iter_tensors(manifest, memoryview(buffer)):
+                loaded += 1
+                yield name, tensor
+
+        self.model_runner.reload_weights(weights_iterator=counted(), is_checkpoint_format=True)
+        self._refresh_cpu_gemm_handles()
+        self._prepack_cpu_moe_experts()
+        return loaded
+
+    def _prepack_cpu_moe_experts(self) -> None:
+        """Re-run the CPU MoE experts' prepack after a reload.
+
+        vLLM 0.32's unquantized MoE method skips ``fused_experts.process_weights_after_loading`` on a
+        weight update, so on CPU the reloaded expert weights stay in checkpoint layout while the
+        grouped-GEMM kernel reads them as prepacked: outputs become garbage (found by reloading
+        identical weights and comparing logprobs). Prepacking here restores the kernel's layout.
+        """
+        import torch
+
+        if torch.cuda.is_available():
+            return
+        for module in self.model_runner.get_model().modules():
+            kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
+            experts = getattr(kernel, "fused_experts", None)
+            if experts is not None and type(experts).__name__.startswith("CPU") and hasattr(module, "w13_weight"):
+                experts.process_weights_after_loading(module)
+
+    def _refresh_cpu_gemm_handles(self) -> None:
+        """Rebuild the CPU GEMM handles of layers that keep their weight (the LM head).
+
+        On CPU, vLLM binds each linear layer to a prepacked copy of its weight (``cpu_linear``).
+        Layerwise reload re-processes the linear layers it rebuilds, but the vocab-parallel LM head
+        keeps its old prepacked handle while its ``weight`` tensor is updated in place, so logits
+        would come from the old head. Re-dispatching from the updated weight fixes that.
+        """
+        import torch
+
+        if torch.cuda.is_available():
+            return
+        from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+
+        for module in self.model_runner.get_model().modules():
+            weight = getattr(module, "weight", None)
+            if hasattr(module, "cpu_linear") and isinstance(weight, torch.Tensor) and weight.ndim == 2 and weight.numel():
+                dispatch_cpu_unquantized_gemm(module, remove_weight=False)
+
+    def fleetrl_state_checksum(self) -> float:
+        """Sum of all parameters: a cheap fingerprint tests use to see that weights changed."""
+        model = self.model_runner.get_model()
+        return float(sum(p.detach().double().sum().item() for p in model.parameters()))

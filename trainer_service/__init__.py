@@ -1,0 +1,1 @@
+"""Trainer service: consumes trajectory groups from Redis, trains, publishes weights."""

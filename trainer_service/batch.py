@@ -1,0 +1,68 @@
+"""Turn trajectory groups into padded training tensors (GRPO groups stay whole).
+
+Shape legend: _B [samples], _BT [samples, tokens of prompt + response - 1] (next-token targets).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from protos.records import TrajectoryGroup
+from trainer_service.losses import compute_advantages
+
+
+@dataclass
+class TrainBatch:
+    input_ids_BT: torch.Tensor  # [B, T+1] prompt + response, right-padded
+    attention_mask_BT: torch.Tensor  # [B, T+1]
+    loss_mask_BT: torch.Tensor  # [B, T] 1 where target token is a response token
+    rollout_logprobs_BT: torch.Tensor  # [B, T]
+    advantages_B: torch.Tensor
+    rewards_B: torch.Tensor
+    min_versions_B: torch.Tensor
+    num_response_tokens: int
+
+
+def build_batch(groups: list[TrajectoryGroup], pad_id: int = 0) -> TrainBatch:
+    """Flatten groups (equal group sizes) into one padded batch with GRPO advantages."""
+    group_size = len(groups[0].samples)
+    rows, masks, rollout_lps, rewards, versions = [], [], [], [], []
+    for group in groups:
+        if len(group.samples) != group_size:
+            raise ValueError(f"group {group.group_id} has {len(group.samples)} samples, expected {group_size}")
+        prompt = group.prompt_token_ids.to_numpy().astype(np.int64)
+        for sample in group.samples:
+            response = sample.response_token_ids.to_numpy().astype(np.int64)
+            rows.append(np.concatenate([prompt, response]))
+            mask = np.zeros(len(prompt) + len(response) - 1, dtype=np.float32)
+            mask[len(prompt) - 1 :] = 1.0
+            masks.append(mask)
+            lps = np.zeros_like(mask)
+            lps[len(prompt) - 1 :] = sample.rollout_logprobs.to_numpy()
+            rollout_lps.append(lps)
+            rewards.append(sample.reward)
+            versions.append(sample.min_version)
+    width = max(len(r) for r in rows)
+    input_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    attention = torch.zeros((len(rows), width), dtype=torch.long)
+    loss_mask = torch.zeros((len(rows), width - 1))
+    rollout = torch.zeros((len(rows), width - 1))
+    for i, (row, mask, lps) in enumerate(zip(rows, masks, rollout_lps, strict=True)):
+        input_ids[i, : len(row)] = torch.from_numpy(row)
+        attention[i, : len(row)] = 1
+        loss_mask[i, : len(mask)] = torch.from_numpy(mask)
+        rollout[i, : len(lps)] = torch.from_numpy(lps)
+    rewards_B = torch.tensor(rewards, dtype=torch.float32)
+    return TrainBatch(
+        input_ids_BT=input_ids,
+        attention_mask_BT=attention,
+        loss_mask_BT=loss_mask,
+        rollout_logprobs_BT=rollout,
+        advantages_B=compute_advantages(rewards_B, group_size),
+        rewards_B=rewards_B,
+        min_versions_B=torch.tensor(versions),
+        num_response_tokens=int(loss_mask.sum().item()),
+    )

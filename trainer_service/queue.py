@@ -1,0 +1,90 @@
+"""TrajectoryQueue: the trainer's side of the Redis Stream (consumer group, ack after commit).
+
+An entry is acknowledged only after the step that used it has been committed; entries left pending
+by a crashed trainer are reclaimed on start (XAUTOCLAIM). Undecodable payloads go to a dead-letter
+list instead of stopping the trainer.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import msgspec
+import redis
+
+from protos.records import TrajectoryGroup, decode_group
+from protos.redis_keys import RedisKeys
+
+logger = logging.getLogger(__name__)
+
+
+class TrajectoryQueue:
+    """Reads whole groups for one consumer of the trainers' consumer group."""
+
+    def __init__(self, client: redis.Redis, keys: RedisKeys, consumer: str = "trainer-0"):
+        self.client = client
+        self.keys = keys
+        self.consumer = consumer
+        self.num_dead_letters = 0
+        self._reclaimed: list[tuple[str, bytes]] = []
+        try:
+            client.xgroup_create(keys.trajectories, keys.trainer_group, id="0", mkstream=True)
+        except redis.ResponseError as error:
+            if "BUSYGROUP" not in str(error):
+                raise
+
+    def reclaim_pending(self, min_idle_ms: int = 0) -> int:
+        """Take over entries delivered but never acknowledged (a crashed trainer's); returns the count."""
+        start = "0-0"
+        while True:
+            start, entries, *_ = self.client.xautoclaim(
+                self.keys.trajectories, self.keys.trainer_group, self.consumer, min_idle_ms, start, count=100
+            )
+            self._reclaimed.extend((_id(entry_id), fields[b"g"]) for entry_id, fields in entries if fields)
+            if _id(start) == "0-0":
+                return len(self._reclaimed)
+
+    def read(self, num_groups: int, timeout_s: float) -> list[tuple[str, TrajectoryGroup]]:
+        """Return up to ``num_groups`` (entry id, group) pairs, waiting at most ``timeout_s`` in total."""
+        batch: list[tuple[str, TrajectoryGroup]] = []
+        while self._reclaimed and len(batch) < num_groups:
+            self._decode_into(batch, *self._reclaimed.pop(0))
+        deadline = time.monotonic() + timeout_s
+        while len(batch) < num_groups:
+            remaining_ms = int((deadline - time.monotonic()) * 1000)
+            if remaining_ms <= 0:
+                break
+            reply = self.client.xreadgroup(
+                self.keys.trainer_group, self.consumer, {self.keys.trajectories: ">"},
+                count=num_groups - len(batch), block=min(remaining_ms, 1000),
+            )
+            for _stream, entries in reply or []:
+                for entry_id, fields in entries:
+                    self._decode_into(batch, _id(entry_id), fields.get(b"g", b""))
+        return batch
+
+    def _decode_into(self, batch: list, entry_id: str, payload: bytes) -> None:
+        try:
+            batch.append((entry_id, decode_group(payload)))
+        except (msgspec.DecodeError, msgspec.ValidationError) as error:
+            logger.error("dead-lettering undecodable trajectory entry %s: %s", entry_id, error)
+            self.client.rpush(self.keys.dead_letters, payload)
+            self.client.xack(self.keys.trajectories, self.keys.trainer_group, entry_id)
+            self.num_dead_letters += 1
+
+    def ack(self, entry_ids: list[str]) -> None:
+        """Acknowledge entries whose step is committed."""
+        if entry_ids:
+            self.client.xack(self.keys.trajectories, self.keys.trainer_group, *entry_ids)
+
+    def depth(self) -> int:
+        """Entries on the stream not yet delivered to the trainers' group (the queue's backlog)."""
+        for group in self.client.xinfo_groups(self.keys.trajectories):
+            if group["name"] in (self.keys.trainer_group, self.keys.trainer_group.encode()):
+                return int(group.get("lag") or 0)
+        return 0
+
+
+def _id(entry_id) -> str:
+    return entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)

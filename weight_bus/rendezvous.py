@@ -1,0 +1,75 @@
+"""The Redis side of the weight bus: manifests, the current version, announcements, fleet reports."""
+
+from __future__ import annotations
+
+import time
+
+import redis.asyncio as aioredis
+import redis as syncredis
+
+from protos.records import (
+    ReportStatus,
+    VersionReport,
+    WeightManifest,
+    decode_manifest,
+    decode_report,
+    encode,
+)
+from protos.redis_keys import RedisKeys
+
+MANIFEST_TTL_S = 3600
+
+
+def publish_manifest(client: syncredis.Redis, keys: RedisKeys, manifest: WeightManifest) -> None:
+    """Trainer side: store the manifest, then move the version pointer and announce it (one transaction)."""
+    pipe = client.pipeline(transaction=True)
+    pipe.set(keys.manifest(manifest.version), encode(manifest), ex=MANIFEST_TTL_S)
+    pipe.set(keys.policy_version, manifest.version)
+    pipe.xadd(keys.weight_announcements, {"v": manifest.version}, maxlen=1000, approximate=True)
+    pipe.execute()
+
+
+async def latest_version(client: aioredis.Redis, keys: RedisKeys) -> int:
+    """The trainer's latest published version, or 0 before the first publish."""
+    raw = await client.get(keys.policy_version)
+    return int(raw) if raw is not None else 0
+
+
+async def get_manifest(client: aioredis.Redis, keys: RedisKeys, version: int) -> WeightManifest | None:
+    raw = await client.get(keys.manifest(version))
+    return decode_manifest(raw) if raw is not None else None
+
+
+async def wait_for_announcement(
+    client: aioredis.Redis, keys: RedisKeys, last_id: str, timeout_s: float
+) -> tuple[str, int | None]:
+    """Block up to ``timeout_s`` for a version announced after stream id ``last_id``.
+
+    Returns (new last id, newest announced version or None on timeout).
+    """
+    reply = await client.xread({keys.weight_announcements: last_id}, block=int(timeout_s * 1000))
+    if not reply:
+        return last_id, None
+    entries = reply[0][1]
+    newest_id, fields = entries[-1]
+    newest_id = newest_id.decode() if isinstance(newest_id, bytes) else newest_id
+    return newest_id, int(fields[b"v"])
+
+
+async def report_version(
+    client: aioredis.Redis,
+    keys: RedisKeys,
+    server_id: str,
+    address: str,
+    policy_version: int,
+    status: ReportStatus = ReportStatus.OK,
+    message: str = "",
+) -> None:
+    """Rollout side: record which version this server serves (the coordinator's fleet view)."""
+    report = VersionReport(server_id, address, policy_version, status, message, time.time())
+    await client.hset(keys.fleet, server_id, encode(report))
+
+
+async def fleet_reports(client: aioredis.Redis, keys: RedisKeys) -> dict[str, VersionReport]:
+    raw = await client.hgetall(keys.fleet)
+    return {k.decode(): decode_report(v) for k, v in raw.items()}
