@@ -9,6 +9,8 @@ import sys
 import time
 from pathlib import Path
 
+DEFAULT_RECIPE = Path(__file__).resolve().parent.parent / "recipes" / "demo-echo.yaml"
+
 
 def _cmd_demo(args: argparse.Namespace) -> int:
     from coordinator.launcher import RoleFailed, run_demo
@@ -17,8 +19,9 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     overrides = list(args.overrides)
     if args.steps is not None:
         overrides.append(f"trainer.num_steps={args.steps}")
+    config_path = args.config or str(DEFAULT_RECIPE)
     try:
-        config = load_run_config(args.config, overrides)
+        config = load_run_config(config_path, overrides)
     except ValueError as error:
         print(f"fleetrl demo: invalid config: {error}", file=sys.stderr)
         return 2
@@ -58,7 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo = commands.add_parser("demo", help="run the whole loop on this machine (CPU, tiny model, embedded Redis)")
     demo.add_argument("--steps", type=int, default=None, help="training steps (default: trainer.num_steps)")
     demo.add_argument("--out", default=None, help="run directory (default runs/demo-<time>)")
-    demo.add_argument("--config", default=None, help="YAML/JSON run config (a recipe)")
+    demo.add_argument("--config", default=None, help="YAML/JSON run config (default recipes/demo-echo.yaml)")
     demo.add_argument("overrides", nargs="*", help="dotted overrides, e.g. trainer.lr=1e-3")
     demo.set_defaults(func=_cmd_demo)
 

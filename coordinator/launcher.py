@@ -26,7 +26,7 @@ from protos.redis_keys import RedisKeys
 
 logger = logging.getLogger(__name__)
 
-WARMUP_STEPS = 80
+WARMUP_STEPS = 150
 
 
 class RoleFailed(RuntimeError):

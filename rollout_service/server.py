@@ -22,7 +22,7 @@ from rollout_service.validation import validate_generate
 
 logger = logging.getLogger(__name__)
 
-MAX_MESSAGE_BYTES = 16 * 1024 * 1024
+MAX_MESSAGE_BYTES = 8 * 1024 * 1024  # about 2M prompt tokens; larger is RESOURCE_EXHAUSTED
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["RolloutService"].full_name
 
 _FINISH = {

@@ -43,6 +43,8 @@ class WeightFollower:
         self.config = config
         self.address = address
         self.last_update_s = 0.0
+        # The announcement follower and UpdateWeights calls may race for the same version.
+        self._lock = asyncio.Lock()
 
     async def report(self, status: ReportStatus = ReportStatus.OK, message: str = "") -> None:
         await rendezvous.report_version(
@@ -52,6 +54,10 @@ class WeightFollower:
 
     async def update_to(self, version: int) -> int:
         """Receive and commit ``version`` (0 = latest); returns the version in force afterwards."""
+        async with self._lock:
+            return await self._update_locked(version)
+
+    async def _update_locked(self, version: int) -> int:
         if version <= 0:
             version = await rendezvous.latest_version(self.client, self.keys)
         if version <= self.engine.policy_version:

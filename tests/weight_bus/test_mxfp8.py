@@ -1,8 +1,8 @@
 """CPU tests for the MXFP8 codec (weight_bus.codecs.mxfp8).
 
 The exact reference is checked against hand-computed bytes and the scale-rule definitions;
-the fast path is checked bit-for-bit against it (torch.compile on CPU: slow, opt-in; Triton
-logic through the Triton interpreter). The CUDA Triton kernel is checked bit-for-bit by
+the fast path is checked bit-for-bit against it (torch.compile on CPU, marked ``slow``; the
+Triton kernel's logic through the Triton interpreter). The CUDA Triton kernel is checked bit-for-bit by
 ``benchmarks/mxfp8_codec.py --check`` on a GPU.
 """
 

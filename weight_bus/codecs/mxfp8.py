@@ -32,6 +32,8 @@ Decisions (documented and tested):
   callers that must reject non-finite weights check ``(scale == 255).any()``.
 * The last dimension must be a multiple of 32: otherwise ``ValueError`` naming the shape (pad or
   keep such tensors in high precision; :func:`should_quantize` returns ``False`` for them).
+* Decoding can overflow only at the very top of the fp32 range: |x| >= 248 * 2**120 (about 3.3e38)
+  rounds to E4M3 256 at the largest scale 2**120, and 256 * 2**120 = 2**128 decodes to Inf.
 * Accepted input dtypes: float32, bfloat16, float16 (bit-exact); float64 is first rounded to
   float32 (values beyond the fp32 range become Inf and hence a NaN block).
 """

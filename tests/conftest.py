@@ -1,0 +1,29 @@
+"""Shared fixtures: one embedded valkey server per test session, flushed before each test that uses it."""
+
+from __future__ import annotations
+
+import pytest
+import redis
+
+from coordinator.redis_server import EmbeddedRedis
+
+
+@pytest.fixture(scope="session")
+def redis_server():
+    """A real valkey-server process (EmbeddedRedis) shared by the whole session."""
+    server = EmbeddedRedis().start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def redis_url(redis_server) -> str:
+    """URL of the session server with an empty keyspace (FLUSHALL before the test)."""
+    client = redis.Redis.from_url(redis_server.url)
+    try:
+        client.flushall()
+    finally:
+        client.close()
+    return redis_server.url

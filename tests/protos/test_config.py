@@ -1,0 +1,114 @@
+"""The run config tree (protos.config): defaults, dotted overrides, validation, YAML files."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pydantic
+import pytest
+
+from protos.config import RunConfig, apply_overrides, load_run_config
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_defaults_load_without_a_file():
+    config = load_run_config()
+    assert config == RunConfig()
+    assert config.run_id == "demo"
+    assert config.trainer.lr == 5e-3
+    assert config.coordinator.max_staleness == 1
+    assert config.coordinator.sampling.temperature == 1.0
+    assert config.weight_bus.transport == "tcp"
+    assert config.coordinator.sampling.max_tokens < config.rollout.max_model_len
+
+
+def test_dotted_overrides_reach_nested_sections():
+    config = load_run_config(
+        overrides=["trainer.lr=1e-6", "coordinator.max_staleness=2", "coordinator.sampling.temperature=0.8"]
+    )
+    assert config.trainer.lr == pytest.approx(1e-6)
+    assert config.coordinator.max_staleness == 2
+    assert config.coordinator.sampling.temperature == pytest.approx(0.8)
+    # untouched siblings keep their defaults
+    assert config.coordinator.sampling.top_p == 1.0
+    assert config.trainer.num_steps == 40
+
+
+def test_override_values_are_parsed_as_yaml():
+    config = load_run_config(overrides=["trainer.geo_mask=null", "trainer.icepop=[0.5, 2.0]", "run_id=exp-a"])
+    assert config.trainer.geo_mask is None
+    assert config.trainer.icepop == (0.5, 2.0)
+    assert config.run_id == "exp-a"
+
+
+def test_unknown_key_is_an_error_naming_the_key():
+    with pytest.raises(pydantic.ValidationError, match=r"trainer\.learning_rate"):
+        load_run_config(overrides=["trainer.learning_rate=1e-6"])
+
+
+def test_out_of_range_value_is_an_error_naming_the_field():
+    with pytest.raises(pydantic.ValidationError, match=r"trainer\.lr") as info:
+        load_run_config(overrides=["trainer.lr=-1"])
+    assert "greater than 0" in str(info.value)
+
+
+def test_override_without_equals_sign_is_a_value_error():
+    with pytest.raises(ValueError, match=r"not KEY=VALUE"):
+        load_run_config(overrides=["trainer.lr"])
+
+
+def test_override_through_a_scalar_is_refused():
+    with pytest.raises(ValueError, match=r"not a section"):
+        apply_overrides({"trainer": {"lr": 1.0}}, ["trainer.lr.x=1"])
+
+
+def test_max_tokens_not_below_max_model_len_is_an_error():
+    with pytest.raises(pydantic.ValidationError, match=r"max_tokens must be below rollout.max_model_len"):
+        load_run_config(overrides=["coordinator.sampling.max_tokens=256", "rollout.max_model_len=256"])
+    config = load_run_config(overrides=["coordinator.sampling.max_tokens=255", "rollout.max_model_len=256"])
+    assert config.coordinator.sampling.max_tokens == 255
+
+
+def test_run_id_with_a_colon_is_refused():
+    with pytest.raises(pydantic.ValidationError, match=r"run_id"):
+        load_run_config(overrides=["run_id=a:b"])
+
+
+def test_yaml_file_is_loaded_and_overrides_win(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text(
+        "run_id: yaml-run\n"
+        "trainer:\n  lr: 2.0e-4\n  num_steps: 7\n"
+        "coordinator:\n  sampling: {temperature: 0.5, max_tokens: 16}\n"
+    )
+    config = load_run_config(path, overrides=["trainer.num_steps=9"])
+    assert config.run_id == "yaml-run"
+    assert config.trainer.lr == pytest.approx(2e-4)
+    assert config.trainer.num_steps == 9
+    assert config.coordinator.sampling.temperature == 0.5
+    assert config.coordinator.sampling.max_tokens == 16
+
+
+def test_yaml_file_without_a_mapping_is_refused(tmp_path):
+    path = tmp_path / "list.yaml"
+    path.write_text("- 1\n- 2\n")
+    with pytest.raises(ValueError, match=r"mapping"):
+        load_run_config(path)
+
+
+def test_json_file_is_loaded(tmp_path):
+    path = tmp_path / "run.json"
+    path.write_text(RunConfig(run_id="json-run").model_dump_json())
+    assert load_run_config(path) == RunConfig(run_id="json-run")
+
+
+def test_demo_echo_recipe_loads():
+    config = load_run_config(REPO_ROOT / "recipes" / "demo-echo.yaml")
+    assert config.run_id == "demo"
+    assert config.coordinator.task == "echo"
+    assert config.coordinator.groups_per_step == 16
+    assert config.trainer.num_steps == 50
+    assert config.trainer.geo_mask is None
+    assert config.trainer.token_tis_cap == 2.0
+    assert config.rollout.num_servers == 2

@@ -1,0 +1,258 @@
+"""Wire format of the msgspec records (protos.records).
+
+The golden hex strings below were computed once from the current encoder and pasted in as literals:
+any change of the wire format (field order, types, array_like layout) fails these tests on purpose.
+Records are append-only: new fields go last with a default (see the module docstring).
+"""
+
+from __future__ import annotations
+
+import msgspec
+import numpy as np
+import pytest
+
+from protos.records import (
+    Array,
+    FinishReason,
+    MetricsReport,
+    ReportStatus,
+    Sample,
+    TensorEntry,
+    TrajectoryGroup,
+    VersionReport,
+    VersionSpan,
+    WeightManifest,
+    decode_group,
+    decode_manifest,
+    decode_metrics,
+    decode_report,
+    encode,
+)
+
+# ---------------------------------------------------------------------------------------------------
+# fixed records
+
+
+def _group() -> TrajectoryGroup:
+    full = Sample(
+        response_token_ids=Array.from_numpy(np.array([5, 6, 7], dtype=np.int32)),
+        rollout_logprobs=Array.from_numpy(np.array([-0.5, -0.25, -1.0], dtype=np.float32)),
+        version_spans=[VersionSpan(3, 0, 2), VersionSpan(4, 2, 3)],
+        finish_reason=FinishReason.STOP,
+        reward=1.0,
+        server_id="rollout-1",
+        routed_experts=Array.from_numpy(np.array([[[0, 1]], [[1, 0]]], dtype=np.uint8)),
+        error="",
+    )
+    defaults = Sample(
+        response_token_ids=Array.from_numpy(np.array([9], dtype=np.int32)),
+        rollout_logprobs=Array.from_numpy(np.array([-2.0], dtype=np.float32)),
+        version_spans=[VersionSpan(4, 0, 1)],
+        finish_reason=FinishReason.LENGTH,
+        reward=0.0,
+    )
+    return TrajectoryGroup(
+        group_id="g-1",
+        prompt_id="p-7",
+        prompt_token_ids=Array.from_numpy(np.array([1, 2], dtype=np.int32)),
+        samples=[full, defaults],
+        data_source="echo",
+        admission_index=12,
+        admitted_at_version=3,
+        created_s=1700000000.5,
+    )
+
+
+def _manifest() -> WeightManifest:
+    return WeightManifest(
+        version=2,
+        tensors=[
+            TensorEntry("model.embed.weight", "float32", (4, 2), "raw", 0, 0, 32, 3735928559),
+            TensorEntry("lm_head.weight", "bfloat16", (2,), "raw", 1, 64, 4, 1),
+        ],
+        bucket_nbytes=[32, 68],
+        publisher_address="127.0.0.1:5555",
+        transport="tcp",
+        created_s=1700000001.25,
+    )
+
+
+def _report() -> VersionReport:
+    return VersionReport("rollout-0", "127.0.0.1:7000", 5, ReportStatus.STALE, "fetch timed out", 1700000002.0)
+
+
+def _metrics() -> MetricsReport:
+    return MetricsReport("trainer", 10, 5, 1700000003.5, {"loss": 0.5, "reward_mean": 0.75})
+
+
+GROUP_HEX = (
+    "98a3672d31a3702d3793c4080100000002000000a5696e7433329102929893c40c050000000600000007000000a5696e74"
+    "3332910393c40c000000bf000080be000080bfa7666c6f61743332910392930300029304020301cb3ff0000000000000a9"
+    "726f6c6c6f75742d3193c40400010100a575696e743893020102a09893c40409000000a5696e743332910193c404000000"
+    "c0a7666c6f617433329101919304000102cb0000000000000000a0c0a0a46563686f0c03cb41d954fc40200000"
+)
+MANIFEST_HEX = (
+    "96029298b26d6f64656c2e656d6265642e776569676874a7666c6f61743332920402a3726177000020cedeadbeef98ae6c"
+    "6d5f686561642e776569676874a862666c6f617431369102a372617701400401922044ae3132372e302e302e313a353535"
+    "35a3746370cb41d954fc40500000"
+)
+REPORT_HEX = (
+    "96a9726f6c6c6f75742d30ae3132372e302e302e313a373030300501af66657463682074696d6564206f7574cb41d954fc"
+    "40800000"
+)
+METRICS_HEX = (
+    "95a7747261696e65720a05cb41d954fc40e0000082a46c6f7373cb3fe0000000000000ab7265776172645f6d65616ecb3f"
+    "e8000000000000"
+)
+
+
+# ---------------------------------------------------------------------------------------------------
+# golden bytes
+
+
+def test_trajectory_group_encodes_to_golden_bytes():
+    assert encode(_group()).hex() == GROUP_HEX
+
+
+def test_weight_manifest_encodes_to_golden_bytes():
+    assert encode(_manifest()).hex() == MANIFEST_HEX
+
+
+def test_version_report_encodes_to_golden_bytes():
+    assert encode(_report()).hex() == REPORT_HEX
+
+
+def test_metrics_report_encodes_to_golden_bytes():
+    assert encode(_metrics()).hex() == METRICS_HEX
+
+
+def test_golden_bytes_decode_to_the_same_records():
+    assert decode_group(bytes.fromhex(GROUP_HEX)) == _group()
+    assert decode_manifest(bytes.fromhex(MANIFEST_HEX)) == _manifest()
+    assert decode_report(bytes.fromhex(REPORT_HEX)) == _report()
+    assert decode_metrics(bytes.fromhex(METRICS_HEX)) == _metrics()
+
+
+# ---------------------------------------------------------------------------------------------------
+# round trips
+
+
+def test_trajectory_group_round_trips_with_arrays_enums_and_defaults():
+    group = _group()
+    decoded = decode_group(encode(group))
+    assert decoded == group
+    full, defaults = decoded.samples
+    assert full.finish_reason is FinishReason.STOP
+    assert full.min_version == 3
+    np.testing.assert_array_equal(full.response_token_ids.to_numpy(), [5, 6, 7])
+    np.testing.assert_array_equal(full.rollout_logprobs.to_numpy(), np.float32([-0.5, -0.25, -1.0]))
+    assert full.routed_experts.to_numpy().shape == (2, 1, 2)
+    assert defaults.server_id == "" and defaults.routed_experts is None and defaults.error == ""
+    assert defaults.finish_reason is FinishReason.LENGTH
+
+
+def test_manifest_report_and_metrics_round_trip():
+    assert decode_manifest(encode(_manifest())) == _manifest()
+    report = decode_report(encode(_report()))
+    assert report == _report() and report.status is ReportStatus.STALE
+    assert decode_metrics(encode(_metrics())) == _metrics()
+
+
+def test_sample_without_version_spans_has_min_version_minus_one():
+    sample = Sample(Array.from_numpy(np.zeros(0, np.int32)), Array.from_numpy(np.zeros(0, np.float32)), [],
+                    FinishReason.ABORT, 0.0)
+    assert sample.min_version == -1
+
+
+def test_decoding_a_group_as_a_manifest_is_a_validation_error():
+    with pytest.raises(msgspec.ValidationError):
+        decode_manifest(encode(_group()))
+
+
+# ---------------------------------------------------------------------------------------------------
+# Array
+
+
+@pytest.mark.parametrize("dtype", [np.int32, np.float32, np.uint8])
+def test_array_round_trips_a_3d_numpy_array(dtype):
+    source = (np.arange(2 * 3 * 4) * 7 % 251).astype(dtype).reshape(2, 3, 4)
+    array = Array.from_numpy(source)
+    assert array.dtype == np.dtype(dtype).name
+    assert array.shape == (2, 3, 4)
+    assert len(array.data) == source.nbytes
+    back = msgspec.msgpack.decode(encode(array), type=Array).to_numpy()
+    assert back.dtype == source.dtype and back.shape == source.shape
+    np.testing.assert_array_equal(back, source)
+
+
+def test_array_from_non_contiguous_numpy_keeps_logical_order():
+    source = np.arange(24, dtype=np.int32).reshape(2, 3, 4).transpose(2, 0, 1)
+    np.testing.assert_array_equal(Array.from_numpy(source).to_numpy(), source)
+
+
+def test_array_to_numpy_rejects_wrong_byte_count_naming_sizes():
+    array = Array(data=b"\x00" * 10, dtype="int32", shape=(2, 2))
+    with pytest.raises(ValueError, match=r"10 bytes.*int32.*\(2, 2\).*needs 16"):
+        array.to_numpy()
+
+
+# ---------------------------------------------------------------------------------------------------
+# schema evolution (append-only records)
+
+
+class _VersionReportV2(msgspec.Struct, array_like=True, frozen=True):
+    """VersionReport as a future writer would send it: one trailing field with a default."""
+
+    server_id: str
+    address: str
+    policy_version: int
+    status: ReportStatus
+    message: str
+    time_s: float
+    queue_len: int = 0  # added in v2
+
+
+def test_old_reader_ignores_a_trailing_field_from_a_new_writer():
+    data = encode(_VersionReportV2("rollout-3", "10.0.0.1:9", 8, ReportStatus.OK, "", 12.5, queue_len=42))
+    assert decode_report(data) == VersionReport("rollout-3", "10.0.0.1:9", 8, ReportStatus.OK, "", 12.5)
+
+
+class _SampleV1(msgspec.Struct, array_like=True, frozen=True):
+    """Sample as a writer before server_id / routed_experts / error existed sent it."""
+
+    response_token_ids: Array
+    rollout_logprobs: Array
+    version_spans: list[VersionSpan]
+    finish_reason: FinishReason
+    reward: float
+
+
+class _TrajectoryGroupV1(msgspec.Struct, array_like=True, frozen=True):
+    group_id: str
+    prompt_id: str
+    prompt_token_ids: Array
+    samples: list[_SampleV1]
+    data_source: str
+    admission_index: int
+    admitted_at_version: int
+    created_s: float
+
+
+def test_new_reader_fills_defaults_for_fields_an_old_writer_did_not_send():
+    old = _TrajectoryGroupV1(
+        "g-old", "p-old", Array.from_numpy(np.array([1], np.int32)),
+        [_SampleV1(Array.from_numpy(np.array([4], np.int32)), Array.from_numpy(np.array([-0.1], np.float32)),
+                   [VersionSpan(2, 0, 1)], FinishReason.STOP, 0.5)],
+        "echo", 0, 2, 3.0,
+    )
+    group = decode_group(encode(old))
+    (sample,) = group.samples
+    assert sample.server_id == "" and sample.routed_experts is None and sample.error == ""
+    assert sample.reward == 0.5 and sample.version_spans == [VersionSpan(2, 0, 1)]
+    assert group.group_id == "g-old" and group.admitted_at_version == 2
+
+
+def test_a_record_missing_a_required_field_is_refused():
+    truncated = msgspec.msgpack.encode(["rollout-0", "127.0.0.1:1", 1, 0, ""])  # no time_s
+    with pytest.raises(msgspec.ValidationError):
+        decode_report(truncated)
