@@ -23,15 +23,6 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def staleness_filter(groups, policy_version: int, max_staleness: int):
-    """Split (entry id, group) pairs into those within the bound and the stale ones."""
-    fresh, stale = [], []
-    for entry_id, group in groups:
-        oldest = min(sample.min_version for sample in group.samples)
-        (fresh if policy_version - oldest <= max_staleness else stale).append((entry_id, group))
-    return fresh, stale
-
-
 def run(args: argparse.Namespace, stop: threading.Event) -> None:
     import redis
     import torch
@@ -39,10 +30,10 @@ def run(args: argparse.Namespace, stop: threading.Event) -> None:
     from protos.config import load_run_config
     from protos.records import MetricsReport, encode
     from protos.redis_keys import RedisKeys
-    from trainer_service.batch import build_batch
     from trainer_service.publisher import WeightPublisher
     from trainer_service.queue import TrajectoryQueue
     from trainer_service.torch_backend import TorchBackend
+    from trainer_service.trainer import Trainer
 
     config = load_run_config(args.config, args.overrides)
     tcfg, ccfg = config.trainer, config.coordinator
@@ -51,12 +42,12 @@ def run(args: argparse.Namespace, stop: threading.Event) -> None:
     keys = RedisKeys(config.run_id)
     queue = TrajectoryQueue(client, keys)
     queue.reclaim_pending()
-    backend = TorchBackend(args.model, tcfg, temperature=ccfg.sampling.temperature)
     publisher = WeightPublisher(client, keys, config.weight_bus)
-    policy_version = int(client.get(keys.policy_version) or 0)
-    client.setnx(keys.policy_version, policy_version)
-    totals = {"samples_trained": 0, "stale_dropped": 0, "max_staleness_seen": 0}
-    for step in range(tcfg.num_steps):
+    start_version = int(client.get(keys.policy_version) or 0)
+    client.setnx(keys.policy_version, start_version)
+    backend = TorchBackend(args.model, tcfg, temperature=ccfg.sampling.temperature)
+    trainer = Trainer(backend, ccfg.max_staleness, start_version)
+    for step in range(1, tcfg.num_steps + 1):
         if stop.is_set():
             break
         started = time.monotonic()
@@ -64,50 +55,28 @@ def run(args: argparse.Namespace, stop: threading.Event) -> None:
         groups = queue.read(ccfg.groups_per_step, timeout_s=tcfg.batch_timeout_s)
         if len(groups) < ccfg.groups_per_step:
             raise TimeoutError(
-                f"step {step}: waited {tcfg.batch_timeout_s}s for {ccfg.groups_per_step} groups from "
-                f"{keys.trajectories}, got {len(groups)}"
+                f"step {step}: waited {tcfg.batch_timeout_s}s for {ccfg.groups_per_step} groups "
+                f"from {keys.trajectories}, got {len(groups)}"
             )
         wait_s = time.monotonic() - started
-        # 2) check policy lag: samples beyond the staleness bound are dropped and counted
-        fresh, stale = staleness_filter(groups, policy_version, ccfg.max_staleness)
-        staleness = [policy_version - min(s.min_version for s in g.samples) for _, g in groups]
-        totals["stale_dropped"] += sum(len(g.samples) for _, g in stale)
-        totals["max_staleness_seen"] = max(totals["max_staleness_seen"], max(staleness))
-        # 3) loss and optimizer step
-        metrics = {"skipped": 1.0}
-        batch = None
-        if fresh:
-            batch = build_batch([g for _, g in fresh])
-            metrics = backend.train_step(batch)
-        # 4) publish weights v+1 (not after a skipped step), then acknowledge the consumed entries
+        # 2) check policy lag and 3) take the optimizer step (inside Trainer.step)
+        previous_version = trainer.policy_version
+        values = trainer.step([group for _, group in groups])
+        # 4) publish weights v+1 if the step was taken, then acknowledge the consumed entries
         publish_s = 0.0
-        if not metrics["skipped"]:
-            policy_version += 1
-            publish_s = publisher.publish(policy_version, backend.export_hf_weights())
+        if trainer.policy_version != previous_version:
+            publish_s = publisher.publish(trainer.policy_version, backend.export_hf_weights())
         queue.ack([entry_id for entry_id, _ in groups])
-        totals["samples_trained"] += 0 if batch is None else int(batch.rewards_B.numel())
         # 5) log and report
-        values = {
-            **metrics,
-            "reward_mean": float(batch.rewards_B.mean()) if batch is not None else 0.0,
-            "staleness_max": float(max(staleness)),
-            "staleness_mean": sum(staleness) / len(staleness),
-            "wait_s": wait_s,
-            "step_s": time.monotonic() - started,
-            "publish_s": publish_s,
-            "queue_depth": float(queue.depth()),
-            "weight_versions_published": float(publisher.num_published),
-            **{k: float(v) for k, v in totals.items()},
-        }
-        report = MetricsReport("trainer", step + 1, policy_version, time.time(), values)
+        values.update(wait_s=wait_s, publish_s=publish_s, step_s=time.monotonic() - started,
+                      queue_depth=float(queue.depth()), weight_versions_published=float(publisher.num_published))
+        report = MetricsReport("trainer", step, trainer.policy_version, time.time(), values)
         client.xadd(keys.metrics("trainer"), {"m": encode(report)}, maxlen=100000, approximate=True)
-        logger.info(
-            "step %d policy_version=%d reward=%.3f staleness_max=%d loss=%.4f step_s=%.2f",
-            step + 1, policy_version, values["reward_mean"], max(staleness), metrics.get("loss", 0.0), values["step_s"],
-        )
-    client.xadd(keys.metrics("trainer"), {"m": encode(MetricsReport("trainer", -1, policy_version, time.time(), {"done": 1.0}))})
-    # Keep serving the last versions so slow rollout servers can still fetch them.
-    stop.wait(args.linger_s)
+        logger.info("step %d policy_version=%d reward=%.3f staleness_max=%d loss=%.4f step_s=%.2f", step,
+                    trainer.policy_version, values["reward_mean"], values["staleness_max"], values.get("loss", 0.0), values["step_s"])
+    done = MetricsReport("trainer", -1, trainer.policy_version, time.time(), {"done": 1.0})
+    client.xadd(keys.metrics("trainer"), {"m": encode(done)})
+    stop.wait(args.linger_s)  # keep serving the last versions so slow rollout servers can fetch them
     publisher.close()
 
 

@@ -70,13 +70,13 @@ class TorchBackend:
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.grad_clip))
-        skipped = not (math.isfinite(float(loss)) and math.isfinite(grad_norm))
+        skipped = not (math.isfinite(loss.item()) and math.isfinite(grad_norm))
         if skipped:
             logger.error("non-finite loss %.4g or grad norm %.4g: step skipped", float(loss), grad_norm)
             self.optimizer.zero_grad(set_to_none=True)
         else:
             self.optimizer.step()
-        metrics.update(loss=float(loss), grad_norm=grad_norm, skipped=float(skipped))
+        metrics.update(loss=loss.item(), grad_norm=grad_norm, skipped=float(skipped))
         return metrics
 
     def export_hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
