@@ -23,6 +23,8 @@ class Array(msgspec.Struct, array_like=True, gc=False, frozen=True):
     @classmethod
     def from_numpy(cls, array: np.ndarray) -> Array:
         array = np.ascontiguousarray(array)
+        if array.dtype.byteorder == ">":  # the wire is little-endian; dtype names carry no byte order
+            array = array.astype(array.dtype.newbyteorder("<"))
         return cls(data=array.tobytes(), dtype=array.dtype.name, shape=tuple(array.shape))
 
     def to_numpy(self) -> np.ndarray:

@@ -37,11 +37,12 @@ class TrajectoryQueue:
     def reclaim_pending(self, min_idle_ms: int = 0) -> int:
         """Take over entries delivered but never acknowledged (a crashed trainer's); returns the count."""
         start = "0-0"
+        self._reclaimed.clear()
         while True:
             start, entries, *_ = self.client.xautoclaim(
                 self.keys.trajectories, self.keys.trainer_group, self.consumer, min_idle_ms, start, count=100
             )
-            self._reclaimed.extend((_id(entry_id), fields[b"g"]) for entry_id, fields in entries if fields)
+            self._reclaimed.extend((_id(entry_id), fields.get(b"g", b"")) for entry_id, fields in entries if fields is not None)
             if _id(start) == "0-0":
                 return len(self._reclaimed)
 

@@ -62,6 +62,8 @@ def pack(
                 checksum=zlib.crc32(data),
             )
         )
+    # Pad every bucket to the alignment so tensors stay aligned when buckets are laid end to end.
+    bucket_sizes = [_align(size) for size in bucket_sizes]
     buckets = [bytearray(size) for size in bucket_sizes]
     for bucket, offset, data in placed:
         buckets[bucket][offset : offset + data.nbytes] = data
@@ -110,5 +112,8 @@ def iter_tensors(manifest: WeightManifest, buffer: memoryview) -> Iterator[tuple
     starts = bucket_offsets(manifest)
     for entry in manifest.tensors:
         begin = starts[entry.bucket] + entry.offset
+        if entry.nbytes == 0:  # torch.frombuffer refuses empty buffers
+            yield entry.name, torch.empty(entry.shape, dtype=getattr(torch, entry.dtype))
+            continue
         raw = torch.frombuffer(buffer[begin : begin + entry.nbytes], dtype=torch.uint8)
         yield entry.name, raw.view(getattr(torch, entry.dtype)).reshape(entry.shape)

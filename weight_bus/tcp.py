@@ -112,6 +112,7 @@ def fetch(manifest: WeightManifest, into: memoryview, timeout_s: float = 60.0) -
     Raises WeightUnavailableError if the publisher no longer holds it, ConnectionError or
     TimeoutError (socket.timeout) if the transfer breaks or stalls longer than ``timeout_s``.
     """
+    into = memoryview(into).cast("B")
     host, _, port = manifest.publisher_address.rpartition(":")
     expected = sum(manifest.bucket_nbytes)
     if into.nbytes < expected:

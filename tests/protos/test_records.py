@@ -196,6 +196,11 @@ def test_array_to_numpy_rejects_wrong_byte_count_naming_sizes():
         array.to_numpy()
 
 
+def test_array_from_big_endian_numpy_decodes_to_the_same_values():
+    source = np.arange(4, dtype=">i4")
+    np.testing.assert_array_equal(Array.from_numpy(source).to_numpy(), source)
+
+
 # ---------------------------------------------------------------------------------------------------
 # schema evolution (append-only records)
 
