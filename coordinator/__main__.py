@@ -19,7 +19,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--servers", required=True, help="comma-separated rollout server addresses")
     parser.add_argument("--redis-url", required=True)
     parser.add_argument("overrides", nargs="*")
-    return parser.parse_args(argv)
+    return parser.parse_intermixed_args(argv)
 
 
 async def wait_for_servers(clients, timeout_s: float) -> None:

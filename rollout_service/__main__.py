@@ -27,7 +27,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--metrics-port", type=int, default=0, help="Prometheus port; 0 = off")
     parser.add_argument("--grace-s", type=float, default=5.0, help="shutdown grace period for in-flight calls")
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. rollout.max_model_len=512")
-    return parser.parse_args(argv)
+    return parser.parse_intermixed_args(argv)
 
 
 async def run(args: argparse.Namespace) -> None:

@@ -20,7 +20,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--redis-url", required=True)
     parser.add_argument("--linger-s", type=float, default=60.0, help="keep serving weights this long after the last step")
     parser.add_argument("overrides", nargs="*")
-    return parser.parse_args(argv)
+    return parser.parse_intermixed_args(argv)
 
 
 def run(args: argparse.Namespace, stop: threading.Event) -> None:

@@ -72,7 +72,7 @@ class TorchBackend:
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.grad_clip))
         skipped = not (math.isfinite(loss.item()) and math.isfinite(grad_norm))
         if skipped:
-            logger.error("non-finite loss %.4g or grad norm %.4g: step skipped", float(loss), grad_norm)
+            logger.error("non-finite loss %.4g or grad norm %.4g: step skipped", loss.item(), grad_norm)
             self.optimizer.zero_grad(set_to_none=True)
         else:
             self.optimizer.step()

@@ -25,6 +25,7 @@ from trainer_service.torch_backend import TorchBackend
 
 PROMPT = [1, 4, 5, 6]
 RUN_ID = "rollout-test"
+MAX_INFLIGHT = 4
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +40,8 @@ def server(model_dir, redis_server, tmp_path_factory):
     log = open(tmp_path_factory.mktemp("logs") / "rollout.log", "wb")
     process = subprocess.Popen(
         [sys.executable, "-m", "rollout_service", "serve", "--model", model_dir, "--port", str(port),
-         "--server-id", "test-0", "--redis-url", redis_server.url, "--run-id", RUN_ID],
+         "--server-id", "test-0", "--redis-url", redis_server.url, "--run-id", RUN_ID,
+         f"rollout.max_inflight_requests={MAX_INFLIGHT}"],
         stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
     )
     channel = grpc.insecure_channel(f"127.0.0.1:{port}")
@@ -169,3 +171,24 @@ def test_weight_update_makes_engine_greedy_output_equal_the_trainers(server, mod
     assert samples[0]["tokens"] == expected
     assert [(s.version, s.start, s.end) for s in samples[0]["final"].version_spans] == [(1, 0, 8)]
     assert stub.ServerInfo(pb.ServerInfoRequest(), timeout=10).policy_version == 1
+
+
+def test_requests_beyond_the_inflight_limit_get_resource_exhausted_and_cancel_frees_slots(server):
+    _, stub = server
+    long = pb.GenerateRequest(prompt_token_ids=PROMPT, sampling=pb.SamplingParams(max_tokens=240, ignore_eos=True))
+    calls = [stub.Generate(long, timeout=120) for _ in range(MAX_INFLIGHT)]
+    for call in calls:
+        next(call)  # each call is admitted and streaming
+    assert stub.ServerInfo(pb.ServerInfoRequest(), timeout=10).num_running == MAX_INFLIGHT
+    with pytest.raises(grpc.RpcError) as caught:
+        list(stub.Generate(long, timeout=30))
+    assert caught.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "in flight" in caught.value.details()
+    for call in calls:
+        call.cancel()  # a client that cancels aborts its engine request and frees its slot
+    deadline = time.monotonic() + 30
+    while stub.ServerInfo(pb.ServerInfoRequest(), timeout=10).num_running:
+        assert time.monotonic() < deadline, "cancelled calls still counted as running"
+        time.sleep(0.1)
+    _, samples = _generate(stub)
+    assert len(samples[0]["tokens"]) == 6
