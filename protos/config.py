@@ -82,7 +82,7 @@ class WeightBusConfig(_Strict):
     host: str = Field("127.0.0.1", description="Interface the publisher binds.")
     port: int = Field(0, ge=0, description="Publisher port; 0 picks a free one.")
     bucket_mib: float = Field(512.0, gt=0, description="Bucket size.")
-    keep_versions: int = Field(2, gt=0, description="Versions the publisher keeps to serve late receivers.")
+    keep_versions: int = Field(4, gt=0, description="Versions the publisher keeps to serve late receivers.")
     fetch_timeout_s: float = Field(60.0, gt=0, description="Deadline of one receive.")
 
 

@@ -112,7 +112,13 @@ def fetch(manifest: WeightManifest, into: memoryview, timeout_s: float = 60.0) -
     Raises WeightUnavailableError if the publisher no longer holds it, ConnectionError or
     TimeoutError (socket.timeout) if the transfer breaks or stalls longer than ``timeout_s``.
     """
-    into = memoryview(into).cast("B")
+    # The cast view must be released even when the transfer fails: a caller's mmap cannot be
+    # closed while views of it exist.
+    with memoryview(into).cast("B") as view:
+        return _fetch_into(manifest, view, timeout_s)
+
+
+def _fetch_into(manifest: WeightManifest, into: memoryview, timeout_s: float) -> int:
     host, _, port = manifest.publisher_address.rpartition(":")
     expected = sum(manifest.bucket_nbytes)
     if into.nbytes < expected:
@@ -126,5 +132,6 @@ def fetch(manifest: WeightManifest, into: memoryview, timeout_s: float = 60.0) -
             raise WeightUnavailableError(_recv_exact(sock, length).decode(errors="replace"))
         if total != expected:
             raise ConnectionError(f"publisher sends {total} bytes, manifest says {expected}")
-        _recv_into_exact(sock, into[:total])
+        with into[:total] as target:
+            _recv_into_exact(sock, target)
     return total

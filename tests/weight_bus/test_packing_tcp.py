@@ -220,6 +220,26 @@ def test_fetching_an_unheld_version_raises_weight_unavailable_with_the_held_vers
         fetch(missing, memoryview(bytearray(total_nbytes(missing))), timeout_s=5)
 
 
+def test_failed_fetch_into_an_mmap_leaves_no_view_so_the_staging_map_can_close(publisher, tmp_path):
+    # A rollout server stages into an mmap; a fetch that fails (version superseded) must not keep
+    # views alive, or closing the map raises BufferError and kills the weight follower.
+    import mmap
+
+    manifest, buckets = pack([("w", torch.ones(3))], 1, 1024, publisher_address=publisher.address)
+    publisher.hold(1, buckets)
+    missing = _manifest_for(publisher.address, 9, manifest.bucket_nbytes)
+    size = total_nbytes(missing)
+    with open(tmp_path / "staging", "wb+") as staging, pytest.raises(WeightUnavailableError):
+        staging.truncate(size)
+        # As in rollout_service.weight_sync: the map closes while the fetch error propagates.
+        with mmap.mmap(staging.fileno(), size) as buffer:
+            view = memoryview(buffer)
+            try:
+                fetch(missing, view, timeout_s=5)
+            finally:
+                view.release()
+
+
 def test_keep_versions_drops_the_oldest_versions(publisher):
     manifests = {}
     for version in (1, 2, 3):
