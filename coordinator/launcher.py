@@ -68,7 +68,9 @@ class DemoLauncher:
 
     def check_children(self) -> None:
         for name, child in self.children.items():
-            if child.poll() is not None:
+            # The coordinator (and the trainer) exit 0 once their work is done; a rollout server
+            # must serve until the end, and any non-zero exit is a failure.
+            if child.poll() is not None and (child.returncode != 0 or name.startswith("rollout")):
                 tail = (self.out_dir / "logs" / f"{name}.log").read_text(errors="replace")[-3000:]
                 raise RoleFailed(f"{name} exited with code {child.returncode}; last log lines:\n{tail}")
 
