@@ -69,7 +69,6 @@ class RolloutEngine:
         self.policy_version = 0
         self.routed_experts_available = False
         self.vocab_size = 0
-        self.num_running = 0
         self._llm = None
         self._update_lock = asyncio.Lock()
 
@@ -133,7 +132,6 @@ class RolloutEngine:
             request_id,
             priority=request.priority,
         )
-        self.num_running += 1
         finished = 0
         try:
             async for output in stream:
@@ -142,7 +140,6 @@ class RolloutEngine:
                     finished += chunk.finished
                     yield chunk
         finally:
-            self.num_running -= 1
             if finished < request.n:
                 await self.llm.abort(request_id)
 

@@ -36,7 +36,6 @@ class WeightLoaderExtension:
                 yield name, tensor
 
         self.model_runner.reload_weights(weights_iterator=counted(), is_checkpoint_format=True)
-        self._refresh_cpu_gemm_handles()
         self._prepack_cpu_moe_experts()
         return loaded
 
@@ -57,25 +56,6 @@ class WeightLoaderExtension:
             experts = getattr(kernel, "fused_experts", None)
             if experts is not None and type(experts).__name__.startswith("CPU") and hasattr(module, "w13_weight"):
                 experts.process_weights_after_loading(module)
-
-    def _refresh_cpu_gemm_handles(self) -> None:
-        """Rebuild the CPU GEMM handles of layers that keep their weight (the LM head).
-
-        On CPU, vLLM binds each linear layer to a prepacked copy of its weight (``cpu_linear``).
-        Layerwise reload re-processes the linear layers it rebuilds, but the vocab-parallel LM head
-        keeps its old prepacked handle while its ``weight`` tensor is updated in place, so logits
-        would come from the old head. Re-dispatching from the updated weight fixes that.
-        """
-        import torch
-
-        if torch.cuda.is_available():
-            return
-        from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
-
-        for module in self.model_runner.get_model().modules():
-            weight = getattr(module, "weight", None)
-            if hasattr(module, "cpu_linear") and isinstance(weight, torch.Tensor) and weight.ndim == 2 and weight.numel():
-                dispatch_cpu_unquantized_gemm(module, remove_weight=False)
 
     def fleetrl_state_checksum(self) -> float:
         """Sum of all parameters: a cheap fingerprint tests use to see that weights changed."""
