@@ -176,16 +176,20 @@ def test_weight_update_makes_engine_greedy_output_equal_the_trainers(server, mod
 def test_requests_beyond_the_inflight_limit_get_resource_exhausted_and_cancel_frees_slots(server):
     _, stub = server
     long = pb.GenerateRequest(prompt_token_ids=PROMPT, sampling=pb.SamplingParams(max_tokens=240, ignore_eos=True))
+    # Paused (keep): admitted requests stay in flight instead of racing to finish.
+    stub.Pause(pb.PauseRequest(mode=pb.PAUSE_MODE_KEEP), timeout=30)
     calls = [stub.Generate(long, timeout=120) for _ in range(MAX_INFLIGHT)]
-    for call in calls:
-        next(call)  # each call is admitted and streaming
-    assert stub.ServerInfo(pb.ServerInfoRequest(), timeout=10).num_running == MAX_INFLIGHT
+    deadline = time.monotonic() + 30
+    while stub.ServerInfo(pb.ServerInfoRequest(), timeout=10).num_running < MAX_INFLIGHT:
+        assert time.monotonic() < deadline, "the calls were not admitted"
+        time.sleep(0.05)
     with pytest.raises(grpc.RpcError) as caught:
         list(stub.Generate(long, timeout=30))
     assert caught.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert "in flight" in caught.value.details()
     for call in calls:
         call.cancel()  # a client that cancels aborts its engine request and frees its slot
+    stub.Resume(pb.ResumeRequest(), timeout=30)
     deadline = time.monotonic() + 30
     while stub.ServerInfo(pb.ServerInfoRequest(), timeout=10).num_running:
         assert time.monotonic() < deadline, "cancelled calls still counted as running"
