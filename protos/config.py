@@ -54,13 +54,51 @@ class RolloutConfig(_Strict):
         True, description="Drop KV cache on a weight update so later tokens see only new weights."
     )
     dtype: Literal["float32", "bfloat16"] = Field("float32", description="Engine dtype.")
+    weight_updates: Literal["follow", "manual"] = Field(
+        "follow",
+        description="follow: apply every announced version; manual: only gRPC weight-update calls do (a controller).",
+    )
+    stream_interval: int = Field(
+        1, gt=0, description="Tokens the engine buffers per streamed chunk; larger cuts per-token overhead."
+    )
     seed: int = Field(0, description="Engine seed.")
+
+
+class MegatronConfig(_Strict):
+    """The Megatron backend: parallel layout and model settings (trainer.backend = 'megatron').
+
+    The product tensor x pipeline x context parallel sizes must divide the trainer's world size; what is left
+    is data parallel. On CPU (gloo, world size 1) every size must be 1.
+    """
+
+    tensor_model_parallel_size: int = Field(1, ge=1, description="TP: ranks that split each layer's matrices.")
+    pipeline_model_parallel_size: int = Field(
+        1, ge=1, description="PP: ranks that split the layer stack (only 1 is implemented in MegatronBackend)."
+    )
+    expert_model_parallel_size: int = Field(1, ge=1, description="EP: ranks that split the MoE experts.")
+    context_parallel_size: int = Field(
+        1, ge=1, description="CP: ranks that split the sequence (only 1 is implemented in MegatronBackend)."
+    )
+    params_dtype: Literal["float32", "bfloat16"] = Field(
+        "float32", description="Model parameter dtype; bfloat16 keeps fp32 main weights in the optimizer."
+    )
+    use_distributed_optimizer: bool = Field(True, description="Shard optimizer state over data-parallel ranks.")
+    moe_token_dispatcher: Literal["allgather", "alltoall"] = Field(
+        "allgather", description="MoE token dispatcher; 'alltoall' needs CUDA (it creates a CUDA stream)."
+    )
+    moe_grouped_gemm: bool = Field(False, description="Grouped GEMM for the experts (CUDA only).")
+    moe_aux_loss_coeff: float = Field(
+        0.0, ge=0.0, description="Load-balancing aux loss weight; 0 keeps the loss equal to the policy loss."
+    )
+    routing_replay: bool = Field(
+        True, description="Build routers with routing replay (R3) so rollout routes can be replayed."
+    )
 
 
 class TrainerConfig(_Strict):
     """The trainer role: queue consumption, loss, optimizer, weight publishing."""
 
-    backend: Literal["torch"] = Field("torch", description="Training backend.")
+    backend: Literal["torch", "megatron"] = Field("torch", description="Training backend.")
     num_steps: int = Field(40, gt=0, description="Optimizer steps before the trainer stops.")
     lr: float = Field(5e-3, gt=0, description="AdamW learning rate.")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
@@ -73,6 +111,9 @@ class TrainerConfig(_Strict):
     icepop: tuple[float, float] | None = Field(None, description="ICEPOP token mask bounds; None disables.")
     batch_timeout_s: float = Field(600.0, gt=0, description="Longest wait for one step's groups.")
     seed: int = Field(0, description="Torch seed.")
+    megatron: MegatronConfig = Field(
+        default_factory=MegatronConfig, description="Megatron backend settings (used when backend = 'megatron')."
+    )
 
 
 class WeightBusConfig(_Strict):

@@ -142,7 +142,7 @@ class ServerInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ServerInfoResponse(_message.Message):
-    __slots__ = ("server_id", "model", "vocab_size", "max_model_len", "policy_version", "routed_experts_available", "num_running", "num_waiting", "paused", "engine_config_json", "max_inflight_requests")
+    __slots__ = ("server_id", "model", "vocab_size", "max_model_len", "policy_version", "routed_experts_available", "num_running", "num_waiting", "paused", "engine_config_json", "max_inflight_requests", "pending_weight_version", "kv_cache_usage", "draining", "num_engine_requests")
     SERVER_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -154,6 +154,10 @@ class ServerInfoResponse(_message.Message):
     PAUSED_FIELD_NUMBER: _ClassVar[int]
     ENGINE_CONFIG_JSON_FIELD_NUMBER: _ClassVar[int]
     MAX_INFLIGHT_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    PENDING_WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    KV_CACHE_USAGE_FIELD_NUMBER: _ClassVar[int]
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
+    NUM_ENGINE_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     server_id: str
     model: str
     vocab_size: int
@@ -165,7 +169,11 @@ class ServerInfoResponse(_message.Message):
     paused: bool
     engine_config_json: str
     max_inflight_requests: int
-    def __init__(self, server_id: _Optional[str] = ..., model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., policy_version: _Optional[int] = ..., routed_experts_available: _Optional[bool] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., paused: _Optional[bool] = ..., engine_config_json: _Optional[str] = ..., max_inflight_requests: _Optional[int] = ...) -> None: ...
+    pending_weight_version: int
+    kv_cache_usage: float
+    draining: bool
+    num_engine_requests: int
+    def __init__(self, server_id: _Optional[str] = ..., model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., policy_version: _Optional[int] = ..., routed_experts_available: _Optional[bool] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., paused: _Optional[bool] = ..., engine_config_json: _Optional[str] = ..., max_inflight_requests: _Optional[int] = ..., pending_weight_version: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., draining: _Optional[bool] = ..., num_engine_requests: _Optional[int] = ...) -> None: ...
 
 class UpdateWeightsRequest(_message.Message):
     __slots__ = ("version",)
@@ -180,3 +188,57 @@ class UpdateWeightsResponse(_message.Message):
     policy_version: int
     duration_s: float
     def __init__(self, policy_version: _Optional[int] = ..., duration_s: _Optional[float] = ...) -> None: ...
+
+class BeginWeightUpdateRequest(_message.Message):
+    __slots__ = ("version",)
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    def __init__(self, version: _Optional[int] = ...) -> None: ...
+
+class BeginWeightUpdateResponse(_message.Message):
+    __slots__ = ("version", "num_bytes", "num_tensors")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    NUM_BYTES_FIELD_NUMBER: _ClassVar[int]
+    NUM_TENSORS_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    num_bytes: int
+    num_tensors: int
+    def __init__(self, version: _Optional[int] = ..., num_bytes: _Optional[int] = ..., num_tensors: _Optional[int] = ...) -> None: ...
+
+class LoadWeightsRequest(_message.Message):
+    __slots__ = ("version",)
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    def __init__(self, version: _Optional[int] = ...) -> None: ...
+
+class LoadWeightsResponse(_message.Message):
+    __slots__ = ("num_bytes", "duration_s")
+    NUM_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DURATION_S_FIELD_NUMBER: _ClassVar[int]
+    num_bytes: int
+    duration_s: float
+    def __init__(self, num_bytes: _Optional[int] = ..., duration_s: _Optional[float] = ...) -> None: ...
+
+class CommitWeightsRequest(_message.Message):
+    __slots__ = ("version",)
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    def __init__(self, version: _Optional[int] = ...) -> None: ...
+
+class CommitWeightsResponse(_message.Message):
+    __slots__ = ("policy_version", "paused_s")
+    POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    PAUSED_S_FIELD_NUMBER: _ClassVar[int]
+    policy_version: int
+    paused_s: float
+    def __init__(self, policy_version: _Optional[int] = ..., paused_s: _Optional[float] = ...) -> None: ...
+
+class AbortWeightUpdateRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class AbortWeightUpdateResponse(_message.Message):
+    __slots__ = ("aborted_version",)
+    ABORTED_VERSION_FIELD_NUMBER: _ClassVar[int]
+    aborted_version: int
+    def __init__(self, aborted_version: _Optional[int] = ...) -> None: ...

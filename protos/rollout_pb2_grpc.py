@@ -64,6 +64,26 @@ class RolloutServiceStub:
                 request_serializer=protos_dot_rollout__pb2.UpdateWeightsRequest.SerializeToString,
                 response_deserializer=protos_dot_rollout__pb2.UpdateWeightsResponse.FromString,
                 _registered_method=True)
+        self.BeginWeightUpdate = channel.unary_unary(
+                '/fleetrl.rollout.v1.RolloutService/BeginWeightUpdate',
+                request_serializer=protos_dot_rollout__pb2.BeginWeightUpdateRequest.SerializeToString,
+                response_deserializer=protos_dot_rollout__pb2.BeginWeightUpdateResponse.FromString,
+                _registered_method=True)
+        self.LoadWeights = channel.unary_unary(
+                '/fleetrl.rollout.v1.RolloutService/LoadWeights',
+                request_serializer=protos_dot_rollout__pb2.LoadWeightsRequest.SerializeToString,
+                response_deserializer=protos_dot_rollout__pb2.LoadWeightsResponse.FromString,
+                _registered_method=True)
+        self.CommitWeights = channel.unary_unary(
+                '/fleetrl.rollout.v1.RolloutService/CommitWeights',
+                request_serializer=protos_dot_rollout__pb2.CommitWeightsRequest.SerializeToString,
+                response_deserializer=protos_dot_rollout__pb2.CommitWeightsResponse.FromString,
+                _registered_method=True)
+        self.AbortWeightUpdate = channel.unary_unary(
+                '/fleetrl.rollout.v1.RolloutService/AbortWeightUpdate',
+                request_serializer=protos_dot_rollout__pb2.AbortWeightUpdateRequest.SerializeToString,
+                response_deserializer=protos_dot_rollout__pb2.AbortWeightUpdateResponse.FromString,
+                _registered_method=True)
 
 
 class RolloutServiceServicer:
@@ -101,7 +121,35 @@ class RolloutServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def UpdateWeights(self, request, context):
-        """Receive version `version` from the weight bus and commit it atomically.
+        """Receive version `version` from the weight bus and commit it atomically (Begin + Load + Commit).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def BeginWeightUpdate(self, request, context):
+        """The same in three steps, so a controller can stage a version on every server before any commits:
+        Begin reserves staging for one version; Load receives and verifies it (generation goes on);
+        Commit pauses (keep), loads, labels and resumes: the version is fully in force or not at all.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def LoadWeights(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CommitWeights(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def AbortWeightUpdate(self, request, context):
+        """Drop a begun or loaded update; the server stays on its version.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -139,6 +187,26 @@ def add_RolloutServiceServicer_to_server(servicer, server):
                     servicer.UpdateWeights,
                     request_deserializer=protos_dot_rollout__pb2.UpdateWeightsRequest.FromString,
                     response_serializer=protos_dot_rollout__pb2.UpdateWeightsResponse.SerializeToString,
+            ),
+            'BeginWeightUpdate': grpc.unary_unary_rpc_method_handler(
+                    servicer.BeginWeightUpdate,
+                    request_deserializer=protos_dot_rollout__pb2.BeginWeightUpdateRequest.FromString,
+                    response_serializer=protos_dot_rollout__pb2.BeginWeightUpdateResponse.SerializeToString,
+            ),
+            'LoadWeights': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadWeights,
+                    request_deserializer=protos_dot_rollout__pb2.LoadWeightsRequest.FromString,
+                    response_serializer=protos_dot_rollout__pb2.LoadWeightsResponse.SerializeToString,
+            ),
+            'CommitWeights': grpc.unary_unary_rpc_method_handler(
+                    servicer.CommitWeights,
+                    request_deserializer=protos_dot_rollout__pb2.CommitWeightsRequest.FromString,
+                    response_serializer=protos_dot_rollout__pb2.CommitWeightsResponse.SerializeToString,
+            ),
+            'AbortWeightUpdate': grpc.unary_unary_rpc_method_handler(
+                    servicer.AbortWeightUpdate,
+                    request_deserializer=protos_dot_rollout__pb2.AbortWeightUpdateRequest.FromString,
+                    response_serializer=protos_dot_rollout__pb2.AbortWeightUpdateResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -303,6 +371,114 @@ class RolloutService:
             '/fleetrl.rollout.v1.RolloutService/UpdateWeights',
             protos_dot_rollout__pb2.UpdateWeightsRequest.SerializeToString,
             protos_dot_rollout__pb2.UpdateWeightsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def BeginWeightUpdate(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fleetrl.rollout.v1.RolloutService/BeginWeightUpdate',
+            protos_dot_rollout__pb2.BeginWeightUpdateRequest.SerializeToString,
+            protos_dot_rollout__pb2.BeginWeightUpdateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadWeights(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fleetrl.rollout.v1.RolloutService/LoadWeights',
+            protos_dot_rollout__pb2.LoadWeightsRequest.SerializeToString,
+            protos_dot_rollout__pb2.LoadWeightsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CommitWeights(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fleetrl.rollout.v1.RolloutService/CommitWeights',
+            protos_dot_rollout__pb2.CommitWeightsRequest.SerializeToString,
+            protos_dot_rollout__pb2.CommitWeightsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AbortWeightUpdate(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fleetrl.rollout.v1.RolloutService/AbortWeightUpdate',
+            protos_dot_rollout__pb2.AbortWeightUpdateRequest.SerializeToString,
+            protos_dot_rollout__pb2.AbortWeightUpdateResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -32,7 +32,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 async def run(args: argparse.Namespace) -> None:
     from rollout_service.engine import RolloutEngine
-    from rollout_service.server import RolloutServicer, start_grpc_server
+    from rollout_service import metrics
+    from rollout_service.server import RolloutServicer, drain_and_stop, start_grpc_server
 
     run_config = load_run_config(args.config, args.overrides)
     rollout_config: RolloutConfig = run_config.rollout
@@ -57,7 +58,8 @@ async def run(args: argparse.Namespace) -> None:
         follower = WeightFollower(engine, client, keys, bus_config, f"{args.host}:{args.port}")
     # 3) serve gRPC (health turns SERVING only now)
     servicer = RolloutServicer(engine, follower)
-    server, port = await start_grpc_server(servicer, args.host, args.port)
+    server, port, health_servicer = await start_grpc_server(servicer, args.host, args.port)
+    metrics.track_engine(engine)
     if args.metrics_port:
         from prometheus_client import start_http_server
 
@@ -66,14 +68,19 @@ async def run(args: argparse.Namespace) -> None:
     if follower is not None:
         follower.address = f"{args.host}:{port}"
         await follower.report()
+    if follower is not None and rollout_config.weight_updates == "follow":
         follow_task = asyncio.create_task(follower.run(stop), name="weight-follower")
     # 4) wait for a stop signal; a dead follower task stops the server with its error
     waiter = asyncio.create_task(stop.wait())
     done, _ = await asyncio.wait({t for t in (waiter, follow_task) if t}, return_when=asyncio.FIRST_COMPLETED)
-    # 5) graceful shutdown: stop accepting, give in-flight calls the grace period, stop the engine
+    # 5) graceful shutdown: NOT_SERVING, refuse new calls, give in-flight calls the grace period, stop the engine
     stop.set()
-    await server.stop(args.grace_s)
+    logger.info("rollout server %s draining %d calls (grace %.1fs)", engine.server_id, servicer.inflight, args.grace_s)
+    await drain_and_stop(server, servicer, health_servicer, args.grace_s)
+    if follow_task is not None and not follow_task.done():
+        await asyncio.wait_for(follow_task, timeout=5.0)  # it checks `stop` at least every second
     engine.shutdown()
+    logger.info("rollout server %s stopped", engine.server_id)
     if follow_task is not None and follow_task in done and follow_task.exception():
         raise follow_task.exception()
 

@@ -21,6 +21,10 @@ logger = logging.getLogger(__name__)
 WORKER_EXTENSION = "rollout_service.worker_extension.WeightLoaderExtension"
 
 
+class RequestRejected(ValueError):
+    """vLLM refused a request that passed ingress validation (its own checks are the backstop)."""
+
+
 @dataclass(frozen=True)
 class SamplingRequest:
     """A validated generation request (see ``validation.py``)."""
@@ -54,6 +58,26 @@ class SampleChunk:
     routed_experts: object | None = None  # numpy [tokens, layers, top_k] when the engine returns it
 
 
+def make_load_tracker():
+    """A vLLM stat-logger factory whose loggers keep the scheduler's latest figures (running, waiting)."""
+    from vllm.v1.metrics.loggers import StatLoggerBase
+
+    class LoadTracker(StatLoggerBase):
+        latest = None  # the last SchedulerStats; class-level so the engine can read it without a handle
+
+        def __init__(self, vllm_config, engine_index: int = 0):
+            pass
+
+        def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx: int = 0):
+            if scheduler_stats is not None:
+                LoadTracker.latest = scheduler_stats
+
+        def log_engine_initialized(self):
+            pass
+
+    return LoadTracker
+
+
 def _version_label(label: str, initial_version: int) -> int:
     # vLLM labels weights "default" until the first update_weight_version call.
     return initial_version if label == "default" else int(label)
@@ -70,6 +94,7 @@ class RolloutEngine:
         self.routed_experts_available = False
         self.vocab_size = 0
         self._llm = None
+        self._load_tracker = None
         self._update_lock = asyncio.Lock()
 
     async def start(self) -> None:
@@ -87,14 +112,27 @@ class RolloutEngine:
             seed=self.config.seed,
             worker_extension_cls=WORKER_EXTENSION,
             enable_prefix_caching=False,
+            stream_interval=self.config.stream_interval,
         )
         started = time.monotonic()
-        self._llm = AsyncLLM.from_engine_args(args)
+        self._load_tracker = make_load_tracker()
+        self._llm = AsyncLLM.from_engine_args(args, stat_loggers=[self._load_tracker])
         model_config = self._llm.model_config
         self.vocab_size = model_config.get_vocab_size()
         self.routed_experts_available = bool(getattr(model_config, "enable_return_routed_experts", False))
         await self._llm.update_weight_version(str(self.policy_version))
         logger.info("engine %s up in %.1fs (vocab %d)", self.server_id, time.monotonic() - started, self.vocab_size)
+
+    def load(self) -> tuple[int, int, float]:
+        """(running, waiting, kv-cache usage) as the engine's scheduler last reported them."""
+        stats = self._load_tracker.latest if self._load_tracker else None
+        if stats is None:
+            return 0, 0, 0.0
+        return stats.num_running_reqs, stats.num_waiting_reqs + stats.num_skipped_waiting_reqs, stats.kv_cache_usage
+
+    def num_unfinished(self) -> int:
+        """Requests the engine front end still tracks (aborted ones leave at once)."""
+        return self.llm.output_processor.get_num_unfinished_requests()
 
     @property
     def llm(self):
@@ -132,13 +170,22 @@ class RolloutEngine:
             request_id,
             priority=request.priority,
         )
+        from vllm.exceptions import VLLMClientError
+
         finished = 0
         try:
-            async for output in stream:
+            try:
+                output = await anext(stream)
+            except VLLMClientError as error:
+                raise RequestRejected(str(error)) from error
+            while True:
                 for completion in output.outputs:
                     chunk = self._chunk(request_id, completion)
                     finished += chunk.finished
                     yield chunk
+                output = await anext(stream, None)
+                if output is None:
+                    break
         finally:
             if finished < request.n:
                 await self.llm.abort(request_id)

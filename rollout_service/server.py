@@ -1,7 +1,9 @@
 """gRPC adapter of the rollout server: maps RolloutService calls onto RolloutEngine.
 
 Errors are mapped here and only here: bad input -> INVALID_ARGUMENT, too many in-flight requests ->
-RESOURCE_EXHAUSTED, engine failure -> INTERNAL. Health checking and reflection are standard services.
+RESOURCE_EXHAUSTED, shutting down -> UNAVAILABLE; weight updates: wrong step order -> FAILED_PRECONDITION,
+unknown version -> NOT_FOUND, publisher unreachable -> UNAVAILABLE, checksum mismatch -> DATA_LOSS.
+Health checking and reflection are standard services.
 """
 
 from __future__ import annotations
@@ -17,8 +19,11 @@ from grpc_reflection.v1alpha import reflection
 from protos import rollout_pb2 as pb
 from protos import rollout_pb2_grpc as pb_grpc
 from rollout_service import metrics
-from rollout_service.engine import RolloutEngine, SampleChunk
+from rollout_service.engine import RequestRejected, RolloutEngine, SampleChunk
 from rollout_service.validation import validate_generate
+from rollout_service.weight_sync import UpdateConflict
+from weight_bus.packing import ChecksumError
+from weight_bus.tcp import WeightUnavailableError
 
 logger = logging.getLogger(__name__)
 
@@ -31,6 +36,14 @@ _FINISH = {
     "abort": pb.FINISH_REASON_ABORT,
     "error": pb.FINISH_REASON_ERROR,
 }
+# Weight-update failures -> status; order matters (ChecksumError is a ValueError, timeouts are OSErrors).
+_UPDATE_ERRORS = (
+    (UpdateConflict, grpc.StatusCode.FAILED_PRECONDITION),
+    (LookupError, grpc.StatusCode.NOT_FOUND),
+    (ChecksumError, grpc.StatusCode.DATA_LOSS),
+    (WeightUnavailableError, grpc.StatusCode.UNAVAILABLE),
+    (OSError, grpc.StatusCode.UNAVAILABLE),
+)
 _PAUSE = {pb.PAUSE_MODE_UNSPECIFIED: "keep", pb.PAUSE_MODE_KEEP: "keep", pb.PAUSE_MODE_WAIT: "wait", pb.PAUSE_MODE_ABORT: "abort"}
 
 
@@ -61,11 +74,15 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
         self.follower = follower
         self.inflight = 0
         self.paused = False
+        self.draining = False  # set at shutdown: admit nothing new, let in-flight calls finish
 
     async def Generate(self, request, context):
         limit = self.engine.config.max_inflight_requests
+        if self.draining:
+            metrics.REJECTED.labels("draining").inc()
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"server {self.engine.server_id} is shutting down")
         if self.inflight >= limit:
-            metrics.REJECTED.inc()
+            metrics.REJECTED.labels("busy").inc()
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{self.inflight} requests in flight (limit {limit})")
         try:
             sampling = validate_generate(
@@ -73,7 +90,7 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
                 self.engine.config.max_samples_per_request,
             )
         except ValueError as error:
-            metrics.REJECTED.inc()
+            metrics.REJECTED.labels("invalid").inc()
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
         self.inflight += 1
         metrics.RUNNING.set(self.inflight)
@@ -86,6 +103,9 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
                     first = False
                 metrics.TOKENS.inc(len(chunk.token_ids))
                 yield chunk_to_proto(chunk)
+        except RequestRejected as error:
+            metrics.REJECTED.labels("invalid").inc()
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"engine refused the request: {error}")
         finally:
             self.inflight -= 1
             metrics.RUNNING.set(self.inflight)
@@ -108,6 +128,8 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
 
     async def ServerInfo(self, request, context):
         config = self.engine.config
+        _, waiting, kv_usage = self.engine.load()
+        pending = self.follower.pending if self.follower is not None else None
         return pb.ServerInfoResponse(
             server_id=self.engine.server_id,
             model=self.engine.model_path,
@@ -119,23 +141,55 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
             paused=self.paused,
             engine_config_json=json.dumps(config.model_dump()),
             max_inflight_requests=config.max_inflight_requests,
+            num_waiting=waiting,
+            kv_cache_usage=kv_usage,
+            pending_weight_version=pending.version if pending else 0,
+            draining=self.draining,
+            num_engine_requests=self.engine.num_unfinished(),
         )
 
-    async def UpdateWeights(self, request, context):
+    async def _weight_step(self, context, step):
+        """Run one weight-update step of the follower, mapping its failures to a status."""
         if self.follower is None:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this server has no weight bus connection")
-        started = time.monotonic()
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this server has no weight bus connection (--redis-url)")
         try:
-            version = await self.follower.update_to(request.version)
-        except LookupError as error:
-            await context.abort(grpc.StatusCode.NOT_FOUND, str(error))
-        metrics.UPDATE_SECONDS.observe(time.monotonic() - started)
-        metrics.POLICY_VERSION.set(version)
+            return await step(self.follower)
+        except Exception as error:  # noqa: BLE001 - mapped below or re-raised as INTERNAL by grpc
+            for kind, code in _UPDATE_ERRORS:
+                if isinstance(error, kind):
+                    await context.abort(code, f"{type(error).__name__}: {error}")
+            raise
+
+    async def UpdateWeights(self, request, context):
+        started = time.monotonic()
+        version = await self._weight_step(context, lambda f: f.update_to(request.version))
         return pb.UpdateWeightsResponse(policy_version=version, duration_s=time.monotonic() - started)
 
+    async def BeginWeightUpdate(self, request, context):
+        pending = await self._weight_step(context, lambda f: f.begin(request.version))
+        return pb.BeginWeightUpdateResponse(
+            version=pending.version, num_bytes=sum(pending.manifest.bucket_nbytes),
+            num_tensors=len(pending.manifest.tensors),
+        )
 
-async def start_grpc_server(servicer: RolloutServicer, host: str, port: int) -> tuple[grpc.aio.Server, int]:
-    """Start the gRPC server with health and reflection; returns (server, bound port)."""
+    async def LoadWeights(self, request, context):
+        started = time.monotonic()
+        num_bytes = await self._weight_step(context, lambda f: f.load(request.version))
+        return pb.LoadWeightsResponse(num_bytes=num_bytes, duration_s=time.monotonic() - started)
+
+    async def CommitWeights(self, request, context):
+        paused_s = await self._weight_step(context, lambda f: f.commit(request.version))
+        return pb.CommitWeightsResponse(policy_version=self.engine.policy_version, paused_s=paused_s)
+
+    async def AbortWeightUpdate(self, request, context):
+        aborted = await self._weight_step(context, lambda f: f.abort())
+        return pb.AbortWeightUpdateResponse(aborted_version=aborted)
+
+
+async def start_grpc_server(
+    servicer: RolloutServicer, host: str, port: int
+) -> tuple[grpc.aio.Server, int, health.aio.HealthServicer]:
+    """Start the gRPC server with health and reflection; returns (server, bound port, health servicer)."""
     server = grpc.aio.server(
         options=[
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
@@ -150,4 +204,17 @@ async def start_grpc_server(servicer: RolloutServicer, host: str, port: int) -> 
     await server.start()
     await health_servicer.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
     await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
-    return server, bound
+    return server, bound, health_servicer
+
+
+async def drain_and_stop(
+    server: grpc.aio.Server, servicer: RolloutServicer, health_servicer, grace_s: float
+) -> None:
+    """Graceful stop: report NOT_SERVING, refuse new calls, give in-flight calls ``grace_s``, then cancel.
+
+    Cancelled Generate calls abort their engine requests (engine.generate's finally), so nothing is left
+    running in vLLM when the engine shuts down.
+    """
+    servicer.draining = True
+    await health_servicer.enter_graceful_shutdown()
+    await server.stop(grace_s)

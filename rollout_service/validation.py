@@ -31,6 +31,8 @@ def validate_generate(
         )
     if not s.temperature >= 0.0:  # also rejects NaN
         raise ValueError(f"sampling.temperature must be >= 0 (got {s.temperature})")
+    if n > 1 and s.temperature == 0.0:
+        raise ValueError(f"sampling.n={n} needs sampling.temperature > 0 (greedy samples would be identical)")
     top_p = s.top_p if s.top_p != 0.0 else 1.0
     if not 0.0 < top_p <= 1.0:
         raise ValueError(f"sampling.top_p must be in (0, 1] (got {s.top_p})")

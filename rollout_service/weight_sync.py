@@ -12,12 +12,14 @@ import logging
 import mmap
 import os
 import time
+from dataclasses import dataclass
 
 import redis.asyncio as aioredis
 
 from protos.config import WeightBusConfig
-from protos.records import ReportStatus, encode
+from protos.records import ReportStatus, WeightManifest, encode
 from protos.redis_keys import RedisKeys
+from rollout_service import metrics
 from rollout_service.engine import RolloutEngine
 from weight_bus import packing, rendezvous, tcp
 
@@ -26,8 +28,26 @@ logger = logging.getLogger(__name__)
 STAGING_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else "/tmp"
 
 
+class UpdateConflict(Exception):
+    """A weight-update step asked for in the wrong state (nothing begun, another version pending, ...)."""
+
+
+@dataclass
+class PendingUpdate:
+    """A begun update: the manifest of ``version`` and the staging file its buckets go into."""
+
+    version: int
+    manifest: WeightManifest
+    path: str
+    loaded: bool = False
+
+
 class WeightFollower:
-    """Follows the weight announcements of one run and applies new versions to ``engine``."""
+    """Follows the weight announcements of one run and applies new versions to ``engine``.
+
+    An update is three steps, each callable on its own through gRPC (begin, load, commit) or all at
+    once (``update_to``); one version may be pending at a time.
+    """
 
     def __init__(
         self,
@@ -43,7 +63,8 @@ class WeightFollower:
         self.config = config
         self.address = address
         self.last_update_s = 0.0
-        # The announcement follower and UpdateWeights calls may race for the same version.
+        self.pending: PendingUpdate | None = None
+        # The announcement follower and gRPC calls may race for the same version.
         self._lock = asyncio.Lock()
 
     async def report(self, status: ReportStatus = ReportStatus.OK, message: str = "") -> None:
@@ -52,36 +73,101 @@ class WeightFollower:
             self.engine.policy_version, status, message,
         )
 
-    async def update_to(self, version: int) -> int:
-        """Receive and commit ``version`` (0 = latest); returns the version in force afterwards."""
+    async def begin(self, version: int) -> PendingUpdate:
+        """Reserve staging for ``version`` (0 = latest); replaces an older pending update."""
         async with self._lock:
-            return await self._update_locked(version)
+            return await self._begin_locked(version)
 
-    async def _update_locked(self, version: int) -> int:
+    async def load(self, version: int) -> int:
+        """Receive and verify the pending version's buckets; returns the bytes received."""
+        async with self._lock:
+            pending = self._expect_pending(version, loaded=False)
+            await self._load_locked(pending)
+            return packing.total_nbytes(pending.manifest)
+
+    async def commit(self, version: int) -> float:
+        """Put the loaded pending version in force; returns the seconds generation was paused."""
+        async with self._lock:
+            return await self._commit_locked(self._expect_pending(version, loaded=True))
+
+    async def abort(self) -> int:
+        """Drop the pending update, if any; returns its version (0 = none)."""
+        async with self._lock:
+            version = self.pending.version if self.pending else 0
+            self._drop_pending()
+            return version
+
+    async def update_to(self, version: int) -> int:
+        """Begin, load and commit ``version`` (0 = latest); returns the version in force afterwards.
+
+        Asking for a version the server already has (or has passed) is not an error.
+        """
+        async with self._lock:
+            target = version if version > 0 else await rendezvous.latest_version(self.client, self.keys)
+            if target <= self.engine.policy_version:
+                return self.engine.policy_version
+            started = time.monotonic()
+            pending = self.pending if self.pending and self.pending.version == target else None
+            pending = pending or await self._begin_locked(target)
+            if not pending.loaded:
+                await self._load_locked(pending)
+            paused_s = await self._commit_locked(pending)
+            self.last_update_s = time.monotonic() - started
+            metrics.UPDATE_SECONDS.observe(self.last_update_s)
+            logger.info(
+                "server %s policy_version=%d committed in %.2fs (paused %.2fs)",
+                self.engine.server_id, target, self.last_update_s, paused_s,
+            )
+            return target
+
+    async def _begin_locked(self, version: int) -> PendingUpdate:
         if version <= 0:
             version = await rendezvous.latest_version(self.client, self.keys)
         if version <= self.engine.policy_version:
-            return self.engine.policy_version
+            raise UpdateConflict(f"version {version} is not newer than the server's v{self.engine.policy_version}")
         manifest = await rendezvous.get_manifest(self.client, self.keys, version)
         if manifest is None:
             raise LookupError(f"no manifest for policy version {version} in Redis")
-        started = time.monotonic()
+        self._drop_pending()
         path = os.path.join(STAGING_DIR, f"fleetrl-{self.engine.server_id}-v{version}")
-        try:
-            await asyncio.to_thread(self._receive, manifest, path)
-            paused_s = await self.engine.commit_weights(version, path, encode(manifest))
-        finally:
-            if os.path.exists(path):
-                os.unlink(path)
-        self.last_update_s = time.monotonic() - started
-        logger.info(
-            "server %s policy_version=%d committed in %.2fs (paused %.2fs)",
-            self.engine.server_id, version, self.last_update_s, paused_s,
-        )
-        await self.report()
-        return version
+        self.pending = PendingUpdate(version, manifest, path)
+        return self.pending
 
-    def _receive(self, manifest, path: str) -> None:
+    async def _load_locked(self, pending: PendingUpdate) -> None:
+        try:
+            await asyncio.to_thread(self._receive, pending.manifest, pending.path)
+        except BaseException:
+            self._drop_pending()  # a half-received version is never committed
+            raise
+        pending.loaded = True
+
+    async def _commit_locked(self, pending: PendingUpdate) -> float:
+        try:
+            paused_s = await self.engine.commit_weights(pending.version, pending.path, encode(pending.manifest))
+        finally:
+            self._drop_pending()
+        metrics.UPDATE_PAUSE_SECONDS.observe(paused_s)
+        await self.report()
+        return paused_s
+
+    def _expect_pending(self, version: int, loaded: bool) -> PendingUpdate:
+        pending = self.pending
+        if pending is None:
+            raise UpdateConflict(f"no weight update begun (server on v{self.engine.policy_version})")
+        if version and version != pending.version:
+            raise UpdateConflict(f"version {version} is not the pending one (v{pending.version})")
+        if loaded and not pending.loaded:
+            raise UpdateConflict(f"v{pending.version} is begun but not loaded; call LoadWeights first")
+        if not loaded and pending.loaded:
+            raise UpdateConflict(f"v{pending.version} is already loaded; commit or abort it")
+        return pending
+
+    def _drop_pending(self) -> None:
+        if self.pending is not None and os.path.exists(self.pending.path):
+            os.unlink(self.pending.path)
+        self.pending = None
+
+    def _receive(self, manifest: WeightManifest, path: str) -> None:
         size = packing.total_nbytes(manifest)
         with open(path, "wb+") as staging:
             staging.truncate(size)
@@ -109,7 +195,7 @@ class WeightFollower:
     async def _try_update(self, version: int) -> None:
         try:
             await self.update_to(version)
-        except (LookupError, OSError, ValueError, tcp.WeightUnavailableError) as error:
+        except (LookupError, OSError, ValueError, UpdateConflict, tcp.WeightUnavailableError) as error:
             # Stay on the old version and say so; the next announcement retries.
             logger.warning("server %s stays on v%d: %s", self.engine.server_id, self.engine.policy_version, error)
             await self.report(ReportStatus.STALE, str(error))

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
+import urllib.request
+from dataclasses import dataclass
 
 import grpc
 import pytest
@@ -13,6 +16,7 @@ import redis
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from prometheus_client.parser import text_string_to_metric_families
 
 from coordinator.redis_server import free_port
 from modeling.tiny_model import init_tiny
@@ -26,6 +30,7 @@ from trainer_service.torch_backend import TorchBackend
 PROMPT = [1, 4, 5, 6]
 RUN_ID = "rollout-test"
 MAX_INFLIGHT = 4
+GRACE_S = 20.0
 
 
 @pytest.fixture(scope="module")
@@ -33,15 +38,26 @@ def model_dir(tmp_path_factory):
     return str(init_tiny(tmp_path_factory.mktemp("tiny")))
 
 
+@dataclass
+class ServerHandle:
+    channel: grpc.Channel
+    stub: pb_grpc.RolloutServiceStub
+    process: subprocess.Popen
+    metrics_port: int
+    log_path: str
+
+
 @pytest.fixture(scope="module")
 def server(model_dir, redis_server, tmp_path_factory):
     """One rollout server process for the whole module (engine start is the slow part)."""
-    port = free_port()
+    port, metrics_port = free_port(), free_port()
     log = open(tmp_path_factory.mktemp("logs") / "rollout.log", "wb")
+    # manual: weights change only through the gRPC calls the tests make, never on an announcement
     process = subprocess.Popen(
         [sys.executable, "-m", "rollout_service", "serve", "--model", model_dir, "--port", str(port),
          "--server-id", "test-0", "--redis-url", redis_server.url, "--run-id", RUN_ID,
-         f"rollout.max_inflight_requests={MAX_INFLIGHT}"],
+         "--metrics-port", str(metrics_port), "--grace-s", str(GRACE_S),
+         f"rollout.max_inflight_requests={MAX_INFLIGHT}", "rollout.weight_updates=manual"],
         stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
     )
     channel = grpc.insecure_channel(f"127.0.0.1:{port}")
@@ -56,10 +72,13 @@ def server(model_dir, redis_server, tmp_path_factory):
             pass
         assert time.monotonic() < deadline, "rollout server did not become healthy in 240 s"
         time.sleep(0.5)
-    yield channel, pb_grpc.RolloutServiceStub(channel)
+    server_handle = ServerHandle(channel, pb_grpc.RolloutServiceStub(channel), process, metrics_port, log.name)
+    yield server_handle
     channel.close()
-    os.killpg(process.pid, 15)
-    process.wait(timeout=30)
+    if process.poll() is None:  # the shutdown test normally stops it
+        os.killpg(process.pid, 15)
+        process.wait(timeout=60)
+
 
 
 def _generate(stub, prompt=PROMPT, **sampling):
@@ -76,7 +95,7 @@ def _generate(stub, prompt=PROMPT, **sampling):
 
 
 def test_generate_streams_tokens_logprobs_and_version_spans(server):
-    _, stub = server
+    stub = server.stub
     chunks, samples = _generate(stub, n=3, temperature=1.0, max_tokens=6)
     assert len(chunks) > 3  # streamed in pieces, not one message per sample
     assert sorted(samples) == [0, 1, 2]
@@ -90,7 +109,7 @@ def test_generate_streams_tokens_logprobs_and_version_spans(server):
 
 
 def test_health_reflection_and_server_info(server):
-    channel, stub = server
+    channel, stub = server.channel, server.stub
     info = stub.ServerInfo(pb.ServerInfoRequest(), timeout=10)
     assert info.vocab_size == 64 and info.max_model_len == 256 and not info.routed_experts_available
     reflect = reflection_pb2_grpc.ServerReflectionStub(channel)
@@ -108,6 +127,7 @@ MALFORMED = [
     ({"sampling": {"max_tokens": 4, "n": 10**4}}, "sampling.n"),
     ({"sampling": {"max_tokens": 4, "temperature": -0.5}}, "temperature"),
     ({"sampling": {"max_tokens": 4, "temperature": float("nan")}}, "temperature"),
+    ({"sampling": {"max_tokens": 4, "n": 2, "temperature": 0.0}}, "temperature > 0"),
     ({"sampling": {"max_tokens": 4, "top_p": 1.5}}, "top_p"),
     ({"sampling": {"max_tokens": 4, "top_p": -0.1}}, "top_p"),
     ({"sampling": {"max_tokens": 4, "min_p": 2.0}}, "min_p"),
@@ -119,7 +139,7 @@ MALFORMED = [
 
 
 def test_malformed_requests_get_invalid_argument_and_server_keeps_serving(server):
-    _, stub = server
+    stub = server.stub
     for fields, needle in MALFORMED:
         request = pb.GenerateRequest(prompt_token_ids=fields.get("prompt_token_ids", PROMPT))
         if "request_id" in fields:
@@ -148,15 +168,29 @@ def _hf_greedy(model, prompt, num_tokens):
     return out[0, len(prompt):].tolist()
 
 
-def test_weight_update_makes_engine_greedy_output_equal_the_trainers(server, model_dir, redis_server):
-    _, stub = server
-    backend = TorchBackend(model_dir, TrainerConfig())
-    before = _generate(stub, max_tokens=8)[1][0]["tokens"]
-    assert before == _hf_greedy(backend.model, PROMPT, 8)
-    torch.manual_seed(1)
+def _perturb(backend: TorchBackend, seed: int) -> None:
+    torch.manual_seed(seed)
     with torch.no_grad():  # a large random step, as if trained, that changes the greedy output
         for param in backend.model.parameters():
             param.add_(torch.randn_like(param) * param.std().clamp(min=0.05))
+
+
+def _error(call) -> tuple[grpc.StatusCode, str]:
+    with pytest.raises(grpc.RpcError) as caught:
+        call()
+    return caught.value.code(), caught.value.details()
+
+
+def _info(stub) -> pb.ServerInfoResponse:
+    return stub.ServerInfo(pb.ServerInfoRequest(), timeout=10)
+
+
+def test_weight_update_makes_engine_greedy_output_equal_the_trainers(server, model_dir, redis_server):
+    stub = server.stub
+    backend = TorchBackend(model_dir, TrainerConfig())
+    before = _generate(stub, max_tokens=8)[1][0]["tokens"]
+    assert before == _hf_greedy(backend.model, PROMPT, 8)
+    _perturb(backend, seed=1)
     expected = _hf_greedy(backend.model, PROMPT, 8)
     assert expected != before
     client = redis.Redis.from_url(redis_server.url)
@@ -174,7 +208,7 @@ def test_weight_update_makes_engine_greedy_output_equal_the_trainers(server, mod
 
 
 def test_requests_beyond_the_inflight_limit_get_resource_exhausted_and_cancel_frees_slots(server):
-    _, stub = server
+    stub = server.stub
     long = pb.GenerateRequest(prompt_token_ids=PROMPT, sampling=pb.SamplingParams(max_tokens=240, ignore_eos=True))
     # Paused (keep): admitted requests stay in flight instead of racing to finish.
     stub.Pause(pb.PauseRequest(mode=pb.PAUSE_MODE_KEEP), timeout=30)
@@ -196,3 +230,133 @@ def test_requests_beyond_the_inflight_limit_get_resource_exhausted_and_cancel_fr
         time.sleep(0.1)
     _, samples = _generate(stub)
     assert len(samples[0]["tokens"]) == 6
+
+
+def test_split_weight_update_commits_atomically_and_refuses_steps_out_of_order(server, model_dir, redis_server):
+    stub = server.stub
+    current = _info(stub).policy_version
+    version = current + 1
+    backend = TorchBackend(model_dir, TrainerConfig())
+    _perturb(backend, seed=2)
+    expected = _hf_greedy(backend.model, PROMPT, 8)
+    publisher = WeightPublisher(redis.Redis.from_url(redis_server.url), RedisKeys(RUN_ID), WeightBusConfig())
+    try:
+        code, details = _error(lambda: stub.CommitWeights(pb.CommitWeightsRequest(version=version), timeout=30))
+        assert code == grpc.StatusCode.FAILED_PRECONDITION and "no weight update begun" in details
+        code, details = _error(lambda: stub.BeginWeightUpdate(pb.BeginWeightUpdateRequest(version=version), timeout=30))
+        assert code == grpc.StatusCode.NOT_FOUND and f"policy version {version}" in details
+
+        publisher.publish(version, backend.export_hf_weights())
+        begun = stub.BeginWeightUpdate(pb.BeginWeightUpdateRequest(version=version), timeout=30)
+        assert begun.version == version and begun.num_tensors > 0 and begun.num_bytes > 0
+        assert (_info(stub).pending_weight_version, _info(stub).policy_version) == (version, current)
+        code, details = _error(lambda: stub.CommitWeights(pb.CommitWeightsRequest(version=version), timeout=30))
+        assert code == grpc.StatusCode.FAILED_PRECONDITION and "not loaded" in details
+
+        loaded = stub.LoadWeights(pb.LoadWeightsRequest(version=version), timeout=60)
+        assert loaded.num_bytes == begun.num_bytes
+        # Loaded but not committed: generation goes on, all of it on the old version.
+        _, samples = _generate(stub, max_tokens=8)
+        assert [(s.version, s.start, s.end) for s in samples[0]["final"].version_spans] == [(current, 0, 8)]
+
+        committed = stub.CommitWeights(pb.CommitWeightsRequest(version=version), timeout=60)
+        assert committed.policy_version == version and committed.paused_s > 0
+        _, samples = _generate(stub, max_tokens=8)
+        assert samples[0]["tokens"] == expected
+        assert [(s.version, s.start, s.end) for s in samples[0]["final"].version_spans] == [(version, 0, 8)]
+        assert _info(stub).pending_weight_version == 0
+
+        code, details = _error(lambda: stub.BeginWeightUpdate(pb.BeginWeightUpdateRequest(version=version), timeout=30))
+        assert code == grpc.StatusCode.FAILED_PRECONDITION and "not newer" in details
+        assert stub.AbortWeightUpdate(pb.AbortWeightUpdateRequest(), timeout=30).aborted_version == 0
+    finally:
+        publisher.close()
+
+
+def test_corrupted_or_unreachable_version_is_refused_and_the_server_keeps_its_version(server, model_dir, redis_server):
+    stub = server.stub
+    current = _info(stub).policy_version
+    version = current + 1
+    backend = TorchBackend(model_dir, TrainerConfig())
+    _perturb(backend, seed=3)
+    publisher = WeightPublisher(redis.Redis.from_url(redis_server.url), RedisKeys(RUN_ID), WeightBusConfig())
+    try:
+        publisher.publish(version, backend.export_hf_weights())
+        bucket = publisher.transport.buckets_of(version)[0]
+        bucket[len(bucket) // 2] ^= 0xFF  # one flipped byte in flight
+        stub.BeginWeightUpdate(pb.BeginWeightUpdateRequest(version=version), timeout=30)
+        code, details = _error(lambda: stub.LoadWeights(pb.LoadWeightsRequest(version=version), timeout=60))
+        assert code == grpc.StatusCode.DATA_LOSS and "ChecksumError" in details
+        assert (_info(stub).pending_weight_version, _info(stub).policy_version) == (0, current)
+        code, _ = _error(lambda: stub.UpdateWeights(pb.UpdateWeightsRequest(version=version), timeout=60))
+        assert code == grpc.StatusCode.DATA_LOSS
+    finally:
+        publisher.close()
+    # The manifest is still in Redis, but no publisher serves its buckets any more.
+    code, details = _error(lambda: stub.UpdateWeights(pb.UpdateWeightsRequest(version=version), timeout=60))
+    assert code == grpc.StatusCode.UNAVAILABLE, details
+    assert _info(stub).policy_version == current
+    _, samples = _generate(stub, max_tokens=4)
+    assert [(s.version, s.start, s.end) for s in samples[0]["final"].version_spans] == [(current, 0, 4)]
+
+
+def test_deadline_exceeded_aborts_the_engine_request(server):
+    stub = server.stub
+    long = pb.GenerateRequest(prompt_token_ids=PROMPT, sampling=pb.SamplingParams(max_tokens=240, ignore_eos=True))
+    stub.Pause(pb.PauseRequest(mode=pb.PAUSE_MODE_KEEP), timeout=30)  # so the request cannot finish in time
+    try:
+        code, _ = _error(lambda: list(stub.Generate(long, timeout=1.0)))
+        assert code == grpc.StatusCode.DEADLINE_EXCEEDED
+        deadline = time.monotonic() + 30
+        while (_info(stub).num_engine_requests, _info(stub).num_running) != (0, 0):
+            assert time.monotonic() < deadline, "the timed-out request is still held by the engine"
+            time.sleep(0.1)
+    finally:
+        stub.Resume(pb.ResumeRequest(), timeout=30)
+
+
+def test_metrics_endpoint_reports_throughput_ttft_rejections_and_version(server):
+    stub = server.stub
+    _generate(stub)
+    bad = pb.GenerateRequest(prompt_token_ids=[], sampling=pb.SamplingParams(max_tokens=4))
+    assert _error(lambda: list(stub.Generate(bad, timeout=10)))[0] == grpc.StatusCode.INVALID_ARGUMENT
+    url = f"http://127.0.0.1:{server.metrics_port}/metrics"
+    text = urllib.request.urlopen(url, timeout=10).read().decode()
+    values = {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+    assert values[("rollout_generated_tokens_total", ())] >= 6
+    assert values[("rollout_time_to_first_token_s_count", ())] >= 1
+    assert values[("rollout_requests_rejected_total", (("reason", "invalid"),))] >= 1
+    assert values[("rollout_policy_version", ())] == _info(stub).policy_version
+    for name in ("rollout_requests_running", "rollout_requests_waiting", "rollout_kv_cache_usage_ratio",
+                 "rollout_weight_update_s_count", "rollout_weight_update_pause_s_count"):
+        assert (name, ()) in values, name
+
+
+# Keep this test last: it stops the module's server.
+def test_sigterm_refuses_new_calls_finishes_in_flight_ones_then_exits(server):
+    stub = server.stub
+    in_flight = stub.Generate(
+        pb.GenerateRequest(prompt_token_ids=PROMPT, sampling=pb.SamplingParams(n=2, temperature=1.0, max_tokens=200, ignore_eos=True)),
+        timeout=120,
+    )
+    chunks = [next(in_flight)]  # admitted and streaming
+    os.killpg(server.process.pid, signal.SIGTERM)
+    deadline = time.monotonic() + 20
+    while True:  # a call that raced the signal may still be admitted; the next ones are refused
+        try:
+            list(stub.Generate(pb.GenerateRequest(prompt_token_ids=PROMPT, sampling=pb.SamplingParams(max_tokens=2)), timeout=10))
+        except grpc.RpcError as error:
+            assert error.code() == grpc.StatusCode.UNAVAILABLE, error.details()
+            break
+        assert time.monotonic() < deadline, "new calls still admitted after SIGTERM"
+        time.sleep(0.05)
+    chunks += list(in_flight)
+    finals = [c for c in chunks if c.finished]
+    assert len(finals) == 2 and all(c.finish_reason == pb.FINISH_REASON_LENGTH for c in finals)
+    assert sum(len(c.token_ids) for c in chunks) == 400
+    assert server.process.wait(timeout=GRACE_S + 60) == 0
+    assert "draining" in open(server.log_path).read()
