@@ -24,6 +24,8 @@ demo: install
 	$(BIN)/fleetrl demo $(ARGS)
 
 test: install
+	# The dashboard test drives headless Chromium (a system package; no-op when present).
+	bash scripts/install_chromium.sh
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
 lint-imports: install

@@ -62,6 +62,7 @@ async def report_metrics(scheduler, queue, client, keys, started: float, stop: a
 async def run(args: argparse.Namespace) -> None:
     import redis.asyncio as aioredis
 
+    from coordinator.dashboard import start_dashboard
     from coordinator.fleet import FleetWatcher
     from coordinator.queue_writer import RolloutQueue
     from coordinator.rollout_client import RolloutClient
@@ -80,6 +81,10 @@ async def run(args: argparse.Namespace) -> None:
     # 1) connect Redis and the rollout servers; wait until every server is healthy
     client = aioredis.Redis.from_url(args.redis_url, socket_timeout=30)
     keys = RedisKeys(config.run_id)
+    dashboard = None
+    if cfg.dashboard:  # up before the servers are, so the page shows the fleet starting
+        dashboard, dashboard_port = await start_dashboard(client, keys, cfg.dashboard_host, cfg.dashboard_port)
+        logger.info("dashboard on http://%s:%d/", cfg.dashboard_host, dashboard_port)
     clients = [RolloutClient(address) for address in args.servers.split(",") if address]
     await wait_for_servers(clients, timeout_s=300)
     queue = RolloutQueue(client, keys)
@@ -109,6 +114,8 @@ async def run(args: argparse.Namespace) -> None:
     await asyncio.gather(*producers, *background, return_exceptions=True)
     for rollout_client in clients:
         await rollout_client.close()
+    if dashboard is not None:
+        await dashboard.cleanup()
     await client.aclose()
 
 

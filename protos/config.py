@@ -38,6 +38,9 @@ class CoordinatorConfig(_Strict):
     max_attempts: int = Field(3, gt=0, description="Dispatch attempts of one group before it is dead-lettered.")
     metrics_port: int = Field(0, ge=0, description="Prometheus /metrics port; 0 = off.")
     seed: int = Field(0, description="Seed of the prompt order.")
+    dashboard: bool = Field(True, description="Serve the live web dashboard from the coordinator.")
+    dashboard_host: str = Field("127.0.0.1", description="Interface the dashboard binds.")
+    dashboard_port: int = Field(0, ge=0, description="Dashboard port; 0 picks a free one (logged).")
 
 
 class RolloutConfig(_Strict):
