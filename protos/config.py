@@ -26,21 +26,85 @@ class SamplingConfig(_Strict):
     max_tokens: int = Field(8, gt=0, description="Maximum response tokens per sample.")
 
 
+class OverlongConfig(_Strict):
+    """DAPO soft overlong punishment, added to the reward of long responses."""
+
+    enabled: bool = Field(False, description="Apply the penalty to training rewards (never to eval).")
+    buffer_len: int = Field(
+        0, ge=0, description="Ramp length in tokens: the penalty grows from 0 at max_tokens - buffer_len to -factor."
+    )
+    penalty_factor: float = Field(1.0, ge=0, description="Penalty at and beyond sampling.max_tokens.")
+
+
+class EvalConfig(_Strict):
+    """Evaluation rounds, each pinned to one policy version (every sample comes from exactly that version)."""
+
+    datasets: list[str] = Field(
+        default_factory=list, description="Eval files (.jsonl/.parquet); metrics are keyed by file stem."
+    )
+    interval_steps: int = Field(0, ge=0, description="Evaluate every this many trainer steps; 0 = never.")
+    at_start: bool = Field(False, description="Also evaluate the initial policy before training starts.")
+    samples_per_problem: int = Field(4, gt=0, description="k samples per problem; reports mean accuracy and pass@k.")
+    limit: int | None = Field(None, gt=0, description="Use only the first N problems of each file; None = all.")
+    sampling: SamplingConfig | None = Field(None, description="Eval sampling; None = the training sampling.")
+    reward_fn: str = Field("math", description="Reward of eval samples; a sample is correct when reward >= 1.")
+    timeout_s: float = Field(600.0, gt=0, description="Longest wait for one eval round (version, servers, samples).")
+
+
 class CoordinatorConfig(_Strict):
     """Prompts, grouping, admission and the push onto the trajectory queue."""
 
-    task: str = Field("echo", description="Built-in task name ('echo') or a dataset path (issue 6).")
+    task: str = Field("echo", description="Built-in task name ('echo') or a dataset path (.jsonl/.parquet).")
+    reward_fn: str = Field(
+        "math", description="Dataset tasks: built-in reward ('math') or 'module.path:function' (sync or async)."
+    )
+    prompt_template: str = Field(
+        "", description="Template with '{problem}' for plain {problem, answer} rows; '' = the loader's default."
+    )
+    template_chat_prompts: bool = Field(False, description="Also apply prompt_template to verl/DAPO chat rows.")
+    chat_template_kwargs: dict[str, Any] = Field(
+        default_factory=dict, description="Extra variables for the tokenizer's chat template, e.g. reasoning_effort."
+    )
+    dataset_limit: int | None = Field(None, gt=0, description="Use only the first N rows of the dataset; None = all.")
     group_size: int = Field(8, gt=0, description="Samples per prompt (GRPO group size n).")
     groups_per_step: int = Field(8, gt=0, description="Groups the trainer consumes per optimizer step (B).")
     max_staleness: int = Field(1, ge=0, description="Bound k on v_trainer - min token version; 0 = on-policy.")
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
+    overlong: OverlongConfig = Field(default_factory=OverlongConfig)
+    dynamic_sampling: bool = Field(
+        False, description="Skip groups whose rewards are all equal and admit a new prompt in their place."
+    )
+    dynamic_sampling_max_tries: int = Field(
+        8, gt=0, description="Prompts tried per group slot before a uniform group is pushed anyway (counted)."
+    )
+    reward_timeout_s: float = Field(30.0, gt=0, description="Limit of one reward call; a timeout scores 0.")
+    reward_threads: int = Field(2, gt=0, description="Threads that run sync reward functions off the event loop.")
+    eval: EvalConfig = Field(default_factory=EvalConfig)
     request_timeout_s: float = Field(120.0, gt=0, description="Deadline of one Generate call.")
-    max_attempts: int = Field(3, gt=0, description="Dispatch attempts of one group before it is dead-lettered.")
+    max_attempts: int = Field(3, gt=0, description="Dispatch attempts of one group before the run fails.")
+    admin_host: str = Field("127.0.0.1", description="Interface the admin gRPC API and /metrics bind.")
+    admin_port: int = Field(50050, ge=0, description="Admin gRPC API port (fleetrl status, ...); 0 picks a free one.")
     metrics_port: int = Field(0, ge=0, description="Prometheus /metrics port; 0 = off.")
     seed: int = Field(0, description="Seed of the prompt order.")
     dashboard: bool = Field(True, description="Serve the live web dashboard from the coordinator.")
     dashboard_host: str = Field("127.0.0.1", description="Interface the dashboard binds.")
     dashboard_port: int = Field(0, ge=0, description="Dashboard port; 0 picks a free one (logged).")
+
+    @model_validator(mode="after")
+    def _overlong_fits(self) -> CoordinatorConfig:
+        if self.overlong.enabled and self.overlong.buffer_len > self.sampling.max_tokens:
+            raise ValueError(
+                f"coordinator.overlong.buffer_len ({self.overlong.buffer_len}) must not exceed "
+                f"coordinator.sampling.max_tokens ({self.sampling.max_tokens}); lower the buffer"
+            )
+        if self.dynamic_sampling and self.group_size < 2:
+            raise ValueError("coordinator.dynamic_sampling needs coordinator.group_size >= 2 (a group of one "
+                             "always has equal rewards)")
+        eval_sampling = self.eval.sampling or self.sampling
+        if self.eval.datasets and self.eval.samples_per_problem > 1 and eval_sampling.temperature == 0:
+            raise ValueError("coordinator.eval.samples_per_problem > 1 needs a sampling temperature > 0 "
+                             "(greedy samples would be identical); set coordinator.eval.sampling.temperature")
+        return self
 
 
 class RolloutConfig(_Strict):
@@ -114,6 +178,19 @@ class TrainerConfig(_Strict):
     icepop: tuple[float, float] | None = Field(None, description="ICEPOP token mask bounds; None disables.")
     batch_timeout_s: float = Field(600.0, gt=0, description="Longest wait for one step's groups.")
     seed: int = Field(0, description="Torch seed.")
+    lr_warmup_steps: int = Field(0, ge=0, description="Linear LR warm-up steps from 0 to lr; constant after.")
+    micro_batch_tokens: int = Field(
+        0, ge=0, description="Padded-token budget of one micro-batch (gradient accumulation); 0 = whole step at once."
+    )
+    ckpt_interval: int = Field(
+        1, gt=0, description="Steps between checkpoints; queue entries are acknowledged only at a checkpoint."
+    )
+    keep_last_checkpoints: int = Field(2, gt=0, description="Checkpoints kept on disk (older ones are deleted).")
+    ckpt_dir: str = Field("", description="Checkpoint directory; '' = <out_dir>/checkpoints (runs/<run_id>/... without out_dir).")
+    resume: str = Field(
+        "latest", description="'latest' (resume from the newest checkpoint if any), 'none', or a checkpoint path."
+    )
+    metrics_port: int = Field(0, ge=0, description="Prometheus /metrics port of the trainer; 0 = off.")
     megatron: MegatronConfig = Field(
         default_factory=MegatronConfig, description="Megatron backend settings (used when backend = 'megatron')."
     )
@@ -122,12 +199,62 @@ class TrainerConfig(_Strict):
 class WeightBusConfig(_Strict):
     """How new weights travel from trainer to rollout servers."""
 
-    transport: Literal["tcp"] = Field("tcp", description="'tcp' on CPU machines; 'nccl' on GPUs (issue 5).")
+    transport: Literal["tcp", "nccl"] = Field(
+        "tcp",
+        description="'tcp': receivers pull over sockets (CPU machines, tests); 'nccl': the trainer broadcasts "
+        "to one process per GPU (weight_bus.nccl) and still serves late receivers over tcp.",
+    )
     host: str = Field("127.0.0.1", description="Interface the publisher binds.")
     port: int = Field(0, ge=0, description="Publisher port; 0 picks a free one.")
-    bucket_mib: float = Field(512.0, gt=0, description="Bucket size.")
+    bucket_mib: float = Field(
+        512.0, gt=0, description="Bucket size in MiB; a larger tensor gets a bucket of its own (nccl splits it)."
+    )
     keep_versions: int = Field(4, gt=0, description="Versions the publisher keeps to serve late receivers.")
-    fetch_timeout_s: float = Field(60.0, gt=0, description="Deadline of one receive.")
+    fetch_timeout_s: float = Field(60.0, gt=0, description="Deadline of one receive without progress.")
+    codec: Literal["bf16", "mxfp8"] = Field(
+        "bf16",
+        description="Wire codec. 'bf16': pass-through, every tensor travels in its own dtype. 'mxfp8': eligible "
+        "2-D weights travel as float8_e4m3 + uint8 E8M0 scales per 1x32 block (about 52% of bf16 bytes); norms, "
+        "biases, routers, e_score_correction_bias, embeddings and the LM head stay in their own dtype.",
+    )
+    mxfp8_rule: Literal["rceil", "floor"] = Field(
+        "rceil", description="MXFP8 scale rule: 'rceil' never clips (NVIDIA recipe); 'floor' is the OCP spec rule."
+    )
+    quantize_embeddings: bool = Field(False, description="With codec 'mxfp8', quantize the token embeddings too.")
+    quantize_lm_head: bool = Field(False, description="With codec 'mxfp8', quantize the LM head too.")
+    receive_mode: Literal["dequantize", "mxfp8"] = Field(
+        "dequantize",
+        description="Rollout side, for MXFP8 manifests. 'dequantize': decode (q, scale) pairs to the engine's dtype "
+        "at load. 'mxfp8': load the pairs as they are into an engine serving an MXFP8 checkpoint (GPU only: "
+        "vLLM on CPU has no MXFP8 kernel).",
+    )
+    snapshot_dir: str = Field(
+        "",
+        description="Directory (shared with the rollout servers) where the publisher writes each version's manifest "
+        "and buckets, so a receiver can load it when the publisher is unreachable; '' = off.",
+    )
+    keep_snapshots: int = Field(2, ge=1, le=8, description="Snapshots kept in snapshot_dir (oldest removed first).")
+    send_timeout_s: float = Field(
+        30.0,
+        gt=0,
+        description="Longest the publisher waits on a receiver making no progress (tcp: one socket send; nccl: one "
+        "bucket broadcast) before it gives up on that receiver.",
+    )
+    group_timeout_s: float = Field(
+        120.0, gt=0, description="nccl: deadline for forming or re-forming the broadcast group."
+    )
+    heartbeat_timeout_s: float = Field(
+        10.0, gt=0, description="nccl: a subscriber whose heartbeat in Redis is older than this is left out of a rebuilt group."
+    )
+
+    @model_validator(mode="after")
+    def _receive_mode_fits_codec(self) -> WeightBusConfig:
+        if self.receive_mode == "mxfp8" and self.codec != "mxfp8":
+            raise ValueError(
+                "weight_bus.receive_mode='mxfp8' needs weight_bus.codec='mxfp8' (an MXFP8 engine cannot load "
+                "bf16 weights); set codec='mxfp8' or receive_mode='dequantize'"
+            )
+        return self
 
 
 class RunConfig(_Strict):

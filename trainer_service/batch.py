@@ -66,3 +66,40 @@ def build_batch(groups: list[TrajectoryGroup], pad_id: int = 0) -> TrainBatch:
         min_versions_B=torch.tensor(versions),
         num_response_tokens=int(loss_mask.sum().item()),
     )
+
+
+def _rows(batch: TrainBatch, rows: list[int]) -> TrainBatch:
+    """The sub-batch of ``rows``, trimmed to its longest row (less padding to compute)."""
+    index = torch.tensor(rows, dtype=torch.long)
+    width = int(batch.attention_mask_BT[index].sum(dim=1).max())
+    loss_mask = batch.loss_mask_BT[index, : width - 1]
+    return TrainBatch(
+        input_ids_BT=batch.input_ids_BT[index, :width],
+        attention_mask_BT=batch.attention_mask_BT[index, :width],
+        loss_mask_BT=loss_mask,
+        rollout_logprobs_BT=batch.rollout_logprobs_BT[index, : width - 1],
+        advantages_B=batch.advantages_B[index],
+        rewards_B=batch.rewards_B[index],
+        min_versions_B=batch.min_versions_B[index],
+        num_response_tokens=int(loss_mask.sum().item()),
+    )
+
+
+def split_micro_batches(batch: TrainBatch, max_tokens: int) -> list[TrainBatch]:
+    """Split a step's batch into micro-batches of at most ``max_tokens`` padded tokens each.
+
+    Rows keep their order (advantages were computed over whole groups before the split); a row
+    longer than the budget gets a micro-batch of its own. ``max_tokens <= 0`` keeps one batch.
+    """
+    if max_tokens <= 0:
+        return [batch]
+    lengths = batch.attention_mask_BT.sum(dim=1).tolist()
+    micro, current, longest = [], [], 0
+    for row, length in enumerate(lengths):
+        if current and max(longest, length) * (len(current) + 1) > max_tokens:
+            micro.append(_rows(batch, current))
+            current, longest = [], 0
+        current.append(row)
+        longest = max(longest, length)
+    micro.append(_rows(batch, current))
+    return micro

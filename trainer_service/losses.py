@@ -340,6 +340,19 @@ def _aggregate(
     return (seq_loss_B * valid_B).sum() / valid_B.sum().clamp(min=1.0)
 
 
+def loss_denominator(loss_mask_BT: torch.Tensor, loss_agg: str) -> float:
+    """The count ``policy_loss`` divides by: response tokens (token-mean) or non-empty sequences.
+
+    Gradient accumulation weights each micro-batch's loss by ``its denominator / the step's`` so the
+    sum over micro-batches equals the loss of the whole step in one batch.
+    """
+    if loss_agg == "token-mean":
+        return float(loss_mask_BT.sum().clamp(min=1.0))
+    if loss_agg in LOSS_AGG_MODES:
+        return float((loss_mask_BT.sum(dim=1) > 0).sum().clamp(min=1))
+    raise ValueError(f"loss_agg must be one of {LOSS_AGG_MODES}, got {loss_agg!r}")
+
+
 def policy_loss(
     logprobs_BT: torch.Tensor,
     old_logprobs_BT: torch.Tensor,

@@ -8,12 +8,13 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Iterator
+from pathlib import Path
 
 import torch
 
 from protos.config import TrainerConfig
-from trainer_service.batch import TrainBatch
-from trainer_service.losses import PolicyLossConfig, policy_loss
+from trainer_service.batch import TrainBatch, split_micro_batches
+from trainer_service.losses import PolicyLossConfig, loss_denominator, policy_loss
 
 logger = logging.getLogger(__name__)
 
@@ -39,7 +40,7 @@ def token_logprobs(model, input_ids_BT: torch.Tensor, attention_mask_BT: torch.T
 
 
 class TorchBackend:
-    """Owns the model and optimizer; ``train_step`` is one optimizer step on one batch."""
+    """Owns the model, optimizer and LR schedule; ``train_step`` is one optimizer step on one batch."""
 
     def __init__(self, model_path: str, config: TrainerConfig, temperature: float = 1.0, device: str = "cpu"):
         from transformers import AutoModelForCausalLM
@@ -53,31 +54,46 @@ class TorchBackend:
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=config.lr, weight_decay=config.weight_decay, betas=(0.9, 0.99)
         )
+        warmup = config.lr_warmup_steps
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda step: min(1.0, (step + 1) / warmup) if warmup else 1.0
+        )
         self.loss_config = loss_config(config)
 
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
-        """Forward, loss, backward, clip, step. A non-finite loss or gradient skips the step."""
-        ids = batch.input_ids_BT.to(self.device)
-        attention = batch.attention_mask_BT.to(self.device)
-        logprobs = token_logprobs(self.model, ids, attention, self.temperature)
-        loss_mask = batch.loss_mask_BT.to(self.device)
-        # One optimizer step per batch: pi_old is the current policy before the step.
-        old_logprobs = logprobs.detach()
-        loss, metrics = policy_loss(
-            logprobs, old_logprobs, batch.rollout_logprobs_BT.to(self.device),
-            batch.advantages_B.to(self.device), loss_mask, self.loss_config,
-        )
+        """Forward/backward per micro-batch, clip, step. A non-finite loss or gradient skips the step."""
+        micro_batches = split_micro_batches(batch, self.config.micro_batch_tokens)
+        agg = self.loss_config.loss_agg
+        total = loss_denominator(batch.loss_mask_BT, agg)
         self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+        loss_sum, metrics = 0.0, {}
+        for micro in micro_batches:
+            weight = loss_denominator(micro.loss_mask_BT, agg) / total
+            loss, micro_metrics = self._micro_step(micro)
+            (loss * weight).backward()
+            loss_sum += loss.item() * weight
+            for key, value in micro_metrics.items():  # figures of the step = weighted mean of its parts
+                metrics[key] = metrics.get(key, 0.0) + value * weight
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.grad_clip))
-        skipped = not (math.isfinite(loss.item()) and math.isfinite(grad_norm))
+        skipped = not (math.isfinite(loss_sum) and math.isfinite(grad_norm))
         if skipped:
-            logger.error("non-finite loss %.4g or grad norm %.4g: step skipped", loss.item(), grad_norm)
+            logger.error("non-finite loss %.4g or grad norm %.4g: step skipped", loss_sum, grad_norm)
             self.optimizer.zero_grad(set_to_none=True)
         else:
             self.optimizer.step()
-        metrics.update(loss=loss.item(), grad_norm=grad_norm, skipped=float(skipped))
+            self.scheduler.step()
+        metrics.update(loss=loss_sum, grad_norm=grad_norm, skipped=float(skipped),
+                       micro_batches=float(len(micro_batches)), lr=self.scheduler.get_last_lr()[0])
         return metrics
+
+    def _micro_step(self, micro: TrainBatch) -> tuple[torch.Tensor, dict[str, float]]:
+        ids = micro.input_ids_BT.to(self.device)
+        logprobs = token_logprobs(self.model, ids, micro.attention_mask_BT.to(self.device), self.temperature)
+        # One optimizer step per batch: pi_old is the current policy before the step.
+        return policy_loss(
+            logprobs, logprobs.detach(), micro.rollout_logprobs_BT.to(self.device),
+            micro.advantages_B.to(self.device), micro.loss_mask_BT.to(self.device), self.loss_config,
+        )
 
     def export_hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Yield (name, tensor) in the HF checkpoint layout vLLM loads (experts per expert, layer order)."""
@@ -85,3 +101,28 @@ class TorchBackend:
 
         state = {name: tensor.detach() for name, tensor in self.model.state_dict().items()}
         yield from revert_weight_conversion(self.model, state).items()
+
+    def save_checkpoint(self, directory: Path) -> None:
+        """Model as safetensors; optimizer, LR schedule and RNG as a tensors-only torch file."""
+        from safetensors.torch import save_model
+
+        save_model(self.model, str(directory / "model.safetensors"))
+        state = {
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "cpu_rng": torch.get_rng_state(),
+            "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+        }
+        torch.save(state, directory / "optimizer.pt")
+
+    def load_checkpoint(self, directory: Path) -> None:
+        from safetensors.torch import load_model
+
+        load_model(self.model, str(directory / "model.safetensors"), device=str(self.device))
+        # weights_only: the file holds tensors, numbers and dicts; nothing executable is unpickled.
+        state = torch.load(directory / "optimizer.pt", weights_only=True, map_location=self.device)
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        torch.set_rng_state(state["cpu_rng"])
+        if state["cuda_rng"]:
+            torch.cuda.set_rng_state_all(state["cuda_rng"])

@@ -1,6 +1,8 @@
-"""Trainer: the plain core of the trainer role (no Redis): staleness check, step, publish decision.
+"""Trainer: the plain core of the trainer role (no Redis): dedupe, staleness check, step, publish decision.
 
-``__main__.run`` drives it with groups popped from the queue; tests can drive it in-process.
+``__main__.run`` drives it with groups popped from the queue; tests can drive it in-process. The ledger
+(group id -> outcome) makes consumption idempotent: a group id seen before (a redelivered entry after a
+crash, or a push the coordinator retried after a lost reply) is skipped and counted, never trained twice.
 """
 
 from __future__ import annotations
@@ -24,28 +26,44 @@ class TrainerTotals:
     stale_dropped: int = 0
     max_staleness_seen: int = 0
     steps_skipped: int = 0
+    duplicates_skipped: int = 0
     staleness_counts: dict[int, int] = field(default_factory=dict)
 
 
 class Trainer:
-    """Owns the backend and the policy version; ``step`` trains on one step's groups."""
+    """Owns the backend, the policy version and the ledger; ``step`` trains on one step's groups."""
 
-    def __init__(self, backend, max_staleness: int, policy_version: int = 0):
+    def __init__(self, backend, max_staleness: int, policy_version: int = 0, ledger: dict[str, str] | None = None):
         self.backend = backend
         self.max_staleness = max_staleness
         self.policy_version = policy_version
+        self.ledger: dict[str, str] = dict(ledger or {})
         self.totals = TrainerTotals()
+        self.last_staleness: list[int] = []  # per group of the last step (metrics)
+
+    def filter_new(self, groups: list[TrajectoryGroup]) -> list[TrajectoryGroup]:
+        """The groups not consumed before (ledger) and not repeated in ``groups``; counts the rest."""
+        new: dict[str, TrajectoryGroup] = {}
+        for group in groups:
+            if group.group_id in self.ledger or group.group_id in new:
+                self.totals.duplicates_skipped += 1
+            else:
+                new[group.group_id] = group
+        return list(new.values())
 
     def step(self, groups: list[TrajectoryGroup]) -> dict[str, float]:
-        """Drop groups beyond the staleness bound, train on the rest; returns the step's figures.
+        """Drop groups beyond the staleness bound, train on the rest, record all of them in the ledger.
 
-        The policy version advances only when the optimizer step was taken (not skipped), i.e. when
-        new weights must be published.
+        ``groups`` must be new (see ``filter_new``). The policy version advances only when the optimizer
+        step was taken (not skipped), i.e. when new weights must be published. Returns the step's figures.
         """
         started = time.monotonic()
-        staleness = [staleness_of(g, self.policy_version) for g in groups]
-        fresh = [g for g, s in zip(groups, staleness, strict=True) if s <= self.max_staleness]
         totals = self.totals
+        if not groups or any(g.group_id in self.ledger for g in groups):
+            raise ValueError("Trainer.step needs at least one group, none of them in the ledger (filter_new)")
+        staleness = [staleness_of(g, self.policy_version) for g in groups]
+        self.last_staleness = staleness
+        fresh = [g for g, s in zip(groups, staleness, strict=True) if s <= self.max_staleness]
         totals.stale_dropped += sum(len(g.samples) for g, s in zip(groups, staleness, strict=True) if s > self.max_staleness)
         totals.max_staleness_seen = max(totals.max_staleness_seen, *staleness)
         for value in staleness:
@@ -61,6 +79,9 @@ class Trainer:
             totals.steps_skipped += 1
         else:
             self.policy_version += 1
+        trained = "nonfinite" if values["skipped"] else "trained"
+        for group, lag in zip(groups, staleness, strict=True):
+            self.ledger[group.group_id] = "stale" if lag > self.max_staleness else trained
         values.update(
             staleness_max=float(max(staleness)),
             staleness_mean=sum(staleness) / len(staleness),
@@ -68,5 +89,9 @@ class Trainer:
             samples_trained=float(totals.samples_trained),
             stale_dropped=float(totals.stale_dropped),
             max_staleness_seen=float(totals.max_staleness_seen),
+            duplicates_skipped=float(totals.duplicates_skipped),
+            samples_step=float(sum(len(g.samples) for g in fresh)),
+            stale_dropped_step=float(sum(len(g.samples) for g in groups) - sum(len(g.samples) for g in fresh)),
+            num_tokens=float(sum(len(s.response_token_ids.to_numpy()) for g in fresh for s in g.samples)),
         )
         return values

@@ -1,0 +1,70 @@
+"""Checkpoints: bit-exact resume of model, optimizer, LR schedule and ledger; pruning; bad resume paths."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from synthetic import make_group
+
+from modeling.tiny_model import init_tiny
+from protos.config import TrainerConfig
+from trainer_service.checkpoint import CheckpointManager, TrainerState
+from trainer_service.torch_backend import TorchBackend
+from trainer_service.trainer import Trainer
+
+CONFIG = TrainerConfig(geo_mask=None, lr_warmup_steps=3, micro_batch_tokens=64)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return str(init_tiny(tmp_path_factory.mktemp("tiny")))
+
+
+def _train(trainer: Trainer, steps: range) -> list[float]:
+    losses = []
+    for step in steps:
+        groups = trainer.filter_new([make_group(2 * step, seed=3), make_group(2 * step + 1, seed=3)])
+        losses.append(trainer.step(groups)["loss"])
+    return losses
+
+
+def test_resume_from_checkpoint_continues_bit_exactly(model_dir, tmp_path):
+    checkpoints = CheckpointManager(tmp_path / "ckpt", keep_last=2)
+    trainer = Trainer(TorchBackend(model_dir, CONFIG), max_staleness=100)
+    _train(trainer, range(4))
+    saved = checkpoints.save(trainer.backend, TrainerState(4, trainer.policy_version, trainer.ledger))
+    continued = _train(trainer, range(4, 6))
+    final_weights = {k: v.clone() for k, v in trainer.backend.model.state_dict().items()}
+
+    fresh_backend = TorchBackend(model_dir, CONFIG)  # a new process would start exactly like this
+    state = CheckpointManager.load(checkpoints.latest(), fresh_backend)
+    assert checkpoints.latest() == saved and state.step == 4 and state.policy_version == 4
+    assert list(state.ledger) == [f"g{i}" for i in range(8)]
+    resumed = Trainer(fresh_backend, max_staleness=100, policy_version=state.policy_version, ledger=state.ledger)
+    assert _train(resumed, range(4, 6)) == continued  # bit-exact, not approximately
+    assert fresh_backend.scheduler.get_last_lr() == trainer.backend.scheduler.get_last_lr()
+    for name, tensor in fresh_backend.model.state_dict().items():
+        assert torch.equal(tensor, final_weights[name]), name
+
+
+def test_keeps_the_last_k_and_ignores_partial_checkpoints(model_dir, tmp_path):
+    checkpoints = CheckpointManager(tmp_path, keep_last=2)
+    backend = TorchBackend(model_dir, TrainerConfig())
+    for step in (1, 2, 3):
+        checkpoints.save(backend, TrainerState(step, step, {f"g{step}": "trained"}))
+    assert sorted(p.name for p in tmp_path.glob("step-*")) == ["step-000002", "step-000003"]
+    (tmp_path / "step-000004.partial").mkdir()  # a save cut short by a crash
+    assert checkpoints.latest().name == "step-000003"
+    (tmp_path / "latest").unlink()  # even without the pointer, the newest complete one is found
+    assert checkpoints.latest().name == "step-000003"
+    state = json.loads((tmp_path / "step-000003" / "trainer_state.json").read_text())
+    assert state["ledger"] == {"g3": "trained"}
+
+
+def test_resume_setting_none_latest_and_bad_path(tmp_path):
+    checkpoints = CheckpointManager(tmp_path / "empty")
+    assert checkpoints.resolve("latest") is None and checkpoints.resolve("none") is None
+    with pytest.raises(FileNotFoundError, match="trainer.resume"):
+        checkpoints.resolve(str(tmp_path / "missing"))

@@ -1,0 +1,112 @@
+"""Checkpoints of the trainer: backend state (model, optimizer, scheduler, RNG) plus the trainer state.
+
+The trainer state holds the step, the policy version and the **ledger**: every trajectory group id whose
+step is inside these weights, with its outcome. A queue entry is acknowledged only after the checkpoint
+that contains its group id is on disk, so after a crash the trainer reclaims the unacknowledged entries,
+skips the ids already in the ledger, and trains the rest: every group is consumed exactly once by the
+lineage of weights that survives.
+
+Layout: ``<root>/step-000042/{trainer_state.json, <backend files>}`` written as ``step-000042.partial``
+and renamed when complete; ``<root>/latest`` names the newest complete one (replaced atomically).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+STATE_FILE = "trainer_state.json"
+
+
+@dataclass
+class TrainerState:
+    """What a checkpoint records besides the backend: where training stands and what it consumed."""
+
+    step: int
+    policy_version: int
+    # group id -> outcome ("trained", "stale", "nonfinite"), in the order consumed
+    ledger: dict[str, str] = field(default_factory=dict)
+    totals: dict[str, float] = field(default_factory=dict)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class CheckpointManager:
+    """Saves, finds, loads and prunes checkpoints under ``root``."""
+
+    def __init__(self, root: str | Path, keep_last: int = 2):
+        if keep_last < 1:
+            raise ValueError(f"keep_last must be >= 1 (got {keep_last})")
+        self.root = Path(root)
+        self.keep_last = keep_last
+        self.root.mkdir(parents=True, exist_ok=True)
+
+    def save(self, backend, state: TrainerState) -> Path:
+        """Write a complete checkpoint of ``backend`` and ``state``; durable when this returns."""
+        final = self.root / f"step-{state.step:06d}"
+        partial = final.with_suffix(".partial")
+        shutil.rmtree(partial, ignore_errors=True)
+        partial.mkdir()
+        backend.save_checkpoint(partial)
+        with open(partial / STATE_FILE, "w") as handle:
+            json.dump(asdict(state), handle)
+            handle.flush()
+            os.fsync(handle.fileno())
+        for file in partial.iterdir():  # the backend's files too: the rename below must not outrun them
+            with open(file, "rb") as handle:
+                os.fsync(handle.fileno())
+        shutil.rmtree(final, ignore_errors=True)  # a same-step leftover of an earlier incarnation
+        os.rename(partial, final)
+        pointer = self.root / "latest.tmp"
+        pointer.write_text(final.name)
+        os.replace(pointer, self.root / "latest")
+        _fsync_dir(self.root)
+        self._prune()
+        return final
+
+    def latest(self) -> Path | None:
+        """The newest complete checkpoint, or None."""
+        pointer = self.root / "latest"
+        if pointer.exists():
+            path = self.root / pointer.read_text().strip()
+            if (path / STATE_FILE).exists():
+                return path
+        complete = sorted(p for p in self.root.glob("step-*") if p.suffix != ".partial" and (p / STATE_FILE).exists())
+        return complete[-1] if complete else None
+
+    def resolve(self, resume: str) -> Path | None:
+        """Which checkpoint ``trainer.resume`` asks for: 'latest', 'none' or a path."""
+        if resume == "none":
+            return None
+        if resume == "latest":
+            return self.latest()
+        path = Path(resume)
+        if not (path / STATE_FILE).exists():
+            raise FileNotFoundError(f"trainer.resume={resume!r}: no {STATE_FILE} there")
+        return path
+
+    @staticmethod
+    def load(path: str | Path, backend) -> TrainerState:
+        """Restore ``backend`` from ``path`` and return the trainer state saved with it."""
+        path = Path(path)
+        backend.load_checkpoint(path)
+        with open(path / STATE_FILE) as handle:
+            raw = json.load(handle)
+        return TrainerState(**raw)
+
+    def _prune(self) -> None:
+        complete = sorted(p for p in self.root.glob("step-*") if p.suffix != ".partial")
+        for old in complete[: -self.keep_last]:
+            shutil.rmtree(old, ignore_errors=True)
