@@ -5,9 +5,10 @@ Run from the repository root on a machine with vLLM (CPU or GPU)::
 
     .venv/bin/python benchmarks/rollout_overhead.py [--requests 64 --n 8 --max-tokens 128 --rounds 3]
 
-Both sides run the same engine configuration (``RolloutConfig`` defaults plus the flags below) on the
-same tiny MoE model, with the same prompts and sampling (temperature 1, ``ignore_eos`` so every sample
-has exactly ``max_tokens`` tokens), all requests submitted at once so the engine stays busy:
+Both sides run the same engine configuration (``RolloutConfig`` defaults) on the same tiny MoE model,
+with the same prompts and sampling (temperature 1, ``ignore_eos`` so every sample has exactly
+``max_tokens`` tokens, ``stream_interval`` tokens per streamed chunk), all requests submitted at once so
+the engine stays busy:
 
 (a) ``inproc``: ``AsyncLLM.generate`` called directly in this process (no fleetrl code on the path);
 (b) ``grpc``: ``python -m rollout_service serve`` as its own process, called over loopback gRPC.
@@ -15,6 +16,8 @@ has exactly ``max_tokens`` tokens), all requests submitted at once so the engine
 Rounds alternate a, b, a, b, ... after one warm-up each (the first generation after start pays a
 one-time warm-up), and the medians are compared. The last line printed is one JSON object:
 ``{"inproc_tok_s": .., "grpc_tok_s": .., "ratio": ..}`` (ratio = grpc / inproc, goal >= 0.97).
+It also prints the CPU milliseconds per 1000 tokens of each process group (this process, its engine,
+the server process, the server's engine): the profile of where the gRPC path spends more.
 """
 
 from __future__ import annotations
@@ -40,7 +43,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--prompt-len", type=int, default=16)
     parser.add_argument("--rounds", type=int, default=3, help="measured rounds per side")
-    parser.add_argument("--stream-interval", type=int, default=1, help="rollout.stream_interval of both engines")
+    parser.add_argument("--stream-interval", type=int, default=16,
+                        help="tokens per streamed chunk, per request on both sides (the coordinator asks 16)")
     parser.add_argument("--model", default="", help="checkpoint; default: a random tiny MoE built in a temp dir")
     return parser.parse_args()
 
@@ -57,7 +61,8 @@ async def inproc_round(engine, args: argparse.Namespace, round_index: int) -> tu
     from rollout_service.engine import SamplingRequest
 
     async def one(i: int, prompt: list[int]) -> int:
-        request = SamplingRequest(prompt, args.n, args.max_tokens, 1.0, 1.0, -1, 0.0, [], None, 0, True)
+        request = SamplingRequest(prompt, args.n, args.max_tokens, 1.0, 1.0, -1, 0.0, [], None, 0, True,
+                                  stream_interval=args.stream_interval)
         params = engine._sampling_params(request)  # the exact SamplingParams the server builds
         tokens = 0
         async for output in engine.llm.generate(TokensPrompt(prompt_token_ids=prompt), params, f"r{round_index}-{i}"):
@@ -73,7 +78,8 @@ async def grpc_round(stub, args: argparse.Namespace) -> tuple[int, float]:
     """(tokens, seconds) of one round through the gRPC server."""
     from protos import rollout_pb2 as pb
 
-    sampling = pb.SamplingParams(n=args.n, max_tokens=args.max_tokens, temperature=1.0, ignore_eos=True)
+    sampling = pb.SamplingParams(n=args.n, max_tokens=args.max_tokens, temperature=1.0, ignore_eos=True,
+                                 stream_interval=args.stream_interval)
 
     async def one(prompt: list[int]) -> int:
         tokens = 0
@@ -96,7 +102,7 @@ async def start_server(model: str, args: argparse.Namespace, log_path: Path):
     port = free_port()
     process = subprocess.Popen(
         [sys.executable, "-m", "rollout_service", "serve", "--model", model, "--port", str(port),
-         f"rollout.stream_interval={args.stream_interval}", f"rollout.max_inflight_requests={max(256, args.requests)}"],
+         f"rollout.max_inflight_requests={max(256, args.requests)}"],
         stdout=open(log_path, "wb"), stderr=subprocess.STDOUT, start_new_session=True,
     )
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
@@ -116,6 +122,37 @@ async def start_server(model: str, args: argparse.Namespace, log_path: Path):
         await asyncio.sleep(0.5)
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of a process and its children (engine core, worker)."""
+    import psutil
+
+    total = 0.0
+    root = psutil.Process(pid)
+    for proc in [root, *root.children(recursive=True)]:
+        try:
+            times = proc.cpu_times()
+            total += times.user + times.system
+        except psutil.NoSuchProcess:
+            pass
+    return total
+
+
+def cpu_split(server_pid: int) -> dict[str, float]:
+    """CPU seconds so far of: this process alone, its engine children, the server process, its engine."""
+    import psutil
+
+    me = psutil.Process()
+    own = sum(me.cpu_times()[:2])
+    server = psutil.Process(server_pid)
+    # The server was started from here, so it is one of our children: count its tree apart.
+    return {
+        "bench": own,
+        "inproc_engine": cpu_seconds(me.pid) - own - cpu_seconds(server_pid),
+        "server_frontend": sum(server.cpu_times()[:2]),
+        "server_engine": cpu_seconds(server_pid) - sum(server.cpu_times()[:2]),
+    }
+
+
 async def main_async(args: argparse.Namespace) -> dict:
     from modeling.tiny_model import init_tiny
     from protos.config import RolloutConfig
@@ -124,13 +161,15 @@ async def main_async(args: argparse.Namespace) -> dict:
     workdir = Path(tempfile.mkdtemp(prefix="fleetrl-bench-"))
     model = args.model or str(init_tiny(workdir / "tiny"))
     process, channel, stub = await start_server(model, args, workdir / "server.log")
-    engine = RolloutEngine(model, RolloutConfig(stream_interval=args.stream_interval, max_inflight_requests=1024))
+    engine = RolloutEngine(model, RolloutConfig(max_inflight_requests=1024))
     await engine.start()
     expected = args.requests * args.n * args.max_tokens
     results: dict[str, list[float]] = {"inproc": [], "grpc": []}
+    cpu_ms_per_ktok: dict[str, dict[str, list[float]]] = {"inproc": {}, "grpc": {}}
     try:
         for round_index in range(args.rounds + 1):  # round 0 warms both up and is not counted
             for side in ("inproc", "grpc"):
+                cpu_before = cpu_split(process.pid)
                 if side == "inproc":
                     tokens, seconds = await inproc_round(engine, args, round_index)
                 else:
@@ -141,12 +180,19 @@ async def main_async(args: argparse.Namespace) -> dict:
                 print(f"{label:8s} {side:6s} {tokens} tokens in {seconds:6.2f} s = {tokens / seconds:9.0f} tok/s", flush=True)
                 if round_index:
                     results[side].append(tokens / seconds)
+                    cpu_after = cpu_split(process.pid)
+                    for part, value in cpu_after.items():
+                        used = 1000 * (value - cpu_before[part]) / (tokens / 1000)
+                        cpu_ms_per_ktok[side].setdefault(part, []).append(used)
     finally:
         engine.shutdown()
         await channel.close()
         os.killpg(process.pid, 15)
         process.wait(timeout=60)
     inproc, grpc_tok_s = statistics.median(results["inproc"]), statistics.median(results["grpc"])
+    print("CPU ms per 1000 tokens (median over rounds; the idle side's figures show background cost):")
+    for side, parts in cpu_ms_per_ktok.items():
+        print(f"  {side:6s} " + "  ".join(f"{part}={statistics.median(v):6.1f}" for part, v in parts.items()))
     return {
         "inproc_tok_s": round(inproc, 1),
         "grpc_tok_s": round(grpc_tok_s, 1),

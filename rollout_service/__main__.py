@@ -30,6 +30,14 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return parser.parse_intermixed_args(argv)
 
 
+async def watch_engine(engine, stop: asyncio.Event, interval_s: float = 1.0) -> None:
+    """Raise once the vLLM engine core died: a server that cannot generate must exit, not linger."""
+    while not stop.is_set():
+        if engine.errored:
+            raise RuntimeError(f"rollout server {engine.server_id}: vLLM engine core died")
+        await asyncio.sleep(interval_s)
+
+
 async def run(args: argparse.Namespace) -> None:
     from rollout_service.engine import RolloutEngine
     from rollout_service import metrics
@@ -70,9 +78,12 @@ async def run(args: argparse.Namespace) -> None:
         await follower.report()
     if follower is not None and rollout_config.weight_updates == "follow":
         follow_task = asyncio.create_task(follower.run(stop), name="weight-follower")
-    # 4) wait for a stop signal; a dead follower task stops the server with its error
+    # 4) wait for a stop signal; a dead follower task or a dead engine stops the server with an error
     waiter = asyncio.create_task(stop.wait())
-    done, _ = await asyncio.wait({t for t in (waiter, follow_task) if t}, return_when=asyncio.FIRST_COMPLETED)
+    watchdog = asyncio.create_task(watch_engine(engine, stop), name="engine-watchdog")
+    done, _ = await asyncio.wait(
+        {t for t in (waiter, follow_task, watchdog) if t}, return_when=asyncio.FIRST_COMPLETED
+    )
     # 5) graceful shutdown: NOT_SERVING, refuse new calls, give in-flight calls the grace period, stop the engine
     stop.set()
     logger.info("rollout server %s draining %d calls (grace %.1fs)", engine.server_id, servicer.inflight, args.grace_s)
@@ -81,8 +92,10 @@ async def run(args: argparse.Namespace) -> None:
         await asyncio.wait_for(follow_task, timeout=5.0)  # it checks `stop` at least every second
     engine.shutdown()
     logger.info("rollout server %s stopped", engine.server_id)
-    if follow_task is not None and follow_task in done and follow_task.exception():
-        raise follow_task.exception()
+    watchdog.cancel()
+    for task in (follow_task, watchdog):
+        if task is not None and task in done and not task.cancelled() and task.exception():
+            raise task.exception()
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -25,6 +25,10 @@ class RequestRejected(ValueError):
     """vLLM refused a request that passed ingress validation (its own checks are the backstop)."""
 
 
+class EngineUnavailable(RuntimeError):
+    """The vLLM engine died or failed the request; the server cannot serve until restarted."""
+
+
 @dataclass(frozen=True)
 class SamplingRequest:
     """A validated generation request (see ``validation.py``)."""
@@ -42,6 +46,7 @@ class SamplingRequest:
     ignore_eos: bool
     request_id: str = ""
     priority: int = 0
+    stream_interval: int = 0  # 0 = the engine's rollout.stream_interval
 
 
 @dataclass
@@ -157,6 +162,7 @@ class RolloutEngine:
             ignore_eos=request.ignore_eos,
             output_kind=RequestOutputKind.DELTA,
             detokenize=False,
+            stream_interval=request.stream_interval or None,  # vLLM clamps it to >= the engine's
         )
 
     async def generate(self, request: SamplingRequest) -> AsyncIterator[SampleChunk]:
@@ -170,22 +176,22 @@ class RolloutEngine:
             request_id,
             priority=request.priority,
         )
-        from vllm.exceptions import VLLMClientError
+        from vllm.exceptions import VLLMClientError, VLLMServerError
 
         finished = 0
         try:
             try:
                 output = await anext(stream)
+                while output is not None:
+                    for completion in output.outputs:
+                        chunk = self._chunk(request_id, completion)
+                        finished += chunk.finished
+                        yield chunk
+                    output = await anext(stream, None)
             except VLLMClientError as error:
                 raise RequestRejected(str(error)) from error
-            while True:
-                for completion in output.outputs:
-                    chunk = self._chunk(request_id, completion)
-                    finished += chunk.finished
-                    yield chunk
-                output = await anext(stream, None)
-                if output is None:
-                    break
+            except VLLMServerError as error:  # EngineDeadError, EngineGenerateError
+                raise EngineUnavailable(f"{type(error).__name__}: {error}") from error
         finally:
             if finished < request.n:
                 await self.llm.abort(request_id)
@@ -232,6 +238,11 @@ class RolloutEngine:
             finally:
                 await self.resume()
             return time.monotonic() - started
+
+    @property
+    def errored(self) -> bool:
+        """True once the engine core died; the server must stop (a supervisor restarts it)."""
+        return self._llm is not None and self._llm.errored
 
     async def state_checksum(self) -> float:
         results = await self.llm.collective_rpc("fleetrl_state_checksum")

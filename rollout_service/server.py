@@ -8,6 +8,7 @@ Health checking and reflection are standard services.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
@@ -19,7 +20,7 @@ from grpc_reflection.v1alpha import reflection
 from protos import rollout_pb2 as pb
 from protos import rollout_pb2_grpc as pb_grpc
 from rollout_service import metrics
-from rollout_service.engine import RequestRejected, RolloutEngine, SampleChunk
+from rollout_service.engine import EngineUnavailable, RequestRejected, RolloutEngine, SampleChunk
 from rollout_service.validation import validate_generate
 from rollout_service.weight_sync import UpdateConflict
 from weight_bus.packing import ChecksumError
@@ -106,6 +107,8 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
         except RequestRejected as error:
             metrics.REJECTED.labels("invalid").inc()
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"engine refused the request: {error}")
+        except EngineUnavailable as error:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"server {self.engine.server_id}: {error}")
         finally:
             self.inflight -= 1
             metrics.RUNNING.set(self.inflight)
@@ -210,11 +213,17 @@ async def start_grpc_server(
 async def drain_and_stop(
     server: grpc.aio.Server, servicer: RolloutServicer, health_servicer, grace_s: float
 ) -> None:
-    """Graceful stop: report NOT_SERVING, refuse new calls, give in-flight calls ``grace_s``, then cancel.
+    """Graceful stop: NOT_SERVING, refuse new calls, give in-flight calls ``grace_s``, then cancel the rest.
 
-    Cancelled Generate calls abort their engine requests (engine.generate's finally), so nothing is left
-    running in vLLM when the engine shuts down.
+    The server keeps listening while it drains so a new call gets our UNAVAILABLE "shutting down" (a client
+    retries elsewhere) rather than a bare transport error. Cancelled Generate calls abort their engine
+    requests (engine.generate's finally), so nothing is left running in vLLM when the engine shuts down.
     """
     servicer.draining = True
     await health_servicer.enter_graceful_shutdown()
-    await server.stop(grace_s)
+    deadline = time.monotonic() + grace_s
+    while servicer.inflight and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    if servicer.inflight:
+        logger.warning("grace period over: cancelling %d calls still in flight", servicer.inflight)
+    await server.stop(0)

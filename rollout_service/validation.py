@@ -45,6 +45,8 @@ def validate_generate(
     bad_stop = [t for t in s.stop_token_ids if t < 0 or t >= vocab_size]
     if bad_stop:
         raise ValueError(f"sampling.stop_token_ids outside the vocabulary: {bad_stop[:5]}")
+    if s.stream_interval > max_model_len:
+        raise ValueError(f"sampling.stream_interval must be in [0, {max_model_len}] (got {s.stream_interval})")
     if len(request.request_id) > MAX_REQUEST_ID_LEN:
         raise ValueError(f"request_id is longer than {MAX_REQUEST_ID_LEN} characters")
     return SamplingRequest(
@@ -61,4 +63,5 @@ def validate_generate(
         ignore_eos=s.ignore_eos,
         request_id=request.request_id,
         priority=request.priority,
+        stream_interval=s.stream_interval,
     )
