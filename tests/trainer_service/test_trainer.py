@@ -90,3 +90,44 @@ def test_micro_batches_give_the_same_step_as_one_batch(model_dir):
         assert split["grad_norm"] == pytest.approx(whole["grad_norm"], rel=1e-5)
         assert len(whole_grads) == len(split_grads) > 0
         assert max((a - b).abs().max().item() for a, b in zip(whole_grads, split_grads, strict=True)) < 1e-6
+
+
+def _with_rollout(group: TrajectoryGroup, routes_BTLK, logprobs_BT, attach_routes: bool) -> TrajectoryGroup:
+    """The group as a rollout engine would return it: its own logprobs, and its routes when it has them."""
+    prompt_len = len(group.prompt_token_ids.to_numpy())
+    samples = []
+    for row, sample in enumerate(group.samples):
+        length = len(sample.response_token_ids.to_numpy())
+        rollout = logprobs_BT[row, prompt_len - 1 : prompt_len - 1 + length].numpy().astype(np.float32)
+        routes = routes_BTLK[row, : prompt_len + length - 1].numpy().astype(np.int32)  # vLLM's layout
+        samples.append(Sample(sample.response_token_ids, Array.from_numpy(rollout), sample.version_spans,
+                              sample.finish_reason, sample.reward,
+                              routed_experts=Array.from_numpy(routes) if attach_routes else None))
+    return TrajectoryGroup(group.group_id, group.prompt_id, group.prompt_token_ids, samples, group.data_source,
+                           group.admission_index, group.admitted_at_version, group.created_s)
+
+
+def test_trainer_replays_rollout_routes_so_its_logprobs_match_the_rollouts(model_dir):
+    import torch
+    from router_perturbation import perturb_unused_experts
+
+    from trainer_service.batch import build_batch
+    from trainer_service.routing_replay import record_routes
+    from trainer_service.torch_backend import token_logprobs
+
+    # Short rows so some experts stay unused (the perturbation below needs them).
+    group = _group(0, version=0, rewards=(0.0, 1.0))
+    results = {}
+    for attach_routes in (True, False):
+        backend = TorchBackend(model_dir, TrainerConfig(geo_mask=None))
+        batch = build_batch([group])
+        with torch.no_grad(), record_routes(backend.model) as recorder:  # the "rollout" engine's routing
+            logprobs = token_logprobs(backend.model, batch.input_ids_BT, batch.attention_mask_BT, 1.0)
+        routes = recorder.routes(*batch.input_ids_BT.shape)
+        # The trainer's router drifts from the rollout's: natural routing now picks other experts.
+        perturb_unused_experts([layer.mlp.gate.weight for layer in backend.model.model.layers], routes)
+        trainer = Trainer(backend, max_staleness=1)
+        results[attach_routes] = trainer.step([_with_rollout(group, routes, logprobs, attach_routes)])
+    assert results[True]["r3_replayed"] == 1.0 and results[False]["r3_replayed"] == 0.0
+    assert results[True]["mean_abs_logprob_diff"] < 1e-5  # replayed: the rollout's own logprobs back
+    assert results[False]["mean_abs_logprob_diff"] > 1e-3

@@ -1,0 +1,339 @@
+"""The Megatron training backend: megatron-bridge builds a megatron-core GPTModel from the HF checkpoint.
+
+Same interface as ``TorchBackend``: ``train_step``, ``token_logprobs``, ``export_hf_weights`` (HF layout, experts
+per expert, as vLLM loads them), plus ``save_checkpoint`` / ``load_checkpoint`` (model, optimizer, RNG; resuming
+is bit-exact). The optimizer is megatron-core's (distributed optimizer over the data-parallel ranks) and the step
+runs through megatron-core's ``forward_backward_func``.
+
+On a CPU-only torch it runs on gloo with world size 1 in fp32, with the shims of ``megatron_cpu_shims`` and the
+CPU-safe model settings of ``_configure_provider`` (shared/notes/stack.md, "Megatron on CPU").
+
+Shape legend: _BT [samples, tokens], _BTV [samples, tokens, vocab], routes_BTLK see ``routing_replay``.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import socket
+from collections.abc import Iterator
+from functools import partial
+from pathlib import Path
+
+import torch
+
+from protos.config import MegatronConfig, TrainerConfig
+from trainer_service import megatron_checkpoint, megatron_cpu_shims
+from trainer_service.batch import TrainBatch
+from trainer_service.losses import policy_loss
+from trainer_service.routing_replay import megatron_forced_routing
+from trainer_service.torch_backend import loss_config
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def init_distributed(device: str) -> None:
+    """Join torch.distributed: torchrun's env when present, else a world of one on a free local port."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return
+    backend = "nccl" if device.startswith("cuda") else "gloo"
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        if backend == "nccl":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group(backend)
+        return
+    if backend == "nccl":
+        torch.cuda.set_device(torch.device(device).index or 0)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+
+
+def init_model_parallel(config: MegatronConfig) -> None:
+    """Set megatron's parallel groups once per process; a second backend must ask for the same layout."""
+    from megatron.core import parallel_state as mpu
+
+    sizes = (
+        config.tensor_model_parallel_size,
+        config.pipeline_model_parallel_size,
+        config.context_parallel_size,
+        config.expert_model_parallel_size,
+    )
+    if mpu.model_parallel_is_initialized():
+        current = (
+            mpu.get_tensor_model_parallel_world_size(),
+            mpu.get_pipeline_model_parallel_world_size(),
+            mpu.get_context_parallel_world_size(),
+            mpu.get_expert_model_parallel_world_size(),
+        )
+        if current != sizes:
+            raise ValueError(f"megatron parallel sizes (tp, pp, cp, ep) already set to {current}, asked {sizes}")
+        return
+    mpu.initialize_model_parallel(
+        tensor_model_parallel_size=sizes[0],
+        pipeline_model_parallel_size=sizes[1],
+        context_parallel_size=sizes[2],
+        expert_model_parallel_size=sizes[3],
+    )
+
+
+def _check_supported(config: MegatronConfig) -> None:
+    if config.pipeline_model_parallel_size != 1:
+        raise ValueError("megatron.pipeline_model_parallel_size: only 1 is implemented in MegatronBackend")
+    if config.context_parallel_size != 1:
+        raise ValueError("megatron.context_parallel_size: only 1 is implemented in MegatronBackend")
+
+
+def _configure_provider(provider, config: MegatronConfig, on_cpu: bool) -> None:
+    """Model settings: the local (non-TE) layer spec, no fusions that need TE/apex, the policy loss alone."""
+    from megatron.bridge.models.gpt_provider import local_layer_spec
+
+    dtype = _DTYPES[config.params_dtype]
+    provider.tensor_model_parallel_size = config.tensor_model_parallel_size
+    provider.pipeline_model_parallel_size = config.pipeline_model_parallel_size
+    provider.expert_model_parallel_size = config.expert_model_parallel_size
+    provider.context_parallel_size = config.context_parallel_size
+    # MoE with TP > 1 needs sequence parallel in megatron-core.
+    provider.sequence_parallel = config.tensor_model_parallel_size > 1
+    # The bridge defaults to the TE spec, which fails without Transformer Engine.
+    provider.transformer_layer_spec = local_layer_spec
+    provider.persist_layer_norm = False
+    provider.params_dtype = dtype
+    provider.pipeline_dtype = dtype
+    provider.autocast_dtype = dtype
+    provider.bf16 = dtype == torch.bfloat16
+    provider.fp16 = False
+    provider.moe_grouped_gemm = config.moe_grouped_gemm
+    provider.moe_token_dispatcher_type = config.moe_token_dispatcher
+    provider.moe_permute_fusion = False  # the bridge turns it on; it needs TE
+    provider.moe_enable_routing_replay = config.routing_replay
+    # RL trains on the policy loss alone: no load-balancing term unless asked for.
+    provider.moe_aux_loss_coeff = config.moe_aux_loss_coeff
+    if config.moe_aux_loss_coeff == 0.0:
+        provider.moe_router_load_balancing_type = "none"
+    provider.gradient_accumulation_fusion = False
+    provider.bias_dropout_fusion = False
+    provider.masked_softmax_fusion = False
+    provider.apply_rope_fusion = False
+    provider.cross_entropy_loss_fusion = False
+    provider.use_cpu_initialization = on_cpu
+
+
+def attention_mask_B1TT(attention_mask_BT: torch.Tensor) -> torch.Tensor:
+    """Megatron's boolean mask (True = masked): causal and key padding, as transformers masks a padded batch.
+
+    Passed explicitly because megatron-core's default causal mask is built on CUDA.
+    """
+    seq = attention_mask_BT.shape[1]
+    future_TT = torch.triu(torch.ones(seq, seq, dtype=torch.bool, device=attention_mask_BT.device), diagonal=1)
+    padded_key_BT = attention_mask_BT == 0
+    return (future_TT[None] | padded_key_BT[:, None, :])[:, None]
+
+
+class MegatronBackend:
+    """Owns the megatron model chunks and optimizer; ``train_step`` is one optimizer step on one batch."""
+
+    def __init__(
+        self,
+        model_path: str,
+        config: TrainerConfig,
+        temperature: float = 1.0,
+        device: str = "cpu",
+        random_init: bool = False,
+    ):
+        """``random_init``: build from ``config.json`` alone with random weights (benchmarks), else load weights."""
+        AutoBridge = megatron_cpu_shims.import_bridge()
+        from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+        from megatron.core.utils import get_model_config
+        from transformers import AutoConfig
+
+        _check_supported(config.megatron)
+        self.config = config
+        self.temperature = temperature
+        self.device = torch.device(device)
+        self.loss_config = loss_config(config)
+        init_distributed(device)
+        init_model_parallel(config.megatron)
+        torch.manual_seed(config.seed)
+        model_parallel_cuda_manual_seed(config.seed)
+        if random_init:
+            self.bridge = AutoBridge.from_hf_config(AutoConfig.from_pretrained(model_path))
+        else:
+            self.bridge = AutoBridge.from_hf_pretrained(model_path, dtype=_DTYPES[config.megatron.params_dtype])
+        self.model, self.optimizer = self._build(config, on_cpu=self.device.type == "cpu", load_weights=not random_init)
+        self.num_layers = get_model_config(self.model[0]).num_layers
+
+    def _build(self, config: TrainerConfig, on_cpu: bool, load_weights: bool):
+        from megatron.core.distributed import DistributedDataParallelConfig, finalize_model_grads
+        from megatron.core.utils import get_model_config
+
+        provider = self.bridge.to_megatron_provider(load_weights=load_weights)
+        _configure_provider(provider, config.megatron, on_cpu)
+        provider.finalize()
+        ddp_config = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True, use_distributed_optimizer=config.megatron.use_distributed_optimizer
+        )
+        bf16 = config.megatron.params_dtype == "bfloat16"
+        model = provider.provide_distributed_model(
+            ddp_config=ddp_config, wrap_with_ddp=True, use_cpu_initialization=on_cpu, bf16=bf16, fp16=False
+        )
+        with megatron_cpu_shims.cuda_tensors_on_cpu():
+            optimizer = self._optimizer(config, model, bf16)
+        model_config = get_model_config(model[0])
+        # What megatron.training wires up: grads reduced after backward, loss scaled by the optimizer.
+        model_config.finalize_model_grads_func = finalize_model_grads
+        model_config.grad_scale_func = optimizer.scale_loss
+        return model, optimizer
+
+    @staticmethod
+    def _optimizer(config: TrainerConfig, model: list, bf16: bool):
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+        return get_megatron_optimizer(
+            OptimizerConfig(
+                optimizer="adam",
+                lr=config.lr,
+                min_lr=config.lr,
+                weight_decay=config.weight_decay,
+                adam_beta1=0.9,
+                adam_beta2=0.99,
+                adam_eps=1e-8,
+                clip_grad=config.grad_clip,
+                bf16=bf16,
+                params_dtype=_DTYPES[config.megatron.params_dtype],
+                use_distributed_optimizer=config.megatron.use_distributed_optimizer,
+            ),
+            model,
+        )
+
+    # -- forward -------------------------------------------------------------------------------------------
+
+    def _logprobs_BT(self, model, input_ids_BT: torch.Tensor, attention_mask_BT: torch.Tensor) -> torch.Tensor:
+        """Log-probability of every next token, [B, T-1], through the model's (vocab-parallel) logits."""
+        from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+        seq = input_ids_BT.shape[1]
+        position_ids_BT = torch.arange(seq, device=input_ids_BT.device).expand_as(input_ids_BT)
+        logits_BTV = model(
+            input_ids=input_ids_BT, position_ids=position_ids_BT, attention_mask=attention_mask_B1TT(attention_mask_BT)
+        )[:, :-1].float()
+        if self.temperature > 0 and self.temperature != 1.0:
+            logits_BTV = logits_BTV / self.temperature
+        return -vocab_parallel_cross_entropy(logits_BTV.contiguous(), input_ids_BT[:, 1:].contiguous())
+
+    def _forward_backward(self, step_fn, forward_only: bool, shape: tuple[int, int]) -> list:
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        # The schedule keeps its token counter on device="cuda".
+        with megatron_cpu_shims.cuda_tensors_on_cpu():
+            return get_forward_backward_func()(
+                forward_step_func=step_fn,
+                data_iterator=iter([None]),
+                model=self.model,
+                num_microbatches=1,
+                seq_length=shape[1],
+                micro_batch_size=shape[0],
+                forward_only=forward_only,
+            )
+
+    @torch.no_grad()
+    def token_logprobs(
+        self, input_ids_BT: torch.Tensor, attention_mask_BT: torch.Tensor, routed_experts: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """The torch backend's ``token_logprobs`` (eval mode, no grad): [B, T-1] on the CPU."""
+        ids = input_ids_BT.to(self.device)
+        attention = attention_mask_BT.to(self.device)
+        out: dict[str, torch.Tensor] = {}
+
+        def step_fn(data_iterator, model):
+            out["logprobs"] = self._logprobs_BT(model, ids, attention)
+            return out["logprobs"], lambda output: (output.sum(), {})
+
+        for chunk in self.model:
+            chunk.eval()
+        try:
+            with megatron_forced_routing(self.model, routed_experts, self.num_layers):
+                self._forward_backward(step_fn, forward_only=True, shape=tuple(ids.shape))
+        finally:
+            for chunk in self.model:
+                chunk.train()
+        return out["logprobs"].cpu()
+
+    # -- step ----------------------------------------------------------------------------------------------
+
+    def _loss_fn(self, batch: TrainBatch, logprobs_BT: torch.Tensor):
+        # One optimizer step per batch: pi_old is the current policy before the step.
+        loss, metrics = policy_loss(
+            logprobs_BT,
+            logprobs_BT.detach(),
+            batch.rollout_logprobs_BT.to(self.device),
+            batch.advantages_B.to(self.device),
+            batch.loss_mask_BT.to(self.device),
+            self.loss_config,
+        )
+        metrics["loss"] = loss.item()
+        return loss, metrics
+
+    def train_step(self, batch: TrainBatch, routed_experts: torch.Tensor | None = None) -> dict[str, float]:
+        """Forward, loss, backward, clip, step. A non-finite loss or gradient skips the step.
+
+        ``routed_experts``: routes_BTLK from ``routing_replay.routes_from_groups``; by default the batch's own
+        (``batch.routed_experts_BTLK``, filled by ``build_batch``); None: natural routing.
+        """
+        if routed_experts is None:
+            routed_experts = batch.routed_experts_BTLK
+        ids = batch.input_ids_BT.to(self.device)
+        attention = batch.attention_mask_BT.to(self.device)
+
+        def step_fn(data_iterator, model):
+            logprobs_BT = self._logprobs_BT(model, ids, attention)
+            return logprobs_BT, partial(self._loss_fn, batch)
+
+        for chunk in self.model:
+            chunk.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        with megatron_forced_routing(self.model, routed_experts, self.num_layers):
+            metrics = self._forward_backward(step_fn, forward_only=False, shape=tuple(ids.shape))[0]
+        with megatron_cpu_shims.cuda_tensors_on_cpu():
+            grad_norm, skipped = self._optimizer_step(metrics["loss"])
+        metrics.update(grad_norm=grad_norm, skipped=float(skipped))
+        return metrics
+
+    def _optimizer_step(self, loss: float) -> tuple[float, bool]:
+        """megatron-core's ``optimizer.step()`` split open, so that a non-finite norm skips instead of clipping
+        every gradient to NaN (its own skip threshold compares ``norm > threshold``, which NaN never is)."""
+        from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
+
+        found_inf = self.optimizer.prepare_grads()
+        grad_norm = float(self.optimizer.get_grad_norm())
+        skipped = found_inf or not (math.isfinite(loss) and math.isfinite(grad_norm))
+        if skipped:
+            logger.error("non-finite loss %.4g or grad norm %.4g: step skipped", loss, grad_norm)
+            return grad_norm, True
+        for optimizer in megatron_checkpoint.sub_optimizers(self.optimizer):
+            if optimizer.get_parameters():
+                clip_grad_by_total_norm_fp32(optimizer.get_parameters(), self.config.grad_clip, grad_norm)
+        self.optimizer.step_with_ready_grads()
+        return grad_norm, False
+
+    # -- weights and checkpoints ---------------------------------------------------------------------------
+
+    def export_hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Yield (name, tensor) in the HF checkpoint layout (experts per expert); every rank must iterate."""
+        # Plain tuples, as TorchBackend yields (the bridge yields its own named tuple type).
+        exported = self.bridge.export_hf_weights(self.model, cpu=True, show_progress=False)
+        yield from ((name, tensor) for name, tensor in exported)
+
+    def save_checkpoint(self, directory: str | Path) -> None:
+        """Model, optimizer (incl. the distributed optimizer's sharded Adam state) and RNG states, a file per rank."""
+        megatron_checkpoint.save(self.model, self.optimizer, directory)
+
+    def load_checkpoint(self, directory: str | Path) -> None:
+        """Restore what ``save_checkpoint`` wrote (same parallel layout); the next step is bit-identical."""
+        megatron_checkpoint.load(self.model, self.optimizer, directory)

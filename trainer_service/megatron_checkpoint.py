@@ -1,0 +1,114 @@
+"""Checkpoints of the Megatron backend: model chunks, megatron-core optimizer and RNG states, one file per rank.
+
+Resuming from a checkpoint is bit-identical to continuing (tests/trainer_service/test_megatron_backend.py). The
+layout (tensor/pipeline/expert/data parallel sizes) must be the same at load as at save: this is a per-rank
+snapshot, not megatron-core's reshardable ``dist_checkpointing`` format, whose save path calls CUDA in 0.19.2 and
+was not made to run on CPU here.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from trainer_service import megatron_cpu_shims
+
+
+def save(model: list, optimizer, directory: str | Path) -> None:
+    """Write model chunks, optimizer (with the distributed optimizer's Adam shards) and RNG states, a file per rank."""
+    import torch.distributed as dist
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+    path = Path(directory)
+    path.mkdir(parents=True, exist_ok=True)
+    rng = {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+        "tracker": get_cuda_rng_tracker().get_states(),
+    }
+    with megatron_cpu_shims.cuda_tensors_on_cpu():
+        state = {
+            "model": [chunk.state_dict() for chunk in model],
+            "optimizer": optimizer.state_dict(),
+            "optimizer_params": [_param_state(sub) for sub in sub_optimizers(optimizer)],
+            "rng": rng,
+        }
+    torch.save(state, path / f"rank{dist.get_rank():05d}.pt")
+    dist.barrier()
+
+
+def load(model: list, optimizer, directory: str | Path) -> None:
+    """Restore what ``save`` wrote into a model and optimizer built with the same parallel layout."""
+    import torch.distributed as dist
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+    state = torch.load(Path(directory) / f"rank{dist.get_rank():05d}.pt", weights_only=False)
+    for chunk, chunk_state in zip(model, state["model"], strict=True):
+        chunk.load_state_dict(chunk_state)
+    # no_grad: the state is copied into views of the parameters.
+    with torch.no_grad(), megatron_cpu_shims.cuda_tensors_on_cpu():
+        optimizer.load_state_dict(state["optimizer"])
+        for sub, param_state in zip(sub_optimizers(optimizer), state["optimizer_params"], strict=True):
+            _unshare_step_counters(sub)
+            if param_state is not None:
+                sub.load_parameter_state_from_dp_reshardable(param_state)
+    rng = state["rng"]
+    random.setstate(rng["python"])
+    np.random.set_state(rng["numpy"])
+    torch.set_rng_state(rng["torch"])
+    if rng["cuda"] is not None:
+        torch.cuda.set_rng_state_all(rng["cuda"])
+    get_cuda_rng_tracker().set_states(rng["tracker"])
+
+
+def sub_optimizers(optimizer) -> list:
+    """megatron-core chains one optimizer per parameter class (dense, expert)."""
+    return list(getattr(optimizer, "chained_optimizers", [optimizer]))
+
+
+def _unshare_step_counters(optimizer) -> None:
+    """Give each parameter its own AdamW ``step`` tensor again.
+
+    megatron-core's ``load_state_dict`` (torch-optimizer path, no TE/apex) puts one shared ``step`` tensor into
+    every parameter's state; torch AdamW then increments it once per parameter per step, which corrupts the bias
+    correction of every later step.
+    """
+    inner = getattr(optimizer, "optimizer", None)
+    if inner is None:
+        return
+    for param_state in inner.state.values():
+        if isinstance(param_state.get("step"), torch.Tensor):
+            param_state["step"] = param_state["step"].clone()
+
+
+def _param_state(optimizer) -> dict | None:
+    """This rank's shard of a distributed optimizer's main params and Adam moments (None: in state_dict()).
+
+    The "dp_reshardable" form holds every optimizer state tensor (torch AdamW's per-parameter ``step`` too, which
+    the dp_zero form of ``save_parameter_state`` omits and its loader then requires). Tensors are cloned: they are
+    views into the flat buffers, and saving a view would write the whole buffer once per parameter.
+    """
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    if not isinstance(optimizer, DistributedOptimizer):
+        return None
+
+    def detach(value):
+        if isinstance(value, torch.Tensor):
+            return value.detach().clone()
+        if isinstance(value, dict):
+            # The loader skips entries marked as padding; real entries need the flag.
+            entry = {key: detach(item) for key, item in value.items()}
+            if "gbuf_local_start" in value:
+                entry.setdefault("padding", False)
+            return entry
+        if isinstance(value, list):
+            return [detach(item) for item in value]
+        return value
+
+    return detach(optimizer.get_parameter_state_dp_reshardable())

@@ -1,0 +1,262 @@
+"""Rollout Routing Replay (R3): train with the MoE experts the rollout engine actually chose.
+
+vLLM returns, per sample, the top-k expert ids of every forwarded token in every MoE layer. Replaying them in
+the trainer makes the trainer's forward use the same experts as the rollout, which removes the largest source of
+trainer/inference mismatch in MoE RL. The router's gate weights are recomputed from the router's own (current)
+logits at the forced experts, so the router keeps receiving gradients.
+
+Shape legend: B samples, T tokens of the TrainBatch row (prompt + response, right-padded: ``input_ids_BT``'s
+width), L MoE layers (model order), K experts per token (top-k).
+
+``routes_BTLK`` (int64) holds expert ids; ``-1`` marks positions with no recorded route: the last token of each
+row (vLLM never forwards the final sampled token) and padding. Those positions feed no trained log-prob (causal
+attention; padding is key-masked), so they are routed naturally (torch) or to experts ``0..K-1`` (Megatron).
+
+Three parts:
+    routes_from_groups         Sample.routed_experts -> routes_BTLK aligned to build_batch's rows, or None
+    record_routes / forced_routing                 transformers MoE models (top-k routers returning
+                                                   ``(logits, scores, indices)``, e.g. Qwen3-MoE, Mixtral)
+    megatron_record_routes / megatron_forced_routing   megatron-core GPTModel built with moe_enable_routing_replay
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator, Sequence
+
+import numpy as np
+import torch
+
+from protos.records import TrajectoryGroup
+
+logger = logging.getLogger(__name__)
+
+NO_ROUTE = -1
+
+
+# -- (a) rollout routes -> one padded tensor ------------------------------------------------------------------
+
+
+def routes_from_groups(groups: Sequence[TrajectoryGroup], width: int) -> torch.Tensor | None:
+    """Stack the samples' routed experts into routes_BTLK, rows in ``build_batch`` order.
+
+    Args:
+        groups: The groups of one TrainBatch, in the order given to ``build_batch``.
+        width: ``batch.input_ids_BT.shape[1]`` (T).
+
+    Returns:
+        int64 [B, T, L, K]; row b holds sample b's routes at positions ``0 .. n-1`` (n = prompt + response - 1,
+        as vLLM returns them) and NO_ROUTE after. None when any sample carries no routes: replay is all-or-nothing
+        per batch, so a batch is never trained with some rows forced and others not.
+
+    Raises:
+        ValueError: A sample's routes are longer than its token row, or layers/top-k differ between samples.
+    """
+    samples = [(group, sample) for group in groups for sample in group.samples]
+    if not samples or any(sample.routed_experts is None for _, sample in samples):
+        return None
+    arrays = [sample.routed_experts.to_numpy() for _, sample in samples]
+    layers_topk = {array.shape[1:] for array in arrays}
+    if len(layers_topk) != 1 or any(array.ndim != 3 for array in arrays):
+        raise ValueError(f"routed_experts must all be [tokens, layers, top_k] of one shape; got {layers_topk}")
+    num_layers, top_k = layers_topk.pop()
+    routes = torch.full((len(arrays), width, num_layers, top_k), NO_ROUTE, dtype=torch.long)
+    for row, ((group, sample), array) in enumerate(zip(samples, arrays, strict=True)):
+        num_tokens = len(group.prompt_token_ids.to_numpy()) + len(sample.response_token_ids.to_numpy())
+        if len(array) > min(num_tokens, width):
+            raise ValueError(
+                f"group {group.group_id} sample {row}: {len(array)} routed positions for {num_tokens} tokens"
+            )
+        routes[row, : len(array)] = torch.from_numpy(array.astype(np.int64))
+    return routes
+
+
+# -- (b) transformers models ----------------------------------------------------------------------------------
+
+
+def _hf_routers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The top-k routers in module (= layer) order: modules with ``top_k``, ``num_experts`` and ``weight``."""
+    return [
+        module
+        for module in model.modules()
+        if hasattr(module, "top_k")
+        and hasattr(module, "num_experts")
+        and isinstance(getattr(module, "weight", None), torch.nn.Parameter)
+    ]
+
+
+def _forced_gate(router: torch.nn.Module, output: tuple, forced_NK: torch.Tensor) -> tuple:
+    """Replace a router's ``(logits, scores, indices)`` by the forced experts, gate weights from its own logits.
+
+    The gate is the router's softmax at the forced experts, renormalised over the top-k when the router
+    renormalises (``norm_topk_prob``; routers without the flag, e.g. Mixtral, always do). For the experts the
+    router would pick anyway this is the same arithmetic as the router's own, so replaying natural routes is
+    bit-exact.
+    """
+    logits_NE, scores_NK, natural_NK = output[0], output[1], output[2]
+    if forced_NK.shape != natural_NK.shape:
+        raise ValueError(f"routes give {tuple(forced_NK.shape)} per layer, the router made {tuple(natural_NK.shape)}")
+    forced_NK = forced_NK.to(natural_NK.device)
+    missing_N = (forced_NK < 0).any(dim=-1, keepdim=True)
+    indices_NK = torch.where(missing_N, natural_NK, forced_NK)
+    gate_NK = torch.softmax(logits_NE.float(), dim=-1).gather(1, indices_NK)
+    if getattr(router, "norm_topk_prob", True):
+        gate_NK = gate_NK / gate_NK.sum(dim=-1, keepdim=True)
+    return (logits_NE, gate_NK.to(scores_NK.dtype), indices_NK, *output[3:])
+
+
+@contextlib.contextmanager
+def forced_routing(model: torch.nn.Module, routes_BTLK: torch.Tensor | None) -> Iterator[None]:
+    """Make every forward inside the block use ``routes_BTLK`` (None: no replay, natural routing).
+
+    The model's inputs must be ``[B, T]`` with the routes' B and T (routers see tokens flattened batch-major).
+    """
+    if routes_BTLK is None:
+        yield
+        return
+    routers = _hf_routers(model)
+    batch, seq, num_layers, top_k = routes_BTLK.shape
+    if num_layers != len(routers):
+        raise ValueError(f"routes have {num_layers} layers, the model has {len(routers)} MoE routers")
+    handles = []
+    for layer, router in enumerate(routers):
+        forced_NK = routes_BTLK[:, :, layer].reshape(batch * seq, top_k)
+
+        def hook(module, args, output, forced_NK=forced_NK):
+            return _forced_gate(module, output, forced_NK)
+
+        handles.append(router.register_forward_hook(hook))
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+class RouteRecorder:
+    """Collects the experts each router chose; ``routes(batch, seq)`` stacks them as routes_BTLK."""
+
+    def __init__(self) -> None:
+        self.indices_NK: list[torch.Tensor | None] = []
+
+    def routes(self, batch: int, seq: int) -> torch.Tensor:
+        if not self.indices_NK or any(indices is None for indices in self.indices_NK):
+            raise RuntimeError("no forward ran inside the recording block")
+        layers = [indices.reshape(batch, seq, -1) for indices in self.indices_NK]
+        return torch.stack(layers, dim=2).long().cpu()
+
+
+@contextlib.contextmanager
+def record_routes(model: torch.nn.Module) -> Iterator[RouteRecorder]:
+    """Record the experts chosen during the (last) forward inside the block."""
+    recorder = RouteRecorder()
+    handles = []
+    for layer, router in enumerate(_hf_routers(model)):
+        recorder.indices_NK.append(None)
+
+        def hook(module, args, output, layer=layer):
+            recorder.indices_NK[layer] = output[2].detach()
+
+        handles.append(router.register_forward_hook(hook))
+    try:
+        yield recorder
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+# -- (c) megatron-core models ---------------------------------------------------------------------------------
+
+
+def _megatron_replays(model_chunks: Sequence[torch.nn.Module]) -> list:
+    """Each MoE router's ``RouterReplay`` in layer order (the model's own, not RouterReplay's global list, which
+    also holds the routers of every other model built in this process)."""
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    replays = []
+    for chunk in model_chunks:
+        for module in chunk.modules():
+            if isinstance(module, TopKRouter):
+                if module.router_replay is None:
+                    raise ValueError("the model was built without moe_enable_routing_replay (megatron.routing_replay)")
+                replays.append(module.router_replay)
+    return sorted(replays, key=lambda replay: replay.layer_number)
+
+
+def _layer_index(replay, ordinal: int, num_route_layers: int, num_model_layers: int) -> int:
+    # With every layer MoE (Qwen3-MoE) the route axis is the decoder layer, which also holds across pipeline
+    # stages; otherwise the route axis counts MoE layers, which this stage alone cannot map unless it has them all.
+    if num_route_layers == num_model_layers:
+        return replay.layer_number - 1
+    return ordinal
+
+
+@contextlib.contextmanager
+def megatron_forced_routing(
+    model_chunks: Sequence[torch.nn.Module], routes_BTLK: torch.Tensor | None, num_model_layers: int | None = None
+) -> Iterator[None]:
+    """Replay ``routes_BTLK`` in every forward inside the block through megatron-core's ``RouterReplay``.
+
+    ``num_model_layers`` (the decoder's layer count) lets a route axis that spans every decoder layer be indexed by
+    each router's global layer number; otherwise the routes' layer axis must match this model's routers in order.
+
+    Megatron's routers see tokens sequence-major (``[T, B]`` flattened), so the routes are transposed. Positions
+    without a route get experts ``0..K-1``: they feed no trained log-prob (module docstring).
+    """
+    if routes_BTLK is None:
+        yield
+        return
+    from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+    replays = _megatron_replays(model_chunks)
+    batch, seq, num_layers, top_k = routes_BTLK.shape
+    if num_layers not in (len(replays), num_model_layers):
+        raise ValueError(f"routes have {num_layers} layers, the model has {len(replays)} MoE routers")
+    fill_K = torch.arange(top_k, dtype=torch.long)
+    for ordinal, replay in enumerate(replays):
+        layer = _layer_index(replay, ordinal, num_layers, num_model_layers or len(replays))
+        indices_NK = routes_BTLK[:, :, layer].transpose(0, 1).reshape(seq * batch, top_k).long()
+        missing_N = (indices_NK < 0).any(dim=-1, keepdim=True)
+        indices_NK = torch.where(missing_N, fill_K.expand_as(indices_NK), indices_NK)
+        replay.clear_indices()
+        replay.set_target_indices(indices_NK)
+        replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+    try:
+        yield
+    finally:
+        for replay in replays:
+            replay.clear_router_replay_action()
+            replay.clear_indices()
+
+
+class MegatronRouteRecorder:
+    """Reads the routes megatron's ``RouterReplay`` recorded; ``routes(batch, seq)`` gives routes_BTLK."""
+
+    def __init__(self, replays: list) -> None:
+        self.replays = replays
+
+    def routes(self, batch: int, seq: int) -> torch.Tensor:
+        layers = []
+        for replay in self.replays:
+            indices_NK = replay.get_recorded_indices()
+            if indices_NK is None:
+                raise RuntimeError("no forward ran inside the recording block")
+            layers.append(indices_NK.reshape(seq, batch, -1).transpose(0, 1))
+        return torch.stack(layers, dim=2).long().cpu()
+
+
+@contextlib.contextmanager
+def megatron_record_routes(model_chunks: Sequence[torch.nn.Module]) -> Iterator[MegatronRouteRecorder]:
+    """Record the experts chosen during the (last) forward inside the block."""
+    from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+    replays = _megatron_replays(model_chunks)
+    for replay in replays:
+        replay.clear_indices()
+        replay.set_router_replay_action(RouterReplayAction.RECORD)
+    try:
+        yield MegatronRouteRecorder(replays)
+    finally:
+        for replay in replays:
+            replay.clear_router_replay_action()
