@@ -31,14 +31,18 @@ def checkpoint_root(config) -> Path:
 
 
 def make_backend(model_path: str, config):
+    """The configured backend on the GPU when there is one (the CPU otherwise)."""
+    import torch
+
     tcfg, temperature = config.trainer, config.coordinator.sampling.temperature
+    device = "cuda" if torch.cuda.is_available() else "cpu"
     if tcfg.backend == "megatron":
         from trainer_service.megatron_backend import MegatronBackend
 
-        return MegatronBackend(model_path, tcfg, temperature=temperature)
+        return MegatronBackend(model_path, tcfg, temperature=temperature, device=device)
     from trainer_service.torch_backend import TorchBackend
 
-    return TorchBackend(model_path, tcfg, temperature=temperature)
+    return TorchBackend(model_path, tcfg, temperature=temperature, device=device)
 
 
 def read_new_groups(queue, trainer, num_groups: int, timeout_s: float, entry_ids: list[str]) -> list:

@@ -38,12 +38,12 @@ def _push_groups(url: str, keys: RedisKeys, indices: list[int]) -> None:
     asyncio.run(push())
 
 
-def _start_trainer(model_dir: str, url: str, ckpt_dir: Path, log: Path) -> subprocess.Popen:
+def _start_trainer(model_dir: str, url: str, ckpt_dir: Path, log: Path, *extra: str) -> subprocess.Popen:
     command = [
         sys.executable, "-m", "trainer_service", "train", "--model", model_dir, "--redis-url", url,
         "--linger-s", "0", f"run_id={RUN_ID}", f"trainer.ckpt_dir={ckpt_dir}", "trainer.ckpt_interval=3",
         f"trainer.num_steps={NUM_GROUPS // GROUPS_PER_STEP}", f"coordinator.groups_per_step={GROUPS_PER_STEP}",
-        "coordinator.max_staleness=1000", "trainer.geo_mask=null", "trainer.batch_timeout_s=60",
+        "coordinator.max_staleness=1000", "trainer.geo_mask=null", "trainer.batch_timeout_s=60", *extra,
     ]
     return subprocess.Popen(command, stdout=open(log, "ab"), stderr=subprocess.STDOUT, start_new_session=True)
 
@@ -106,4 +106,21 @@ def test_a_group_pushed_twice_is_trained_once(redis_server, tmp_path):
     assert sorted(final["ledger"]) == sorted(f"g{i}" for i in range(NUM_GROUPS))
     assert final["totals"]["duplicates_skipped"] == 1 and final["totals"]["samples_trained"] == 4 * NUM_GROUPS
     assert _pending(client, keys) == 0 and client.xinfo_groups(keys.trajectories)[0]["lag"] == 0
+    client.close()
+
+
+def test_megatron_backend_runs_in_the_trainer_process_and_publishes(redis_server, tmp_path):
+    keys = RedisKeys(RUN_ID)
+    client = redis.Redis.from_url(redis_server.url)
+    client.delete(*client.keys(f"fleetrl:{RUN_ID}:*") or ["-"])
+    model_dir = str(init_tiny(tmp_path / "tiny"))
+    _push_groups(redis_server.url, keys, list(range(4)))
+    log = tmp_path / "trainer.log"
+    trainer = _start_trainer(model_dir, redis_server.url, tmp_path / "ckpt", log,
+                             "trainer.backend=megatron", "trainer.num_steps=2")
+    assert trainer.wait(timeout=300) == 0, log.read_text()[-3000:]
+    final = json.loads((tmp_path / "ckpt" / (tmp_path / "ckpt" / "latest").read_text() / "trainer_state.json").read_text())
+    assert final["step"] == 2 and sorted(final["ledger"]) == [f"g{i}" for i in range(4)]
+    assert int(client.get(keys.policy_version)) == 2 and client.exists(keys.manifest(2))
+    assert _pending(client, keys) == 0
     client.close()
