@@ -13,6 +13,7 @@ Shape legend: _BT [samples, tokens], _BTV [samples, tokens, vocab], routes_BTLK 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import os
@@ -25,8 +26,8 @@ import torch
 
 from protos.config import MegatronConfig, TrainerConfig
 from trainer_service import megatron_checkpoint, megatron_cpu_shims
-from trainer_service.batch import TrainBatch
-from trainer_service.losses import policy_loss
+from trainer_service.batch import TrainBatch, split_micro_batches
+from trainer_service.losses import loss_denominator, policy_loss
 from trainer_service.routing_replay import megatron_forced_routing
 from trainer_service.torch_backend import loss_config
 
@@ -227,16 +228,17 @@ class MegatronBackend:
             logits_BTV = logits_BTV / self.temperature
         return -vocab_parallel_cross_entropy(logits_BTV.contiguous(), input_ids_BT[:, 1:].contiguous())
 
-    def _forward_backward(self, step_fn, forward_only: bool, shape: tuple[int, int]) -> list:
+    def _forward_backward(self, step_fn, forward_only: bool, shape: tuple[int, int], micro_batches=None) -> list:
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
+        micro_batches = micro_batches or [None]
         # The schedule keeps its token counter on device="cuda".
         with megatron_cpu_shims.cuda_tensors_on_cpu():
             return get_forward_backward_func()(
                 forward_step_func=step_fn,
-                data_iterator=iter([None]),
+                data_iterator=iter(micro_batches),
                 model=self.model,
-                num_microbatches=1,
+                num_microbatches=len(micro_batches),
                 seq_length=shape[1],
                 micro_batch_size=shape[0],
                 forward_only=forward_only,
@@ -267,42 +269,55 @@ class MegatronBackend:
 
     # -- step ----------------------------------------------------------------------------------------------
 
-    def _loss_fn(self, batch: TrainBatch, logprobs_BT: torch.Tensor):
+    def _loss_fn(self, micro: TrainBatch, weight: float, num_micro: int, logprobs_BT: torch.Tensor):
         # One optimizer step per batch: pi_old is the current policy before the step.
         loss, metrics = policy_loss(
             logprobs_BT,
             logprobs_BT.detach(),
-            batch.rollout_logprobs_BT.to(self.device),
-            batch.advantages_B.to(self.device),
-            batch.loss_mask_BT.to(self.device),
+            micro.rollout_logprobs_BT.to(self.device),
+            micro.advantages_B.to(self.device),
+            micro.loss_mask_BT.to(self.device),
             self.loss_config,
         )
-        metrics["loss"] = loss.item()
-        return loss, metrics
+        metrics = {key: value * weight for key, value in metrics.items()}  # summed over micro-batches below
+        metrics["loss"] = loss.item() * weight
+        # The schedule divides by the number of micro-batches; the weight makes the sum the whole-step loss.
+        return loss * (weight * num_micro), metrics
 
     def train_step(self, batch: TrainBatch, routed_experts: torch.Tensor | None = None) -> dict[str, float]:
-        """Forward, loss, backward, clip, step. A non-finite loss or gradient skips the step.
+        """Forward/backward per micro-batch (``trainer.micro_batch_tokens``), clip, step. A non-finite loss or
+        gradient skips the step.
 
         ``routed_experts``: routes_BTLK from ``routing_replay.routes_from_groups``; by default the batch's own
         (``batch.routed_experts_BTLK``, filled by ``build_batch``); None: natural routing.
         """
-        if routed_experts is None:
-            routed_experts = batch.routed_experts_BTLK
-        ids = batch.input_ids_BT.to(self.device)
-        attention = batch.attention_mask_BT.to(self.device)
+        if routed_experts is not None:
+            batch = dataclasses.replace(batch, routed_experts_BTLK=routed_experts)
+        micro_batches = split_micro_batches(batch, self.config.micro_batch_tokens)
+        agg = self.loss_config.loss_agg
+        total = loss_denominator(batch.loss_mask_BT, agg)
 
         def step_fn(data_iterator, model):
-            logprobs_BT = self._logprobs_BT(model, ids, attention)
-            return logprobs_BT, partial(self._loss_fn, batch)
+            micro = next(data_iterator)
+            weight = loss_denominator(micro.loss_mask_BT, agg) / total
+            routes = micro.routed_experts_BTLK
+            # Replay targets are set for this micro-batch's forward; backward reuses the saved routing.
+            with megatron_forced_routing(self.model, routes, self.num_layers):
+                logprobs_BT = self._logprobs_BT(
+                    model, micro.input_ids_BT.to(self.device), micro.attention_mask_BT.to(self.device)
+                )
+            return logprobs_BT, partial(self._loss_fn, micro, weight, len(micro_batches))
 
         for chunk in self.model:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
-        with megatron_forced_routing(self.model, routed_experts, self.num_layers):
-            metrics = self._forward_backward(step_fn, forward_only=False, shape=tuple(ids.shape))[0]
+        per_micro = self._forward_backward(
+            step_fn, forward_only=False, shape=tuple(batch.input_ids_BT.shape), micro_batches=micro_batches
+        )
+        metrics = {key: sum(m[key] for m in per_micro) for key in per_micro[0]}
         with megatron_cpu_shims.cuda_tensors_on_cpu():
             grad_norm, skipped = self._optimizer_step(metrics["loss"])
-        metrics.update(grad_norm=grad_norm, skipped=float(skipped))
+        metrics.update(grad_norm=grad_norm, skipped=float(skipped), micro_batches=float(len(micro_batches)))
         return metrics
 
     def _optimizer_step(self, loss: float) -> tuple[float, bool]:

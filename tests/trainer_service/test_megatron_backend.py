@@ -212,3 +212,19 @@ def test_megatron_train_step_replays_rollout_routes_and_trains_the_router(model_
     assert metrics["mean_abs_logprob_diff"] < 1e-5 and metrics["skipped"] == 0.0
     for before, after in zip(routers_before, _router_weights(megatron), strict=True):
         assert not torch.equal(before, after)
+
+
+def test_megatron_micro_batches_give_the_same_step_as_one_batch(model_dir):
+    from synthetic import make_group
+
+    batch = build_batch([make_group(i, seed=7) for i in range(4)])
+    results = {}
+    for budget in (0, 40):
+        backend = MegatronBackend(model_dir, TrainerConfig(geo_mask=None, micro_batch_tokens=budget))
+        values = backend.train_step(batch)
+        results[budget] = (values, dict(backend.export_hf_weights()))
+    (whole, whole_weights), (split, split_weights) = results[0], results[40]
+    assert split["micro_batches"] > 2 and whole["micro_batches"] == 1
+    assert split["loss"] == pytest.approx(whole["loss"], abs=1e-6)
+    assert split["grad_norm"] == pytest.approx(whole["grad_norm"], rel=1e-5)
+    assert max((whole_weights[k] - split_weights[k]).abs().max().item() for k in whole_weights) < 1e-4
