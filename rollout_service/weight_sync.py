@@ -3,6 +3,8 @@
 Sequence per version (docs/architecture.md): receive manifest + buckets into staging -> verify
 checksums -> pause(keep) -> load -> label v -> resume -> report v to Redis. A version that cannot be
 received or verified is reported STALE and the server stays on its old version, never half-loaded.
+Bytes come from the publisher, or from its disk snapshot (``weight_bus.snapshot_dir``) when it is
+unreachable; MXFP8 manifests are dequantized to the engine's dtype inside the worker at load.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from protos.records import ReportStatus, WeightManifest, encode
 from protos.redis_keys import RedisKeys
 from rollout_service import metrics
 from rollout_service.engine import RolloutEngine
-from weight_bus import packing, rendezvous, tcp
+from weight_bus import packing, receiver, rendezvous, tcp
 
 logger = logging.getLogger(__name__)
 
@@ -64,6 +66,7 @@ class WeightFollower:
         self.address = address
         self.last_update_s = 0.0
         self.pending: PendingUpdate | None = None
+        receiver.check_receive_mode(config.receive_mode, _serves_mxfp8(engine), _cuda_available())
         # The announcement follower and gRPC calls may race for the same version.
         self._lock = asyncio.Lock()
 
@@ -103,7 +106,7 @@ class WeightFollower:
         Asking for a version the server already has (or has passed) is not an error.
         """
         async with self._lock:
-            target = version if version > 0 else await rendezvous.latest_version(self.client, self.keys)
+            target = version if version > 0 else await self._latest_version()
             if target <= self.engine.policy_version:
                 return self.engine.policy_version
             started = time.monotonic()
@@ -122,16 +125,23 @@ class WeightFollower:
 
     async def _begin_locked(self, version: int) -> PendingUpdate:
         if version <= 0:
-            version = await rendezvous.latest_version(self.client, self.keys)
+            version = await self._latest_version()
         if version <= self.engine.policy_version:
             raise UpdateConflict(f"version {version} is not newer than the server's v{self.engine.policy_version}")
         manifest = await rendezvous.get_manifest(self.client, self.keys, version)
+        # A late or restarted server whose Redis lost the manifest still finds it with the snapshot.
+        manifest = receiver.resolve_manifest(manifest, version, self.config.snapshot_dir)
         if manifest is None:
             raise LookupError(f"no manifest for policy version {version} in Redis")
         self._drop_pending()
         path = os.path.join(STAGING_DIR, f"fleetrl-{self.engine.server_id}-v{version}")
         self.pending = PendingUpdate(version, manifest, path)
         return self.pending
+
+    async def _latest_version(self) -> int:
+        # Redis is the truth; after Redis lost its keys the newest snapshot still says how far the trainer got.
+        latest = await rendezvous.latest_version(self.client, self.keys)
+        return max(latest, receiver.latest_snapshot_version(self.config.snapshot_dir))
 
     async def _load_locked(self, pending: PendingUpdate) -> None:
         try:
@@ -176,10 +186,12 @@ class WeightFollower:
             with mmap.mmap(staging.fileno(), size) as buffer:
                 view = memoryview(buffer)
                 try:
-                    tcp.fetch(manifest, view, timeout_s=self.config.fetch_timeout_s)
-                    packing.verify(manifest, view)
+                    source = receiver.receive_into(
+                        manifest, view, self.config.fetch_timeout_s, self.config.snapshot_dir
+                    )
                 finally:
                     view.release()
+        logger.info("server %s received v%d from the %s", self.engine.server_id, manifest.version, source)
 
     async def run(self, stop: asyncio.Event) -> None:
         """Catch up to the latest version, then follow announcements until ``stop`` is set."""
@@ -199,3 +211,16 @@ class WeightFollower:
             # Stay on the old version and say so; the next announcement retries.
             logger.warning("server %s stays on v%d: %s", self.engine.server_id, self.engine.policy_version, error)
             await self.report(ReportStatus.STALE, str(error))
+
+
+def _serves_mxfp8(engine: RolloutEngine) -> bool:
+    """Whether the engine serves an MXFP8 checkpoint (then it loads (q, scale) pairs, not bf16)."""
+    llm = getattr(engine, "_llm", None)
+    quantization = getattr(getattr(llm, "model_config", None), "quantization", None)
+    return bool(quantization) and "mxfp8" in str(quantization).lower()
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()

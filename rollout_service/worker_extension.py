@@ -3,6 +3,11 @@
 Tensors cannot travel as ``collective_rpc`` arguments (they do not pickle on CPU), so the server stages
 received weights in a shared-memory file and passes its path plus the manifest; the worker maps the file
 and feeds views of it to vLLM's layerwise ``reload_weights``, which shards, fuses and repacks in place.
+
+MXFP8 manifests: an engine serving an unquantized model gets each (q, scale) pair dequantized to its
+own dtype here, one tensor at a time (weight_bus.receive_mode 'dequantize'); an engine serving an MXFP8
+checkpoint gets the pairs as they are, in vLLM's checkpoint names ``x.weight`` + ``x.weight_scale``
+(receive_mode 'mxfp8', GPU only).
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ class WeightLoaderExtension:
         from protos.records import decode_manifest
 
         manifest = decode_manifest(manifest_bytes)
+        dequantize_to = self._fleetrl_dequantize_target(manifest)
         fd = os.open(staging_path, os.O_RDONLY)
         try:
             size = os.fstat(fd).st_size
@@ -31,13 +37,25 @@ class WeightLoaderExtension:
 
         def counted():
             nonlocal loaded
-            for name, tensor in iter_tensors(manifest, memoryview(buffer)):
+            for name, tensor in iter_tensors(manifest, memoryview(buffer), dequantize_to=dequantize_to):
                 loaded += 1
                 yield name, tensor
 
         self.model_runner.reload_weights(weights_iterator=counted(), is_checkpoint_format=True)
         self._prepack_cpu_moe_experts()
         return loaded
+
+    def _fleetrl_dequantize_target(self, manifest):
+        """The dtype MXFP8 pairs are decoded to, or None to load them as they are."""
+        model_config = self.model_runner.model_config
+        serves_mxfp8 = "mxfp8" in str(model_config.quantization or "").lower()
+        has_mxfp8 = any(entry.codec == "mxfp8" for entry in manifest.tensors)
+        if serves_mxfp8 and not has_mxfp8:
+            raise ValueError(
+                f"weights v{manifest.version}: the engine serves an MXFP8 checkpoint but the publisher sent "
+                "unquantized weights; set weight_bus.codec='mxfp8'"
+            )
+        return None if serves_mxfp8 or not has_mxfp8 else model_config.dtype
 
     def _prepack_cpu_moe_experts(self) -> None:
         """Re-run the CPU MoE experts' prepack after a reload.

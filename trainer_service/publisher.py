@@ -1,16 +1,19 @@
-"""WeightPublisher: the trainer's side of the weight bus (pack -> hold on tcp -> manifest in Redis)."""
+"""WeightPublisher: the trainer's side of the weight bus.
+
+A thin adapter: ``weight_bus.sender.WeightSender`` (tcp: pack -> snapshot -> hold -> manifest in Redis)
+or ``weight_bus.nccl.NcclWeightPublisher`` (GPU broadcast to the rollout ranks, plus the same tcp hold
+for late receivers), chosen by ``weight_bus.transport``.
+"""
 
 from __future__ import annotations
 
 import logging
-import time
 
 import redis
 
 from protos.config import WeightBusConfig
 from protos.redis_keys import RedisKeys
-from weight_bus import packing, rendezvous
-from weight_bus.tcp import TcpWeightPublisher
+from weight_bus.sender import WeightSender
 
 logger = logging.getLogger(__name__)
 
@@ -20,19 +23,25 @@ class WeightPublisher:
         self.client = client
         self.keys = keys
         self.config = config
-        self.transport = TcpWeightPublisher(config.host, config.port, config.keep_versions, config.fetch_timeout_s)
+        if config.transport == "nccl":
+            from weight_bus.nccl import NcclWeightPublisher  # imports cupy lazily, on GPU machines only
+
+            self.sender = NcclWeightPublisher(client, keys, config)
+        else:
+            self.sender = WeightSender(client, keys, config)
         self.num_published = 0
+        self.last_stats = None
+
+    @property
+    def transport(self):
+        """The tcp publisher holding each version's buckets (late receivers fetch from it)."""
+        return self.sender.tcp
 
     def publish(self, version: int, named_tensors) -> float:
-        """Publish one version; returns the seconds it took (receivers pull asynchronously)."""
-        started = time.monotonic()
-        manifest, buckets = packing.pack(
-            named_tensors, version, int(self.config.bucket_mib * 2**20), self.transport.address, "tcp"
-        )
-        self.transport.hold(version, buckets)
-        rendezvous.publish_manifest(self.client, self.keys, manifest)
+        """Publish one version; returns the seconds it took (tcp receivers pull asynchronously)."""
+        self.last_stats = self.sender.publish(version, named_tensors)
         self.num_published += 1
-        return time.monotonic() - started
+        return self.last_stats.seconds
 
     def close(self) -> None:
-        self.transport.close()
+        self.sender.close()

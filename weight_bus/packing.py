@@ -3,28 +3,195 @@
 A tensor is stored as its raw bytes at a 64-byte aligned offset in one bucket; one larger than the
 bucket size gets a bucket of its own. The manifest carries a crc32 per tensor so a receiver can refuse
 a corrupted transfer before anything reaches the engine.
+
+Wire codecs: ``bf16`` is pass-through (each tensor travels in its own dtype, entry codec ``raw``).
+``mxfp8`` sends each eligible 2-D weight (see ``codecs.mxfp8.should_quantize``) as an entry with codec
+``mxfp8`` (float8_e4m3fn payload) followed by its companion ``<name>_scale`` (uint8 E8M0, codec ``raw``).
+Everything else keeps its dtype, so fp32 router biases stay fp32.
 """
 
 from __future__ import annotations
 
 import time
 import zlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from protos.records import TensorEntry, WeightManifest
+from weight_bus.codecs import mxfp8
 
 ALIGN_BYTES = 64
+SCALE_SUFFIX = "_scale"
 
 
-def _tensor_bytes(tensor: torch.Tensor) -> memoryview:
-    flat = tensor.detach().contiguous().view(-1).view(torch.uint8)
-    return memoryview(flat.numpy())
+@dataclass(frozen=True)
+class WireCodec:
+    """How tensors are encoded on the wire; built from ``WeightBusConfig`` by ``from_config``."""
+
+    name: str = "bf16"  # "bf16" (pass-through) | "mxfp8"
+    rule: str = "rceil"
+    quantize_embeddings: bool = False
+    quantize_lm_head: bool = False
+
+    @classmethod
+    def from_config(cls, config) -> WireCodec:
+        return cls(config.codec, config.mxfp8_rule, config.quantize_embeddings, config.quantize_lm_head)
+
+    def quantizes(self, name: str, tensor: torch.Tensor) -> bool:
+        return self.name == "mxfp8" and mxfp8.should_quantize(
+            name, tensor, quantize_embeddings=self.quantize_embeddings, quantize_lm_head=self.quantize_lm_head
+        )
+
+
+RAW = WireCodec()
+
+
+@dataclass
+class PackedBucket:
+    """One filled bucket: its index, its bytes and the entries it holds (with checksums)."""
+
+    index: int
+    data: np.ndarray  # uint8, length a multiple of ALIGN_BYTES
+    entries: list[TensorEntry] = field(default_factory=list)
 
 
 def _align(offset: int) -> int:
     return (offset + ALIGN_BYTES - 1) // ALIGN_BYTES * ALIGN_BYTES
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _tensor_bytes(tensor: torch.Tensor) -> memoryview:
+    """The tensor's bytes in logical order on the CPU (a view when it is already contiguous there)."""
+    if tensor.device.type != "cpu":
+        tensor = tensor.cpu()
+    flat = tensor.detach().contiguous().view(-1).view(torch.uint8)
+    return memoryview(flat.numpy())
+
+
+def encode_tensors(
+    named_tensors: Iterable[tuple[str, torch.Tensor]], codec: WireCodec = RAW
+) -> Iterator[tuple[str, torch.Tensor, str]]:
+    """Yield (entry name, payload tensor, entry codec); an MXFP8 weight yields its pair, scale second.
+
+    Quantization runs where the tensor lies (the Triton kernel on CUDA), before any copy to the host.
+    """
+    for name, tensor in named_tensors:
+        if codec.quantizes(name, tensor):
+            q, scale = mxfp8.quantize(tensor.detach(), codec.rule)
+            yield name, q, "mxfp8"
+            yield name + SCALE_SUFFIX, scale, "raw"
+        else:
+            yield name, tensor, "raw"
+
+
+class _Placer:
+    """Greedy placement: next aligned offset in the current bucket, or a new bucket when it would overflow."""
+
+    def __init__(self, bytes_per_bucket: int):
+        self.bytes_per_bucket = bytes_per_bucket
+        self.bucket = 0
+        self.used = 0
+
+    def place(self, nbytes: int) -> tuple[int, int]:
+        offset = _align(self.used)
+        if self.used > 0 and offset + nbytes > self.bytes_per_bucket:
+            self.bucket, offset = self.bucket + 1, 0
+        self.used = offset + nbytes
+        return self.bucket, offset
+
+
+def plan_layout(
+    metas: Iterable[tuple[str, str, tuple[int, ...], str, int]], bytes_per_bucket: int
+) -> tuple[list[TensorEntry], list[int]]:
+    """Lay out entries from metadata only: (name, dtype, shape, codec, nbytes) -> entries + bucket sizes.
+
+    Gives the same layout as ``iter_buckets`` (checksums 0); a broadcast transport uses it to tell
+    receivers the bucket sizes before any byte is packed.
+    """
+    placer, entries, sizes = _Placer(bytes_per_bucket), [], [0]
+    for name, dtype, shape, codec, nbytes in metas:
+        bucket, offset = placer.place(nbytes)
+        if bucket == len(sizes):
+            sizes.append(0)
+        sizes[bucket] = offset + nbytes
+        entries.append(TensorEntry(name, dtype, tuple(shape), codec, bucket, offset, nbytes, 0))
+    return entries, [_align(size) for size in sizes]
+
+
+def encoded_metas(
+    named_tensors: Iterable[tuple[str, torch.Tensor]], codec: WireCodec = RAW
+) -> Iterator[tuple[str, str, tuple[int, ...], str, int]]:
+    """Metadata of what ``encode_tensors`` would yield, without quantizing or copying anything."""
+    for name, tensor in named_tensors:
+        shape = tuple(tensor.shape)
+        if codec.quantizes(name, tensor):
+            scale_shape = shape[:-1] + (shape[-1] // mxfp8.BLOCK_SIZE,)
+            yield name, "float8_e4m3fn", shape, "mxfp8", tensor.numel()
+            yield name + SCALE_SUFFIX, "uint8", scale_shape, "raw", tensor.numel() // mxfp8.BLOCK_SIZE
+        else:
+            yield name, _dtype_name(tensor.dtype), shape, "raw", tensor.numel() * tensor.element_size()
+
+
+def _new_buffer(nbytes: int) -> np.ndarray:
+    return np.empty(nbytes, dtype=np.uint8)  # no zero fill: _fill zeroes only the gaps
+
+
+def _fill(index: int, pending: list[tuple[int, TensorEntry, memoryview]], used: int, alloc) -> PackedBucket:
+    data = alloc(_align(used))
+    cursor = 0
+    for offset, _, payload in pending:
+        data[cursor:offset] = 0
+        data[offset : offset + payload.nbytes] = np.frombuffer(payload, dtype=np.uint8)
+        cursor = offset + payload.nbytes
+    data[cursor:] = 0  # padding is deterministic, so snapshots and buckets of equal weights are equal
+    return PackedBucket(index, data, [entry for _, entry, _ in pending])
+
+
+def iter_buckets(
+    named_tensors: Iterable[tuple[str, torch.Tensor]],
+    bytes_per_bucket: int,
+    codec: WireCodec = RAW,
+    alloc: Callable[[int], np.ndarray] = _new_buffer,
+) -> Iterator[PackedBucket]:
+    """Encode and pack tensors bucket by bucket; only one bucket's host bytes are alive at a time.
+
+    ``alloc(nbytes)`` gives each bucket's uint8 buffer (a publisher recycles old ones). Always yields
+    at least one bucket (possibly empty), as receivers expect.
+    """
+    placer = _Placer(bytes_per_bucket)
+    pending: list[tuple[int, TensorEntry, memoryview]] = []
+    for name, payload, entry_codec in encode_tensors(named_tensors, codec):
+        data = _tensor_bytes(payload)
+        previous_bucket, previous_used = placer.bucket, placer.used
+        bucket, offset = placer.place(data.nbytes)
+        if bucket != previous_bucket:
+            yield _fill(previous_bucket, pending, previous_used, alloc)
+            pending = []
+        entry = TensorEntry(
+            name, _dtype_name(payload.dtype), tuple(payload.shape), entry_codec,
+            bucket, offset, data.nbytes, zlib.crc32(data),
+        )
+        pending.append((offset, entry, data))
+    yield _fill(placer.bucket, pending, placer.used, alloc)
+
+
+def make_manifest(
+    version: int, buckets: list[PackedBucket], publisher_address: str = "", transport: str = "tcp"
+) -> WeightManifest:
+    return WeightManifest(
+        version=version,
+        tensors=[entry for bucket in buckets for entry in bucket.entries],
+        bucket_nbytes=[len(bucket.data) for bucket in buckets],
+        publisher_address=publisher_address,
+        transport=transport,
+        created_s=time.time(),
+    )
 
 
 def pack(
@@ -33,49 +200,11 @@ def pack(
     bytes_per_bucket: int,
     publisher_address: str = "",
     transport: str = "tcp",
-) -> tuple[WeightManifest, list[bytearray]]:
-    """Copy CPU tensors into buckets; returns the manifest and the bucket buffers."""
-    entries: list[TensorEntry] = []
-    placed: list[tuple[int, int, memoryview]] = []  # (bucket, offset, bytes)
-    bucket_sizes: list[int] = [0]
-    for name, tensor in named_tensors:
-        if tensor.device.type != "cpu":
-            tensor = tensor.cpu()
-        data = _tensor_bytes(tensor)
-        nbytes = data.nbytes
-        offset = _align(bucket_sizes[-1])
-        if bucket_sizes[-1] > 0 and offset + nbytes > bytes_per_bucket:
-            bucket_sizes.append(0)
-            offset = 0
-        bucket = len(bucket_sizes) - 1
-        bucket_sizes[bucket] = offset + nbytes
-        placed.append((bucket, offset, data))
-        entries.append(
-            TensorEntry(
-                name=name,
-                dtype=str(tensor.dtype).removeprefix("torch."),
-                shape=tuple(tensor.shape),
-                codec="raw",
-                bucket=bucket,
-                offset=offset,
-                nbytes=nbytes,
-                checksum=zlib.crc32(data),
-            )
-        )
-    # Pad every bucket to the alignment so tensors stay aligned when buckets are laid end to end.
-    bucket_sizes = [_align(size) for size in bucket_sizes]
-    buckets = [bytearray(size) for size in bucket_sizes]
-    for bucket, offset, data in placed:
-        buckets[bucket][offset : offset + data.nbytes] = data
-    manifest = WeightManifest(
-        version=version,
-        tensors=entries,
-        bucket_nbytes=bucket_sizes,
-        publisher_address=publisher_address,
-        transport=transport,
-        created_s=time.time(),
-    )
-    return manifest, buckets
+    codec: WireCodec = RAW,
+) -> tuple[WeightManifest, list[np.ndarray]]:
+    """Encode and copy tensors into buckets; returns the manifest and the bucket buffers (uint8)."""
+    buckets = list(iter_buckets(named_tensors, bytes_per_bucket, codec))
+    return make_manifest(version, buckets, publisher_address, transport), [b.data for b in buckets]
 
 
 def bucket_offsets(manifest: WeightManifest) -> list[int]:
@@ -95,10 +224,12 @@ class ChecksumError(ValueError):
     """A received tensor's bytes do not match the manifest's crc32."""
 
 
-def verify(manifest: WeightManifest, buffer: memoryview) -> None:
-    """Raise ChecksumError naming the first tensor whose bytes differ from the manifest."""
+def verify(manifest: WeightManifest, buffer: memoryview, bucket: int | None = None) -> None:
+    """Raise ChecksumError naming the first tensor (of ``bucket``, or all) whose bytes differ."""
     starts = bucket_offsets(manifest)
     for entry in manifest.tensors:
+        if bucket is not None and entry.bucket != bucket:
+            continue
         begin = starts[entry.bucket] + entry.offset
         if zlib.crc32(buffer[begin : begin + entry.nbytes]) != entry.checksum:
             raise ChecksumError(
@@ -107,13 +238,43 @@ def verify(manifest: WeightManifest, buffer: memoryview) -> None:
             )
 
 
-def iter_tensors(manifest: WeightManifest, buffer: memoryview) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (name, tensor) views into ``buffer`` (all buckets end to end) in manifest order."""
+def _view(entry: TensorEntry, buffer: memoryview, start: int) -> torch.Tensor:
+    dtype = getattr(torch, entry.dtype, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"tensor {entry.name}: unknown dtype {entry.dtype!r} in the manifest")
+    if entry.nbytes == 0:  # torch.frombuffer refuses empty buffers
+        return torch.empty(entry.shape, dtype=dtype)
+    begin = start + entry.offset
+    raw = torch.frombuffer(buffer[begin : begin + entry.nbytes], dtype=torch.uint8)
+    return raw.view(dtype).reshape(entry.shape)
+
+
+def _companion_of(name: str) -> str | None:
+    return name[: -len(SCALE_SUFFIX)] if name.endswith(SCALE_SUFFIX) else None
+
+
+def iter_tensors(
+    manifest: WeightManifest, buffer: memoryview, dequantize_to: torch.dtype | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (name, tensor) views into ``buffer`` (all buckets end to end) in manifest order.
+
+    ``dequantize_to=None`` yields MXFP8 pairs as they are (``name`` float8_e4m3fn, ``name_scale``
+    uint8: vLLM's checkpoint format). With a dtype, each pair becomes one tensor ``name`` of that dtype
+    (``mxfp8.dequantize``, exact in float32 and bfloat16); raw entries keep their own dtype.
+    """
     starts = bucket_offsets(manifest)
+    quantized = {e.name: e for e in manifest.tensors if e.codec == "mxfp8"}
+    scales = {e.name: e for e in manifest.tensors if e.name.endswith(SCALE_SUFFIX)}
     for entry in manifest.tensors:
-        begin = starts[entry.bucket] + entry.offset
-        if entry.nbytes == 0:  # torch.frombuffer refuses empty buffers
-            yield entry.name, torch.empty(entry.shape, dtype=getattr(torch, entry.dtype))
+        if entry.codec not in ("raw", "mxfp8"):
+            raise ValueError(f"tensor {entry.name}: unknown wire codec {entry.codec!r}")
+        if dequantize_to is None or entry.codec == "raw":
+            if dequantize_to is not None and _companion_of(entry.name) in quantized:
+                continue  # consumed with its weight
+            yield entry.name, _view(entry, buffer, starts[entry.bucket])
             continue
-        raw = torch.frombuffer(buffer[begin : begin + entry.nbytes], dtype=torch.uint8)
-        yield entry.name, raw.view(getattr(torch, entry.dtype)).reshape(entry.shape)
+        scale = scales.get(entry.name + SCALE_SUFFIX)
+        if scale is None:
+            raise ValueError(f"tensor {entry.name}: MXFP8 entry without its {entry.name}{SCALE_SUFFIX} companion")
+        q = _view(entry, buffer, starts[entry.bucket])
+        yield entry.name, mxfp8.dequantize(q, _view(scale, buffer, starts[scale.bucket]), dequantize_to)

@@ -40,6 +40,12 @@ async def get_manifest(client: aioredis.Redis, keys: RedisKeys, version: int) ->
     return decode_manifest(raw) if raw is not None else None
 
 
+def get_manifest_sync(client: syncredis.Redis, keys: RedisKeys, version: int) -> WeightManifest | None:
+    """``get_manifest`` for threads without an event loop (the nccl subscriber)."""
+    raw = client.get(keys.manifest(version))
+    return decode_manifest(raw) if raw is not None else None
+
+
 async def wait_for_announcement(
     client: aioredis.Redis, keys: RedisKeys, last_id: str, timeout_s: float
 ) -> tuple[str, int | None]:

@@ -108,6 +108,14 @@ def test_generate_streams_tokens_logprobs_and_version_spans(server):
         assert not final.HasField("routed_experts")  # vLLM on CPU cannot return routes
 
 
+def test_stream_interval_sends_fewer_larger_chunks_with_every_token(server):
+    chunks, samples = _generate(server.stub, n=2, temperature=1.0, max_tokens=12, stream_interval=4)
+    for index, sample in samples.items():
+        sizes = [len(c.token_ids) for c in chunks if c.sample_index == index]
+        assert sum(sizes) == 12 and len(sample["logprobs"]) == 12
+        assert sizes[0] == 1 and len(sizes) <= 5  # the first token at once, then about 4 at a time
+
+
 def test_health_reflection_and_server_info(server):
     channel, stub = server.channel, server.stub
     info = stub.ServerInfo(pb.ServerInfoRequest(), timeout=10)
@@ -135,6 +143,7 @@ MALFORMED = [
     ({"sampling": {"max_tokens": 4, "logprobs": 1000}}, "logprobs"),
     ({"sampling": {"max_tokens": 4, "stop_token_ids": [70000]}}, "stop_token_ids"),
     ({"request_id": "x" * 1000, "sampling": {"max_tokens": 4}}, "request_id"),
+    ({"sampling": {"max_tokens": 4, "stream_interval": 100000}}, "stream_interval"),
 ]
 
 
@@ -336,6 +345,62 @@ def test_metrics_endpoint_reports_throughput_ttft_rejections_and_version(server)
         assert (name, ()) in values, name
 
 
+def _hf_model_with(model_dir: str, weights: dict[str, torch.Tensor], directory) -> torch.nn.Module:
+    """HF transformers' model of ``model_dir`` with checkpoint-format ``weights`` loaded instead."""
+    import shutil
+
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    shutil.copy(os.path.join(model_dir, "config.json"), directory / "config.json")
+    save_file({name: tensor.contiguous() for name, tensor in weights.items()}, str(directory / "model.safetensors"))
+    return AutoModelForCausalLM.from_pretrained(str(directory), dtype=torch.float32).eval()
+
+
+def _hf_token_logprobs(model, prompt, tokens) -> list[float]:
+    ids = torch.tensor([prompt + tokens])
+    with torch.no_grad():
+        logprobs = torch.log_softmax(model(input_ids=ids).logits[0, len(prompt) - 1 : -1].float(), dim=-1)
+    return logprobs.gather(1, torch.tensor(tokens)[:, None])[:, 0].tolist()
+
+
+def test_mxfp8_weight_update_is_dequantized_into_the_engine_and_matches_hf(server, model_dir, redis_server, tmp_path):
+    from weight_bus.codecs.mxfp8 import dequantize, quantize
+    from weight_bus.packing import WireCodec
+
+    stub = server.stub
+    version = _info(stub).policy_version + 1
+    backend = TorchBackend(model_dir, TrainerConfig())
+    _perturb(backend, seed=4)
+    weights = [(name, tensor.clone()) for name, tensor in backend.export_hf_weights()]
+    codec = WireCodec("mxfp8")
+    assert sum(codec.quantizes(name, tensor) for name, tensor in weights) > 40
+    # The reference: HF transformers with every MXFP8-eligible weight replaced by dequantize(quantize(w)).
+    reference = _hf_model_with(model_dir, {
+        name: dequantize(*quantize(tensor), tensor.dtype) if codec.quantizes(name, tensor) else tensor
+        for name, tensor in weights
+    }, tmp_path)
+    expected = _hf_greedy(reference, PROMPT, 8)
+    publisher = WeightPublisher(
+        redis.Redis.from_url(redis_server.url), RedisKeys(RUN_ID), WeightBusConfig(codec="mxfp8")
+    )
+    try:
+        publisher.publish(version, weights)
+        assert publisher.last_stats.num_tensors > len(weights)  # (q, scale) pairs went on the wire
+        assert stub.UpdateWeights(pb.UpdateWeightsRequest(version=version), timeout=60).policy_version == version
+    finally:
+        publisher.close()
+    _, samples = _generate(stub, max_tokens=8, logprobs=0)
+    assert samples[0]["tokens"] == expected
+    # The engine holds the dequantized weights, not the bf16/fp32 originals: its logprobs match the reference.
+    engine_lp = samples[0]["logprobs"]
+    reference_lp = _hf_token_logprobs(reference, PROMPT, expected)
+    original_lp = _hf_token_logprobs(backend.model, PROMPT, expected)
+    off_reference = max(abs(a - b) for a, b in zip(engine_lp, reference_lp))
+    off_original = max(abs(a - b) for a, b in zip(engine_lp, original_lp))
+    assert off_reference < 1e-3 and off_reference < off_original / 10, (off_reference, off_original)
+
+
 # Keep this test last: it stops the module's server.
 def test_sigterm_refuses_new_calls_finishes_in_flight_ones_then_exits(server):
     stub = server.stub
@@ -344,7 +409,7 @@ def test_sigterm_refuses_new_calls_finishes_in_flight_ones_then_exits(server):
         timeout=120,
     )
     chunks = [next(in_flight)]  # admitted and streaming
-    os.killpg(server.process.pid, signal.SIGTERM)
+    os.kill(server.process.pid, signal.SIGTERM)  # as an orchestrator does: the server, not its engine children
     deadline = time.monotonic() + 20
     while True:  # a call that raced the signal may still be admitted; the next ones are refused
         try:
