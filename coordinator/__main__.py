@@ -8,6 +8,8 @@ import logging
 import signal
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 logger = logging.getLogger("coordinator")
 
@@ -18,6 +20,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--config", default=None)
     parser.add_argument("--servers", required=True, help="comma-separated rollout server addresses")
     parser.add_argument("--redis-url", required=True)
+    parser.add_argument("--model", default="",
+                        help="model dir whose tokenizer renders dataset prompts (default: the config's model_path)")
     parser.add_argument("overrides", nargs="*")
     return parser.parse_intermixed_args(argv)
 
@@ -32,42 +36,94 @@ async def wait_for_servers(clients, timeout_s: float) -> None:
         await client.info()
 
 
-async def report_metrics(scheduler, queue, client, keys, started: float, stop: asyncio.Event) -> None:
-    from protos.records import MetricsReport, encode
+@dataclass
+class Pipeline:
+    """``PromptSource -> RolloutClient -> RewardFn -> RolloutQueue`` and the eval runner, built from the config."""
 
-    last_tokens, last_time = 0, time.monotonic()
-    while True:
-        try:
-            await asyncio.wait_for(stop.wait(), timeout=1.0)
-        except TimeoutError:
-            pass
-        now, stats = time.monotonic(), scheduler.stats
-        values = {
-            "tokens_per_s": (stats.tokens_generated - last_tokens) / max(1e-6, now - last_time),
-            "groups_admitted": stats.groups_admitted,
-            "groups_pushed": stats.groups_pushed,
-            "samples_pushed": stats.samples_pushed,
-            "redispatches": stats.redispatches,
-            "queue_depth": await queue.depth(),
-            "mean_reward": stats.reward_sum / max(1, stats.samples_pushed),
-            "uptime_s": now - started,
-        }
-        last_tokens, last_time = stats.tokens_generated, now
-        report = MetricsReport("coordinator", stats.groups_pushed, scheduler.trainer_version, time.time(), values)
-        await client.xadd(keys.metrics("coordinator"), {"m": encode(report)}, maxlen=10000, approximate=True)
-        if stop.is_set():  # one last report after the stop so the totals are final
-            return
+    scheduler: object  # coordinator.scheduler.Scheduler
+    evals: object | None  # coordinator.evaluation.EvalRunner
+    executor: ThreadPoolExecutor
+
+
+async def build_pipeline(config, model_path: str, client, keys, fleet) -> Pipeline:
+    from coordinator.evaluation import EvalRunner, eval_versions, load_eval_sets
+    from coordinator.queue_writer import RolloutQueue
+    from coordinator.rewards import get_reward_fn
+    from coordinator.scheduler import Scheduler
+    from coordinator.tasks import PromptRenderer, ResponseScorer, build_task, load_tokenizer
+    from weight_bus import rendezvous
+
+    cfg = config.coordinator
+    needs_tokenizer = cfg.task != "echo" or bool(cfg.eval.datasets)
+    tokenizer = load_tokenizer(model_path or config.model_path) if needs_tokenizer else None
+    executor = ThreadPoolExecutor(cfg.reward_threads, thread_name_prefix="reward")
+    task = build_task(cfg, config.rollout.max_model_len, tokenizer, executor)
+    start_version = await rendezvous.latest_version(client, keys)
+    total_groups = config.trainer.num_steps * cfg.groups_per_step
+    scheduler = Scheduler(cfg, fleet, RolloutQueue(client, keys), task, total_groups, start_version)
+    evals = None
+    if cfg.eval.datasets:
+        renderer = PromptRenderer(tokenizer, cfg.chat_template_kwargs)
+        sets = load_eval_sets(cfg, renderer, config.rollout.max_model_len)
+        scorer = ResponseScorer(tokenizer, get_reward_fn(cfg.eval.reward_fn), executor, cfg.reward_timeout_s)
+        evals = EvalRunner(cfg, fleet, sets, scorer, config.out_dir)
+        evals.schedule(eval_versions(cfg.eval, start_version, config.trainer.num_steps))
+    logger.info("coordinator: task %s, %d groups of %d, start at trainer v%d, eval at %s", cfg.task, total_groups,
+                cfg.group_size, start_version, evals.pending if evals else [])
+    return Pipeline(scheduler, evals, executor)
+
+
+async def eval_round(evals, reporter, version: int) -> None:
+    from redis.exceptions import ConnectionError as RedisConnectionError
+
+    values = await evals.run_round(version)
+    if values is None:
+        return
+    try:
+        await reporter.report_eval(version, values)
+    except (RedisConnectionError, OSError) as error:  # the round's figures are logged; losing the report is not fatal
+        logger.warning("eval report of v%d to Redis failed: %s", version, error)
+
+
+@dataclass
+class Operators:
+    """What serves operators and watches the fleet: stopped at the end of the run."""
+
+    reporter: object  # coordinator.metrics.MetricsReporter
+    admin: object  # grpc.aio.Server
+    runners: list  # aiohttp runners (dashboard, /metrics)
+    background: list[asyncio.Task]
+
+
+async def start_operators(config, pipeline: Pipeline, client, keys, fleet, runners: list, stop) -> Operators:
+    from coordinator.admin import AdminCore, start_admin_server
+    from coordinator.control import ControlChannel
+    from coordinator.fleet import FleetWatcher
+    from coordinator.metrics import MetricsReporter, start_metrics_server
+
+    cfg, scheduler = config.coordinator, pipeline.scheduler
+    reporter = MetricsReporter(scheduler, pipeline.evals, scheduler.queue, client, keys)
+    core = AdminCore(config, scheduler, reporter, ControlChannel(client, keys), pipeline.evals)
+    admin, admin_port = await start_admin_server(core, cfg.admin_host, cfg.admin_port)
+    logger.info("admin API on %s:%d (fleetrl status --admin %s:%d)", cfg.admin_host, admin_port, cfg.admin_host,
+                admin_port)
+    if cfg.metrics_port:
+        metrics_runner, metrics_port = await start_metrics_server(reporter, cfg.admin_host, cfg.metrics_port)
+        runners.append(metrics_runner)
+        logger.info("Prometheus metrics on http://%s:%d/metrics", cfg.admin_host, metrics_port)
+    background = [
+        asyncio.create_task(FleetWatcher(fleet, scheduler.set_trainer_version, client, keys).run(stop), name="fleet"),
+        asyncio.create_task(reporter.run(stop), name="metrics"),
+    ]
+    return Operators(reporter, admin, runners, background)
 
 
 async def run(args: argparse.Namespace) -> None:
     import redis.asyncio as aioredis
 
     from coordinator.dashboard import start_dashboard
-    from coordinator.fleet import FleetWatcher
-    from coordinator.queue_writer import RolloutQueue
+    from coordinator.fleet import Fleet
     from coordinator.rollout_client import RolloutClient
-    from coordinator.scheduler import Scheduler
-    from coordinator.tasks import EchoTask
     from protos.config import load_run_config
     from protos.redis_keys import RedisKeys
 
@@ -76,47 +132,66 @@ async def run(args: argparse.Namespace) -> None:
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         asyncio.get_running_loop().add_signal_handler(sig, stop.set)
-    started = time.monotonic()
+    logger.info("resolved config: %s", config.model_dump_json())
 
     # 1) connect Redis and the rollout servers; wait until every server is healthy
     client = aioredis.Redis.from_url(args.redis_url, socket_timeout=30)
     keys = RedisKeys(config.run_id)
-    dashboard = None
+    runners: list = []
     if cfg.dashboard:  # up before the servers are, so the page shows the fleet starting
-        dashboard, dashboard_port = await start_dashboard(client, keys, cfg.dashboard_host, cfg.dashboard_port)
-        logger.info("dashboard on http://%s:%d/", cfg.dashboard_host, dashboard_port)
-    clients = [RolloutClient(address) for address in args.servers.split(",") if address]
-    await wait_for_servers(clients, timeout_s=300)
-    queue = RolloutQueue(client, keys)
-    task = EchoTask(seed=cfg.seed, max_tokens=cfg.sampling.max_tokens)
-    total_groups = config.trainer.num_steps * cfg.groups_per_step
-    scheduler = Scheduler(cfg, clients, queue, task, total_groups)
-    # 2) background tasks: fleet/version watcher and metrics reports (supervised below)
-    watcher = FleetWatcher(scheduler, client, keys)
-    background = [
-        asyncio.create_task(watcher.run(stop), name="fleet-watcher"),
-        asyncio.create_task(report_metrics(scheduler, queue, client, keys, started, stop), name="metrics"),
-    ]
+        runners.append((await start_dashboard(client, keys, cfg.dashboard_host, cfg.dashboard_port))[0])
+    fleet = Fleet([RolloutClient(address) for address in args.servers.split(",") if address])
+    await wait_for_servers(fleet.clients, timeout_s=300)
+    # 2) build the pipeline: task (prompts and rewards), eval sets, the scheduler core
+    pipeline = await build_pipeline(config, args.model, client, keys, fleet)
+    scheduler, evals = pipeline.scheduler, pipeline.evals
+    # 3) serve operators and watch the fleet: admin API, /metrics, metrics reports (supervised below)
+    operators = await start_operators(config, pipeline, client, keys, fleet, runners, stop)
     producers: set[asyncio.Task] = set()
-    # 3) admit prompts while the staleness bound allows; each admitted group is produced concurrently
-    while not stop.is_set() and scheduler.stats.groups_pushed < total_groups:
-        _raise_if_failed(background + list(producers))
+    eval_task: asyncio.Task | None = None
+    # 4) loop: supervise; start a due eval round; admit while the staleness bound (and eval hold) allows
+    while not stop.is_set() and not _finished(scheduler, evals, eval_task):
+        _raise_if_failed([*operators.background, *producers, *([eval_task] if eval_task else [])])
         producers = {t for t in producers if not t.done()}
+        scheduler.update_state()
+        if evals is not None and (eval_task is None or eval_task.done()):
+            version = evals.due(scheduler)
+            if version is not None:
+                eval_task = asyncio.create_task(eval_round(evals, operators.reporter, version), name=f"eval-v{version}")
         if scheduler.can_admit():
-            index, prompt = scheduler.admit()
-            task_ = asyncio.create_task(scheduler.produce_group(index, prompt, scheduler.trainer_version))
-            producers.add(task_)
+            slot, prompt = scheduler.admit()
+            producers.add(asyncio.create_task(scheduler.produce_group(slot, prompt), name=f"group-{slot}"))
             continue
         await asyncio.sleep(0.05)
-    # 4) finish: wait for in-flight groups, stop background tasks, say how much was produced
-    logger.info("coordinator done: %s", scheduler.stats)
+    # 5) finish: say how much was produced, stop everything, report once more, close servers and clients
+    logger.info("coordinator %s: %s", scheduler.state.name.lower(), scheduler.stats)
     stop.set()
-    await asyncio.gather(*producers, *background, return_exceptions=True)
-    for rollout_client in clients:
-        await rollout_client.close()
-    if dashboard is not None:
-        await dashboard.cleanup()
+    await shutdown([*producers, *([eval_task] if eval_task else [])], operators, pipeline, fleet)
     await client.aclose()
+
+
+async def shutdown(unfinished: list[asyncio.Task], operators: Operators, pipeline: Pipeline, fleet) -> None:
+    from coordinator.scheduler import RunState
+
+    for task in unfinished:
+        task.cancel()  # only left when a signal stops the run
+    await asyncio.gather(*unfinished, *operators.background, return_exceptions=True)
+    drained = pipeline.scheduler.state == RunState.DRAINED
+    await operators.admin.stop(grace=2.0 if drained else 0.5)  # a drain's reply must get out
+    for runner in operators.runners:
+        await runner.cleanup()
+    await fleet.close()
+    pipeline.executor.shutdown(wait=False, cancel_futures=True)
+
+
+def _finished(scheduler, evals, eval_task) -> bool:
+    """Drained, or every group pushed with no eval round left to run."""
+    from coordinator.scheduler import RunState
+
+    if scheduler.state == RunState.DRAINED:
+        return True
+    evals_left = evals is not None and (evals.pending or (eval_task is not None and not eval_task.done()))
+    return scheduler.state == RunState.FINISHED and not evals_left
 
 
 def _raise_if_failed(tasks: list[asyncio.Task]) -> None:
@@ -128,6 +203,9 @@ def _raise_if_failed(tasks: list[asyncio.Task]) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s coordinator %(levelname)s %(name)s: %(message)s")
+    # math_verify warns on every call made off the main thread that its signal-based timeout is off;
+    # rewards run in threads by design, with score_group's timeout and input caps as the guard.
+    logging.getLogger("math_verify").setLevel(logging.ERROR)
     args = parse_args(sys.argv[1:] if argv is None else argv)
     import uvloop
 

@@ -1,4 +1,5 @@
-"""The ``fleetrl`` command line: runs demos, starts roles as processes, initialises models."""
+"""The ``fleetrl`` command line: runs demos, starts roles as processes, initialises models, and operates a
+running coordinator through its admin API (``admin_cli``)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,9 @@ import sys
 import time
 from pathlib import Path
 
+from coordinator.admin_cli import add_admin_commands, run_admin_command
+
+ADMIN_COMMANDS = ("status", "pause", "resume", "drain", "set", "sync", "servers")
 DEFAULT_RECIPE = Path(__file__).resolve().parent.parent / "recipes" / "demo-echo.yaml"
 
 
@@ -76,6 +80,8 @@ def build_parser() -> argparse.ArgumentParser:
     init_tiny.add_argument("--seed", type=int, default=0)
     init_tiny.add_argument("--warmup-steps", type=int, default=0, help="short echo warm-up (the demo uses 80)")
     init_tiny.set_defaults(func=_cmd_model_init_tiny)
+
+    add_admin_commands(commands)
     return parser
 
 
@@ -84,6 +90,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.command == "rollout" and (not args.rest or args.rest[0] != "serve"):
         print("fleetrl rollout: usage: fleetrl rollout serve --model PATH [--host H] [--port P] ...", file=sys.stderr)
         sys.exit(2)
+    if args.command in ADMIN_COMMANDS:
+        sys.exit(run_admin_command(args))
     sys.exit(args.func(args))
 
 

@@ -101,6 +101,8 @@ class DemoLauncher:
             self.redis_server = EmbeddedRedis().start()
             redis_url = self.redis_server.url
         model = self.config.model_path or str(tiny_model_dir())
+        if not self.config.out_dir:  # eval samples and trainer checkpoints go under the run directory
+            self.config.out_dir = str(self.out_dir)
         config_path = self.out_dir / "config.json"
         config_path.write_text(self.config.model_dump_json(indent=2))
         common = ["--config", str(config_path)]
@@ -116,7 +118,8 @@ class DemoLauncher:
                 env={"VLLM_CPU_OMP_THREADS_BIND": str(i % (os.cpu_count() or 1)), "OMP_NUM_THREADS": "1"},
             )
         self.spawn("trainer", ["-m", "trainer_service", "train", "--model", model, "--redis-url", redis_url, *common])
-        self.spawn("coordinator", ["-m", "coordinator", "run", "--servers", ",".join(addresses), "--redis-url", redis_url, *common])
+        self.spawn("coordinator", ["-m", "coordinator", "run", "--servers", ",".join(addresses),
+                                   "--redis-url", redis_url, "--model", model, *common])
         return redis_url
 
     def monitor(self, redis_url: str) -> dict:
@@ -134,15 +137,30 @@ class DemoLauncher:
                 for entry_id, fields in entries:
                     cursors[stream] = entry_id.decode()
                     report = decode_metrics(fields[b"m"])
-                    if report.role == "coordinator":
-                        coordinator_last = report.values
+                    if report.role == "coordinator":  # periodic figures, and eval rounds (eval/...)
+                        coordinator_last = {**coordinator_last, **report.values}
                     elif report.values.get("done"):
                         done = True
                     else:
                         trainer_steps.append({"step": report.step, "policy_version": report.policy_version, **report.values})
                         self.print_step(trainer_steps[-1], coordinator_last, client)
         self.wait_for_fleet(client, trainer_steps[-1]["policy_version"] if trainer_steps else 0)
+        coordinator_last.update(self.wait_for_coordinator(client, cursors[self.keys.metrics("coordinator")]))
         return self.summary(client, trainer_steps, coordinator_last)
+
+    def wait_for_coordinator(self, client: redis.Redis, cursor: str, timeout_s: float = 120.0) -> dict:
+        """The coordinator exits after its last eval round; returns the figures it reported meanwhile."""
+        coordinator = self.children["coordinator"]
+        values: dict = {}
+        deadline = time.monotonic() + timeout_s
+        while coordinator.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        if coordinator.poll() is None:
+            logger.warning("the coordinator did not exit within %.0fs after the trainer finished", timeout_s)
+        self.check_children()
+        for _entry_id, fields in client.xrange(self.keys.metrics("coordinator"), min=f"({cursor}"):
+            values.update(decode_metrics(fields[b"m"]).values)
+        return values
 
     def print_step(self, step: dict, coordinator: dict, client: redis.Redis) -> None:
         versions = self.fleet_versions(client)
@@ -185,6 +203,7 @@ class DemoLauncher:
             "trajectories_produced": int(coordinator.get("samples_pushed", 0)),
             "trajectories_trained": int(last.get("samples_trained", 0)),
             "stale_samples_dropped": int(last.get("stale_dropped", 0)),
+            "eval": {k: v for k, v in coordinator.items() if k.startswith("eval/")},
             "rewards": rewards,
             "wall_s": time.monotonic() - self.started,
         }
@@ -196,7 +215,10 @@ def run_demo(config: RunConfig, out_dir: Path) -> dict:
     launcher = DemoLauncher(config, out_dir)
     try:
         redis_url = launcher.start()
-        print(f"run dir {out_dir} | Redis {redis_url} | logs in {out_dir / 'logs'}", flush=True)
+        cfg = config.coordinator
+        admin = f"{cfg.admin_host}:{cfg.admin_port}" if cfg.admin_port else "(port in logs/coordinator.log)"
+        print(f"run dir {out_dir} | Redis {redis_url} | logs in {out_dir / 'logs'} | admin API {admin} "
+              "(fleetrl status --admin ADDR)", flush=True)
         summary = launcher.monitor(redis_url)
     finally:
         launcher.stop_all()

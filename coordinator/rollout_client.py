@@ -28,6 +28,10 @@ class RolloutFailed(RuntimeError):
     """A Generate call failed or a server is unreachable; the work can go to another server."""
 
 
+class RolloutRejected(RuntimeError):
+    """The server refused the request itself (INVALID_ARGUMENT); another server would refuse it too."""
+
+
 @dataclass
 class SampleResult:
     token_ids: list[int] = field(default_factory=list)
@@ -46,6 +50,8 @@ class RolloutClient:
         self.stub = pb_grpc.RolloutServiceStub(self.channel)
         self.health = health_pb2_grpc.HealthStub(self.channel)
         self.inflight = 0
+        self.requests = 0  # Generate calls sent
+        self.failures = 0  # of which failed
         self.healthy = True
         self.policy_version = 0
         self.server_id = ""
@@ -78,6 +84,7 @@ class RolloutClient:
         samples = [SampleResult() for _ in range(n)]
         finished = 0
         self.inflight += 1
+        self.requests += 1
         try:
             async for chunk in self.stub.Generate(request, timeout=timeout_s):
                 sample = samples[chunk.sample_index]
@@ -91,12 +98,16 @@ class RolloutClient:
                         tensor = chunk.routed_experts
                         sample.routed_experts = np.frombuffer(tensor.data, dtype=tensor.dtype).reshape(tensor.shape)
         except grpc.aio.AioRpcError as error:
+            self.failures += 1
+            if error.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                raise RolloutRejected(f"{self.address} refused the request: {error.details()}") from error
             if error.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN):
                 self.healthy = False
             raise RolloutFailed(f"{self.address}: {error.code().name}: {error.details()}") from error
         finally:
             self.inflight -= 1
         if finished != n:
+            self.failures += 1
             raise RolloutFailed(f"{self.address}: stream ended with {finished} of {n} samples finished")
         return samples
 

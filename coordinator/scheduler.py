@@ -1,14 +1,23 @@
 """Scheduler: admission control, dispatch to rollout servers, scoring and in-order push.
 
-The staleness bound (docs/architecture.md): with B groups per step and trainer version v_t, at most
-(v_t + k + 1) * B groups are admitted. Groups are pushed in admission order, so group i is trained
-at step i // B; it is dispatched only to a server whose version is >= i // B - k. Together these make
+The staleness bound (docs/architecture.md): with B groups per step, trainer version v_t and v_0 the
+trainer's version when this coordinator started, at most (v_t - v_0 + k + 1) * B group *slots* are
+admitted. Groups are pushed in slot order, so slot i is trained at version v_0 + i // B; it is
+dispatched only to a server whose version is >= v_0 + i // B - k. Together these make
 ``v_trainer - min token version <= k`` hold for every sample, with nothing thrown away.
+
+Dynamic sampling: a group whose rewards are all equal carries no GRPO signal. It is skipped (counted)
+and a new prompt is drawn *for the same slot*, so the admission arithmetic above is unchanged: the
+replacement is trained at the same step and dispatched under the same version floor.
+
+Eval holds: when an eval round is due at version v_e, admission stops at slot (v_e - v_0) * B. The
+trainer then reaches exactly v_e and waits; the round runs pinned to v_e, then admission resumes.
 """
 
 from __future__ import annotations
 
 import asyncio
+import enum
 import logging
 import time
 import uuid
@@ -16,9 +25,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from coordinator.fleet import Fleet
 from coordinator.queue_writer import RolloutQueue
-from coordinator.rollout_client import RolloutClient, RolloutFailed, SampleResult
-from coordinator.tasks import TaskPrompt
+from coordinator.rewards import RewardResult
+from coordinator.rollout_client import RolloutClient, SampleResult
+from coordinator.tasks import Task, TaskPrompt
 from protos.config import CoordinatorConfig
 from protos.records import Array, FinishReason, Sample, TrajectoryGroup, VersionSpan
 
@@ -27,136 +38,178 @@ logger = logging.getLogger(__name__)
 _FINISH = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH, "abort": FinishReason.ABORT}
 
 
+class RunState(enum.IntEnum):
+    """Values match ``fleetrl.admin.v1.RunState``."""
+
+    RUNNING = 1
+    PAUSED = 2
+    DRAINING = 3
+    DRAINED = 4
+    FINISHED = 5
+
+
 @dataclass
 class SchedulerStats:
-    groups_admitted: int = 0
+    slots_admitted: int = 0  # what the admission bound counts
+    groups_admitted: int = 0  # prompts drawn: slots plus replacements of skipped groups
     groups_pushed: int = 0
+    groups_skipped: int = 0  # dynamic sampling: all rewards equal
+    groups_kept_uniform: int = 0  # dynamic sampling gave up on a slot after max tries
     samples_pushed: int = 0
     tokens_generated: int = 0
-    redispatches: int = 0
-    groups_failed: int = 0
+    reward_errors: int = 0
     reward_sum: float = 0.0
     max_staleness_at_push: int = 0
 
 
-class NoServerAvailable(RuntimeError):
-    """No healthy server at the required version appeared within the wait."""
-
-
 class Scheduler:
-    """Plain core of the coordinator; ``run_loop`` in ``__main__`` drives it."""
+    """Plain core of the coordinator; the ``run()`` loop in ``__main__`` drives it."""
 
-    def __init__(self, config: CoordinatorConfig, clients: list[RolloutClient], queue: RolloutQueue, task, total_groups: int):
-        self.config = config
-        self.clients = clients
+    def __init__(self, config: CoordinatorConfig, fleet: Fleet, queue: RolloutQueue, task: Task,
+                 total_groups: int, start_version: int = 0):
+        self.config = config  # shared and live: the admin API changes it in place
+        self.fleet = fleet
         self.queue = queue
         self.task = task
         self.total_groups = total_groups
-        self.trainer_version = 0
+        self.start_version = start_version
+        self.trainer_version = start_version
+        self.eval_hold_version: int | None = None
+        self.state = RunState.RUNNING
         self.stats = SchedulerStats()
+        self.in_flight: set[int] = set()
         self._done: dict[int, TrajectoryGroup] = {}
         self._push_lock = asyncio.Lock()
-        self._server_changed = asyncio.Event()
+
+    @property
+    def clients(self) -> list[RolloutClient]:
+        return self.fleet.clients
+
+    def set_trainer_version(self, version: int) -> None:
+        self.trainer_version = max(self.trainer_version, version)
 
     # admission -----------------------------------------------------------------------------
     def admission_limit(self) -> int:
-        bound = (self.trainer_version + self.config.max_staleness + 1) * self.config.groups_per_step
-        return min(bound, self.total_groups)
+        B = self.config.groups_per_step
+        limit = min((self.trainer_version - self.start_version + self.config.max_staleness + 1) * B, self.total_groups)
+        if self.eval_hold_version is not None:
+            limit = min(limit, (self.eval_hold_version - self.start_version) * B)
+        return limit
 
     def can_admit(self) -> bool:
-        return self.stats.groups_admitted < self.admission_limit()
+        return self.state == RunState.RUNNING and self.stats.slots_admitted < self.admission_limit()
 
     def admit(self) -> tuple[int, TaskPrompt]:
-        index = self.stats.groups_admitted
+        slot = self.stats.slots_admitted
+        self.stats.slots_admitted += 1
         self.stats.groups_admitted += 1
-        return index, self.task.next_prompt()
+        self.in_flight.add(slot)
+        return slot, self.task.next_prompt()
 
-    def version_floor(self, index: int) -> int:
-        return index // self.config.groups_per_step - self.config.max_staleness
+    def train_version(self, slot: int) -> int:
+        """The trainer version that will train slot ``slot``."""
+        return self.start_version + slot // self.config.groups_per_step
 
-    # dispatch ------------------------------------------------------------------------------
-    def notify_fleet_changed(self) -> None:
-        self._server_changed.set()
+    def version_floor(self, slot: int) -> int:
+        return self.train_version(slot) - self.config.max_staleness
 
-    async def pick_server(self, floor: int, exclude: set[str], timeout_s: float) -> RolloutClient:
-        """Least-loaded healthy server at version >= floor; waits for one up to ``timeout_s``."""
-        deadline = time.monotonic() + timeout_s
+    # operator verbs (admin API) --------------------------------------------------------------
+    def pause(self) -> None:
+        if self.state == RunState.RUNNING:
+            self.state = RunState.PAUSED
+
+    def resume(self) -> None:
+        if self.state in (RunState.DRAINING, RunState.DRAINED):
+            raise ValueError(f"the coordinator is {self.state.name.lower()}; a drain cannot be undone")
+        if self.state == RunState.PAUSED:
+            self.state = RunState.RUNNING
+
+    def drain(self) -> None:
+        if self.state in (RunState.RUNNING, RunState.PAUSED):
+            self.state = RunState.DRAINING
+        self.update_state()
+
+    def update_state(self) -> None:
+        if self.state == RunState.DRAINING and not self.in_flight:
+            self.state = RunState.DRAINED
+        elif self.state in (RunState.RUNNING, RunState.PAUSED) and self.stats.groups_pushed >= self.total_groups:
+            self.state = RunState.FINISHED
+
+    # producing one slot ----------------------------------------------------------------------
+    async def produce_group(self, slot: int, prompt: TaskPrompt) -> None:
+        """Generate, score and push the group of ``slot``; re-draws prompts of skipped groups."""
+        admitted_at = self.trainer_version
+        tries = 0
         while True:
-            eligible = [
-                c for c in self.clients
-                if c.healthy and c.policy_version >= floor and c.address not in exclude
-            ] or [c for c in self.clients if c.healthy and c.policy_version >= floor]
-            if eligible:
-                return min(eligible, key=lambda c: c.inflight)
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise NoServerAvailable(f"no healthy rollout server at policy version >= {floor} for {timeout_s}s")
-            self._server_changed.clear()
-            try:
-                await asyncio.wait_for(self._server_changed.wait(), timeout=min(remaining, 1.0))
-            except TimeoutError:
-                pass
+            tries += 1
+            group, rewards = await self._generate_group(slot, prompt, admitted_at)
+            uniform = max(rewards) - min(rewards) <= 1e-12
+            if not (self.config.dynamic_sampling and uniform):
+                break
+            if tries >= self.config.dynamic_sampling_max_tries:
+                self.stats.groups_kept_uniform += 1
+                logger.warning("slot %d: %d groups in a row had equal rewards (%.3f); pushing the last one",
+                               slot, tries, rewards[0])
+                break
+            self.stats.groups_skipped += 1
+            self.stats.groups_admitted += 1
+            prompt = self.task.next_prompt()
+        await self.complete(slot, group)
 
-    async def produce_group(self, index: int, prompt: TaskPrompt, admitted_at_version: int) -> None:
-        """Generate, score and hand over one group; re-dispatches on server failure."""
-        tried: set[str] = set()
-        for attempt in range(1, self.config.max_attempts + 1):
-            client = await self.pick_server(self.version_floor(index), tried, self.config.request_timeout_s)
-            tried.add(client.address)
-            try:
-                results = await client.generate(
-                    prompt.prompt_token_ids, self.config.group_size, self.config.sampling,
-                    self.config.request_timeout_s, request_id=f"g{index}-a{attempt}-{uuid.uuid4().hex[:6]}",
-                )
-            except RolloutFailed as error:
-                self.stats.redispatches += 1
-                logger.warning("group %d attempt %d failed (%s); re-dispatching", index, attempt, error)
-                self.notify_fleet_changed()
-                continue
-            group = self._build_group(index, prompt, results, client, admitted_at_version)
-            await self.complete(index, group)
-            return
-        self.stats.groups_failed += 1
-        raise RolloutFailed(f"group {index} failed on {self.config.max_attempts} attempts ({sorted(tried)})")
+    async def _generate_group(self, slot: int, prompt: TaskPrompt,
+                              admitted_at: int) -> tuple[TrajectoryGroup, list[float]]:
+        floor = self.version_floor(slot)
+        results, client = await self.fleet.generate(
+            prompt.prompt_token_ids, self.config.group_size, self.config.sampling,
+            accept=lambda c: c.policy_version >= floor, what=f"at policy version >= {floor}",
+            request_id=f"g{slot}-{uuid.uuid4().hex[:6]}", timeout_s=self.config.request_timeout_s,
+            max_attempts=self.config.max_attempts,
+        )
+        scores = await self.task.score(prompt, [r.token_ids for r in results])
+        return self._build_group(slot, prompt, results, scores, client, admitted_at), [s.reward for s in scores]
 
-    def _build_group(self, index, prompt: TaskPrompt, results: list[SampleResult], client, admitted_at_version) -> TrajectoryGroup:
+    def _build_group(self, slot: int, prompt: TaskPrompt, results: list[SampleResult], scores: list[RewardResult],
+                     client: RolloutClient, admitted_at: int) -> TrajectoryGroup:
         samples = []
-        for result in results:
-            reward = self.task.reward(prompt, result.token_ids)
+        for result, score in zip(results, scores, strict=True):
             samples.append(
                 Sample(
                     response_token_ids=Array.from_numpy(np.asarray(result.token_ids, dtype=np.int32)),
                     rollout_logprobs=Array.from_numpy(np.asarray(result.logprobs, dtype=np.float32)),
                     version_spans=[VersionSpan(v, s, e) for v, s, e in result.version_spans],
                     finish_reason=_FINISH.get(result.finish_reason, FinishReason.UNSPECIFIED),
-                    reward=reward,
+                    reward=score.reward,
                     server_id=client.server_id or client.address,
                     routed_experts=None if result.routed_experts is None else Array.from_numpy(result.routed_experts),
+                    error=score.error or "",
                 )
             )
             self.stats.tokens_generated += len(result.token_ids)
-            self.stats.reward_sum += reward
+            self.stats.reward_errors += score.error is not None
         return TrajectoryGroup(
-            group_id=f"{prompt.prompt_id}-{index}",
+            group_id=f"{prompt.prompt_id}-{slot}",
             prompt_id=prompt.prompt_id,
             prompt_token_ids=Array.from_numpy(np.asarray(prompt.prompt_token_ids, dtype=np.int32)),
             samples=samples,
             data_source=prompt.data_source,
-            admission_index=index,
-            admitted_at_version=admitted_at_version,
+            admission_index=slot,
+            admitted_at_version=admitted_at,
             created_s=time.time(),
         )
 
     # in-order push -------------------------------------------------------------------------
-    async def complete(self, index: int, group: TrajectoryGroup) -> None:
-        """Buffer a finished group and push every group that is now next in admission order."""
-        self._done[index] = group
+    async def complete(self, slot: int, group: TrajectoryGroup) -> None:
+        """Buffer a finished group and push every group that is now next in slot order."""
+        self._done[slot] = group
         async with self._push_lock:
             while self.stats.groups_pushed in self._done:
                 ready = self._done.pop(self.stats.groups_pushed)
                 await self.queue.push(ready)
-                step = ready.admission_index // self.config.groups_per_step
                 oldest = min(s.min_version for s in ready.samples)
-                self.stats.max_staleness_at_push = max(self.stats.max_staleness_at_push, step - oldest)
+                staleness = self.train_version(ready.admission_index) - oldest
+                self.stats.max_staleness_at_push = max(self.stats.max_staleness_at_push, staleness)
                 self.stats.groups_pushed += 1
                 self.stats.samples_pushed += len(ready.samples)
+                self.stats.reward_sum += sum(s.reward for s in ready.samples)
+                self.in_flight.discard(ready.admission_index)
+        self.update_state()

@@ -1,25 +1,50 @@
-"""Built-in synthetic tasks with verifiable rewards, for the demo and the tests.
+"""Tasks: where prompts come from and how responses are scored (``PromptSource -> ... -> RewardFn``).
 
-``echo``: the prompt is ``<bos>`` and a few random digits; the answer repeats the prompt's last digit
-in every response position. Reward = fraction of the ``max_tokens`` response positions holding that
-digit, in [0, 1]. A random policy scores about 1/64; learning it needs the policy to condition on the
-prompt, which a tiny model picks up within a few dozen GRPO steps.
+``echo`` (built in, for the demo and the tests): the prompt is ``<bos>`` and a few random digits; the
+answer repeats the prompt's last digit in every response position. Reward = fraction of the
+``max_tokens`` response positions holding that digit, in [0, 1]. A random policy scores about 1/64;
+learning it needs the policy to condition on the prompt, which a tiny model picks up within a few
+dozen GRPO steps.
+
+A dataset path (``.jsonl``/``.parquet``, verl/DAPO or plain schema): prompts are rendered with the
+tokenizer's chat template (plus ``chat_template_kwargs``), responses are decoded and scored by a
+reward function (built-in ``math`` or a ``module:function`` plug-in, sync or async, run off the event
+loop), with DAPO's overlong penalty when configured.
 """
 
 from __future__ import annotations
 
+import logging
 import random
+from concurrent.futures import Executor
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
 
+from coordinator.datasets import DEFAULT_PROMPT_TEMPLATE, Problem, PromptSource, load_dataset, render_prompt
+from coordinator.rewards import RewardFn, RewardResult, get_reward_fn, overlong_penalty_reward, score_group
 from modeling.tiny_model import BOS_ID, DIGIT_IDS
+from protos.config import CoordinatorConfig
+
+logger = logging.getLogger(__name__)
+
+DATASET_SUFFIXES = (".jsonl", ".parquet")
 
 
 @dataclass(frozen=True)
 class TaskPrompt:
     prompt_id: str
     prompt_token_ids: list[int]
-    target_token_id: int
     data_source: str
+    payload: Any  # echo: the target token id; datasets: the Problem
+
+
+class Task(Protocol):
+    name: str
+
+    def next_prompt(self) -> TaskPrompt: ...
+
+    async def score(self, prompt: TaskPrompt, responses: list[list[int]]) -> list[RewardResult]: ...
 
 
 class EchoTask:
@@ -36,8 +61,136 @@ class EchoTask:
     def next_prompt(self) -> TaskPrompt:
         digits = [self._rng.choice(DIGIT_IDS) for _ in range(self.num_digits)]
         self._count += 1
-        return TaskPrompt(f"echo-{self._count}", [BOS_ID, *digits], digits[-1], self.name)
+        return TaskPrompt(f"echo-{self._count}", [BOS_ID, *digits], self.name, digits[-1])
 
     def reward(self, prompt: TaskPrompt, response_token_ids: list[int]) -> float:
-        hits = sum(1 for token in response_token_ids[: self.max_tokens] if token == prompt.target_token_id)
+        hits = sum(1 for token in response_token_ids[: self.max_tokens] if token == prompt.payload)
         return hits / self.max_tokens
+
+    async def score(self, prompt: TaskPrompt, responses: list[list[int]]) -> list[RewardResult]:
+        return [RewardResult(self.reward(prompt, ids)) for ids in responses]
+
+
+class PromptRenderer:
+    """Chat messages -> prompt token ids, with the tokenizer's chat template when it has one.
+
+    A tokenizer without a chat template (e.g. a bare character tokenizer) gets a plain fallback:
+    BOS, then the message contents joined by blank lines; ``chat_template_kwargs`` then have no effect.
+    """
+
+    def __init__(self, tokenizer: Any, chat_template_kwargs: dict[str, Any]):
+        self.tokenizer = tokenizer
+        self.chat_template_kwargs = chat_template_kwargs
+        self.plain = getattr(tokenizer, "chat_template", None) is None
+        if self.plain:
+            logger.warning("tokenizer %s has no chat template: prompts are rendered plain (BOS + contents)%s",
+                           getattr(tokenizer, "name_or_path", ""),
+                           f"; chat_template_kwargs {chat_template_kwargs} are ignored" if chat_template_kwargs else "")
+
+    def render(self, messages: list[dict]) -> list[int]:
+        if not self.plain:
+            return render_prompt(self.tokenizer, messages, self.chat_template_kwargs)
+        text = "\n\n".join(m["content"] for m in messages)
+        bos = self.tokenizer.bos_token_id
+        return ([bos] if bos is not None else []) + list(self.tokenizer.encode(text, add_special_tokens=False))
+
+
+class ResponseScorer:
+    """Decodes responses and scores them with a reward function in ``executor`` (or awaits it, if async)."""
+
+    def __init__(self, tokenizer: Any, reward_fn: RewardFn, executor: Executor | None, timeout_s: float):
+        self.tokenizer = tokenizer
+        self.reward_fn = reward_fn
+        self.executor = executor
+        self.timeout_s = timeout_s
+
+    async def score(self, problem: Problem, responses: list[list[int]]) -> list[RewardResult]:
+        texts = self.tokenizer.batch_decode(responses, skip_special_tokens=True)
+        pairs = [(text, len(ids)) for text, ids in zip(texts, responses, strict=True)]
+        return await score_group(self.reward_fn, problem, pairs, self.executor, self.timeout_s)
+
+
+class DatasetTask:
+    """Endless, seeded, epoch-wise shuffled prompts of a dataset file and their rewards.
+
+    Prompts longer than ``max_model_len - sampling.max_tokens`` cannot be served; they are skipped and
+    counted in ``prompts_too_long`` (both limits are read live, so a run-time change applies at once).
+    """
+
+    def __init__(self, problems: list[Problem], renderer: PromptRenderer, scorer: ResponseScorer,
+                 config: CoordinatorConfig, max_model_len: int, name: str):
+        self.name = name
+        self.source = PromptSource(problems, seed=config.seed)
+        self.renderer = renderer
+        self.scorer = scorer
+        self.config = config
+        self.max_model_len = max_model_len
+        self.prompts_too_long = 0
+        self._rendered: dict[int, list[int]] = {}
+
+    def max_prompt_tokens(self) -> int:
+        return self.max_model_len - self.config.sampling.max_tokens
+
+    def next_prompt(self) -> TaskPrompt:
+        limit = self.max_prompt_tokens()
+        # Two epochs' worth of draws: any window that long holds every problem at least once.
+        for _ in range(2 * len(self.source)):
+            epoch, index, problem = next(self.source)
+            if index not in self._rendered:
+                self._rendered[index] = self.renderer.render(problem.messages)
+            ids = self._rendered[index]
+            if len(ids) <= limit:
+                return TaskPrompt(f"{problem.problem_id}-e{epoch}", ids, problem.data_source, problem)
+            self.prompts_too_long += 1
+        raise ValueError(
+            f"no prompt of {self.name} fits in {limit} tokens (rollout.max_model_len {self.max_model_len} - "
+            f"coordinator.sampling.max_tokens {self.config.sampling.max_tokens}); raise the one or lower the other"
+        )
+
+    async def score(self, prompt: TaskPrompt, responses: list[list[int]]) -> list[RewardResult]:
+        results = await self.scorer.score(prompt.payload, responses)
+        overlong = self.config.overlong
+        if not overlong.enabled:
+            return results
+        max_tokens = self.config.sampling.max_tokens
+        return [
+            RewardResult(
+                overlong_penalty_reward(r.reward, len(ids), max_tokens, min(overlong.buffer_len, max_tokens),
+                                        overlong.penalty_factor),
+                r.error,
+            )
+            for r, ids in zip(results, responses, strict=True)
+        ]
+
+
+def is_dataset_path(task: str) -> bool:
+    return Path(task).suffix.lower() in DATASET_SUFFIXES
+
+
+def load_tokenizer(model_path: str) -> Any:
+    if not model_path:
+        raise ValueError("a dataset task needs the model's tokenizer: pass --model DIR (or set model_path)")
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_path)
+
+
+def load_problems(path: str, config: CoordinatorConfig, limit: int | None) -> list[Problem]:
+    return load_dataset(
+        path, name=Path(path).stem, prompt_template=config.prompt_template or DEFAULT_PROMPT_TEMPLATE,
+        limit=limit, template_chat_prompts=config.template_chat_prompts,
+    )
+
+
+def build_task(config: CoordinatorConfig, max_model_len: int, tokenizer: Any, executor: Executor | None) -> Task:
+    """The task named by ``config.task``: 'echo' or a dataset file scored by ``config.reward_fn``."""
+    if config.task == "echo":
+        return EchoTask(seed=config.seed, max_tokens=config.sampling.max_tokens)
+    if not is_dataset_path(config.task):
+        raise ValueError(f"coordinator.task {config.task!r}: expected 'echo' or a .jsonl/.parquet dataset path")
+    problems = load_problems(config.task, config, config.dataset_limit)
+    scorer = ResponseScorer(tokenizer, get_reward_fn(config.reward_fn), executor, config.reward_timeout_s)
+    renderer = PromptRenderer(tokenizer, config.chat_template_kwargs)
+    task = DatasetTask(problems, renderer, scorer, config, max_model_len, Path(config.task).stem)
+    logger.info("task %s: %d problems from %s, reward %s", task.name, len(problems), config.task, config.reward_fn)
+    return task

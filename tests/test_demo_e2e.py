@@ -19,7 +19,8 @@ def test_short_demo_trains_publishes_and_stays_within_staleness_bound(tmp_path):
     before = {p.pid for p in psutil.process_iter()}
     result = subprocess.run(
         [sys.executable, "-m", "coordinator.cli", "demo", "--steps", "3", "--out", str(out),
-         f"model_path={model}", "coordinator.groups_per_step=4", "coordinator.group_size=4"],
+         f"model_path={model}", "coordinator.groups_per_step=4", "coordinator.group_size=4",
+         "coordinator.admin_port=0"],  # a free port: another demo on this machine may hold the default
         capture_output=True, text=True, timeout=580,
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]

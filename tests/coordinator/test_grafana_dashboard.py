@@ -1,8 +1,8 @@
 """Tests for deploy/grafana/fleetrl-dashboard.json and deploy/prometheus/prometheus.yml.
 
-The dashboard may only query metrics this file lists. Rollout metrics are checked against the live
-registry of rollout_service.metrics; coordinator and trainer metrics are the names those roles are
-expected to export (EXPECTED_NOT_YET_EXPORTED) until they do.
+The dashboard may only query metrics this file lists. Rollout and coordinator metrics are checked against
+what those roles export (rollout_service.metrics, coordinator.metrics); trainer metrics are the names the
+trainer is expected to export (EXPECTED_NOT_YET_EXPORTED) until it does.
 """
 
 from __future__ import annotations
@@ -27,14 +27,15 @@ ROLLOUT_METRICS = {
     "rollout_weight_update_s_bucket",
     "rollout_weight_update_pause_s_bucket",
 }
-EXPECTED_NOT_YET_EXPORTED = {
-    # coordinator: counters from SchedulerStats, gauges from its metrics report
+COORDINATOR_METRICS = {
     "coordinator_groups_admitted_total",
     "coordinator_groups_pushed_total",
     "coordinator_redispatches_total",
     "coordinator_queue_depth",
     "coordinator_trainer_policy_version",
     "coordinator_eval_accuracy",
+}
+EXPECTED_NOT_YET_EXPORTED = {
     # trainer: per step, from the values dict of trainer_service/__main__.py
     "trainer_samples_trained_total",
     "trainer_tokens_trained_total",
@@ -53,7 +54,7 @@ EXPECTED_NOT_YET_EXPORTED = {
     "trainer_policy_version",
 }
 BUILTIN = {"up"}  # written by Prometheus itself for every target
-KNOWN_METRICS = ROLLOUT_METRICS | EXPECTED_NOT_YET_EXPORTED | BUILTIN
+KNOWN_METRICS = ROLLOUT_METRICS | COORDINATOR_METRICS | EXPECTED_NOT_YET_EXPORTED | BUILTIN
 
 PROMQL_KEYWORDS = {
     "by",
@@ -123,6 +124,43 @@ def test_listed_rollout_metrics_exist_in_the_rollout_registry():
     suffixes = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count"), "gauge": ("",)}
     exported = {family.name + suffix for family in REGISTRY.collect() for suffix in suffixes.get(family.type, ())}
     assert ROLLOUT_METRICS <= exported, f"renamed or removed: {ROLLOUT_METRICS - exported}"
+
+
+def test_listed_coordinator_metrics_are_served_on_its_metrics_endpoint():
+    import asyncio
+    import urllib.request
+
+    import redis.asyncio as aioredis
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from coordinator.evaluation import EvalRunner
+    from coordinator.fleet import Fleet
+    from coordinator.metrics import MetricsReporter, start_metrics_server
+    from coordinator.queue_writer import RolloutQueue
+    from coordinator.scheduler import Scheduler
+    from coordinator.tasks import EchoTask
+    from protos.config import CoordinatorConfig
+    from protos.redis_keys import RedisKeys
+
+    async def scrape() -> str:
+        config, keys = CoordinatorConfig(), RedisKeys("metrics-test")
+        queue = RolloutQueue(aioredis.Redis.from_url("redis://127.0.0.1:1"), keys)  # never used by a scrape
+        scheduler = Scheduler(config, Fleet([]), queue, EchoTask(), 10)
+        evals = EvalRunner(config, scheduler.fleet, [], scorer=None)
+        evals.latest = {"eval/aime-2025/acc": 0.25, "eval/aime-2025/pass@4": 0.5}
+        runner, port = await start_metrics_server(MetricsReporter(scheduler, evals, queue, queue.client, keys),
+                                                  "127.0.0.1", 0)
+        try:
+            url = f"http://127.0.0.1:{port}/metrics"
+            return await asyncio.to_thread(lambda: urllib.request.urlopen(url, timeout=10).read().decode())
+        finally:
+            await runner.cleanup()
+
+    families = list(text_string_to_metric_families(asyncio.run(scrape())))
+    exported = {sample.name for family in families for sample in family.samples}
+    assert COORDINATOR_METRICS <= exported, f"renamed or removed: {COORDINATOR_METRICS - exported}"
+    accuracy = [s for f in families for s in f.samples if s.name == "coordinator_eval_accuracy"]
+    assert [(s.labels, s.value) for s in accuracy] == [({"dataset": "aime-2025"}, 0.25)]
 
 
 def test_prometheus_config_scrapes_every_role_the_dashboard_uses():

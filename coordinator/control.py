@@ -1,0 +1,67 @@
+"""ControlChannel: operator commands for the other roles, on the run's Redis control stream.
+
+Stream ``fleetrl:<run>:control`` (``RedisKeys.control``); one entry per command, with string fields:
+
+* ``{"c": "sync", "request_id": ID}``: publish the current weights now (the trainer acts on it
+  between steps);
+* ``{"c": "set", "key": "coordinator.max_staleness", "value": "2", "request_id": ID}``: a run-time
+  setting changed (``value`` is JSON); roles apply the keys they use and ignore the others.
+
+The coordinator only writes; each reader keeps its own cursor (plain XREAD, no consumer group).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from dataclasses import dataclass
+
+import redis.asyncio as aioredis
+
+from protos.redis_keys import RedisKeys
+
+MAX_CONTROL_ENTRIES = 1000
+
+
+@dataclass
+class SyncResult:
+    control_entry_id: str
+    published: bool
+    policy_version: int
+
+
+def _text(value) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+class ControlChannel:
+    def __init__(self, client: aioredis.Redis, keys: RedisKeys):
+        self.client = client
+        self.keys = keys
+
+    async def send(self, command: str, **fields: str) -> str:
+        """Append one command; returns its stream entry id."""
+        entry = {"c": command, "request_id": uuid.uuid4().hex[:12], **fields}
+        entry_id = await self.client.xadd(self.keys.control, entry, maxlen=MAX_CONTROL_ENTRIES, approximate=True)
+        return _text(entry_id)
+
+    async def announce_setting(self, key: str, value) -> str:
+        return await self.send("set", key=key, value=json.dumps(value))
+
+    async def request_sync(self, wait_s: float) -> SyncResult:
+        """Ask for a weight publish; with ``wait_s`` > 0, wait that long for a version announcement."""
+        last = await self.client.xrevrange(self.keys.weight_announcements, count=1)
+        cursor = _text(last[0][0]) if last else "0-0"
+        entry_id = await self.send("sync")
+        deadline = time.monotonic() + wait_s
+        while (remaining := deadline - time.monotonic()) > 0:
+            # short blocks: the client's socket timeout must not fire under a long XREAD
+            block_ms = int(min(remaining, 1.0) * 1000)
+            reply = await self.client.xread({self.keys.weight_announcements: cursor}, block=block_ms)
+            if reply:
+                _entry, fields = reply[0][1][-1]
+                return SyncResult(entry_id, True, int(fields[b"v"]))
+            await asyncio.sleep(0)
+        return SyncResult(entry_id, False, -1)

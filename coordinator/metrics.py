@@ -1,0 +1,159 @@
+"""The coordinator's figures: periodic MetricsReports on Redis and Prometheus ``/metrics``.
+
+``MetricsReporter`` writes one ``MetricsReport("coordinator", ...)`` a second onto the run's metrics
+stream (the dashboard and the demo read it) and one per eval round (``eval/<dataset>/acc`` ...). The
+Prometheus names are the ones ``deploy/grafana/fleetrl-dashboard.json`` queries.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import redis.asyncio as aioredis
+from aiohttp import web
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from redis.exceptions import ConnectionError as RedisConnectionError
+
+from coordinator.evaluation import EvalRunner
+from coordinator.queue_writer import RolloutQueue
+from coordinator.scheduler import Scheduler
+from protos.records import MetricsReport, encode
+from protos.redis_keys import RedisKeys
+
+logger = logging.getLogger(__name__)
+
+MAX_REPORTS = 10000
+
+
+class MetricsReporter:
+    """Periodic figures of the scheduler; keeps the latest rates for ``fleetrl status`` and /metrics."""
+
+    def __init__(self, scheduler: Scheduler, evals: EvalRunner | None, queue: RolloutQueue,
+                 client: aioredis.Redis, keys: RedisKeys):
+        self.scheduler = scheduler
+        self.evals = evals
+        self.queue = queue
+        self.client = client
+        self.keys = keys
+        self.started = time.monotonic()
+        self.tokens_per_s = 0.0
+        self.groups_per_s = 0.0
+        self.queue_depth = 0
+
+    def values(self) -> dict[str, float]:
+        s, stats = self.scheduler, self.scheduler.stats
+        values = {
+            "tokens_per_s": self.tokens_per_s,
+            "groups_per_s": self.groups_per_s,
+            "groups_admitted": stats.groups_admitted,
+            "slots_admitted": stats.slots_admitted,
+            "admission_limit": s.admission_limit(),
+            "groups_pushed": stats.groups_pushed,
+            "groups_in_flight": len(s.in_flight),
+            "groups_skipped": stats.groups_skipped,
+            "groups_kept_uniform": stats.groups_kept_uniform,
+            "samples_pushed": stats.samples_pushed,
+            "redispatches": s.fleet.redispatches,
+            "reward_errors": stats.reward_errors,
+            "queue_depth": self.queue_depth,
+            "mean_reward": stats.reward_sum / max(1, stats.samples_pushed),
+            "max_staleness_at_push": stats.max_staleness_at_push,
+            "prompts_too_long": getattr(s.task, "prompts_too_long", 0),
+            "uptime_s": time.monotonic() - self.started,
+        }
+        if self.evals is not None:
+            values["eval_samples_discarded"] = self.evals.samples_discarded
+        return {k: float(v) for k, v in values.items()}
+
+    async def _xadd(self, report: MetricsReport) -> None:
+        await self.client.xadd(self.keys.metrics("coordinator"), {"m": encode(report)}, maxlen=MAX_REPORTS,
+                               approximate=True)
+
+    async def report(self) -> None:
+        stats = self.scheduler.stats
+        report = MetricsReport("coordinator", stats.groups_pushed, self.scheduler.trainer_version, time.time(),
+                               self.values())
+        await self._xadd(report)
+
+    async def report_eval(self, version: int, values: dict[str, float]) -> None:
+        step = version - self.scheduler.start_version
+        await self._xadd(MetricsReport("coordinator", step, version, time.time(), {**values, "eval/version": version}))
+
+    async def run(self, stop: asyncio.Event, interval_s: float = 1.0) -> None:
+        last_tokens, last_groups, last_time = 0, 0, time.monotonic()
+        while True:
+            try:
+                await asyncio.wait_for(stop.wait(), timeout=interval_s)
+            except TimeoutError:
+                pass
+            now, stats = time.monotonic(), self.scheduler.stats
+            elapsed = max(1e-6, now - last_time)
+            self.tokens_per_s = (stats.tokens_generated - last_tokens) / elapsed
+            self.groups_per_s = (stats.groups_pushed - last_groups) / elapsed
+            last_tokens, last_groups, last_time = stats.tokens_generated, stats.groups_pushed, now
+            try:
+                self.queue_depth = await self.queue.depth()
+                await self.report()
+            except (RedisConnectionError, OSError) as error:
+                logger.warning("metrics report to %s failed (Redis unreachable?): %s",
+                               self.keys.metrics("coordinator"), error)
+            if stop.is_set():  # one last report after the stop so the totals are final
+                return
+
+
+class CoordinatorCollector:
+    """Prometheus collector reading the live scheduler at scrape time."""
+
+    def __init__(self, reporter: MetricsReporter):
+        self.reporter = reporter
+
+    def collect(self):
+        reporter, scheduler = self.reporter, self.reporter.scheduler
+        stats = scheduler.stats
+        counters = {
+            "coordinator_groups_admitted": (stats.groups_admitted, "Prompts admitted (replacements included)."),
+            "coordinator_groups_pushed": (stats.groups_pushed, "Groups pushed onto the trajectory stream."),
+            "coordinator_groups_skipped": (stats.groups_skipped, "Groups skipped by dynamic sampling."),
+            "coordinator_redispatches": (scheduler.fleet.redispatches, "Generate calls retried on another server."),
+            "coordinator_generated_tokens": (stats.tokens_generated, "Response tokens received."),
+        }
+        for name, (value, doc) in counters.items():
+            yield CounterMetricFamily(name, doc, value=value)
+        gauges = {
+            "coordinator_queue_depth": (reporter.queue_depth, "Groups on the stream not yet delivered to the trainer."),
+            "coordinator_trainer_policy_version": (scheduler.trainer_version, "Trainer's latest published version."),
+            "coordinator_groups_in_flight": (len(scheduler.in_flight), "Admitted group slots not yet pushed."),
+            "coordinator_max_staleness": (scheduler.config.max_staleness, "The staleness bound k in force."),
+        }
+        for name, (value, doc) in gauges.items():
+            yield GaugeMetricFamily(name, doc, value=value)
+        accuracy = GaugeMetricFamily("coordinator_eval_accuracy", "Latest eval mean accuracy.", labels=["dataset"])
+        if reporter.evals is not None:
+            for key, value in reporter.evals.latest.items():
+                if key.startswith("eval/") and key.endswith("/acc"):
+                    accuracy.add_metric([key[len("eval/"):-len("/acc")]], value)
+        yield accuracy
+
+
+async def start_metrics_server(reporter: MetricsReporter, host: str, port: int) -> tuple[web.AppRunner, int]:
+    """Serve Prometheus ``/metrics`` on ``host:port``; returns the runner and the bound port."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(CoordinatorCollector(reporter))
+
+    async def handler(_request: web.Request) -> web.Response:
+        return web.Response(body=generate_latest(registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    app = web.Application()
+    app.router.add_get("/metrics", handler)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    try:
+        await web.TCPSite(runner, host, port).start()
+    except OSError as error:
+        await runner.cleanup()
+        raise OSError(error.errno, f"coordinator.metrics_port {port} on {host}: {error.strerror}") from error
+    return runner, runner.addresses[0][1]

@@ -1,0 +1,94 @@
+"""Run-time changes of the coordinator config (``fleetrl set KEY=VALUE``).
+
+Only the keys in ``SETTABLE`` may change while a run goes on; the others are fixed at start because
+something was built from them (the task, the slot arithmetic, the eval schedule, the ports). A change
+is validated against the whole run config first (the same validators as at start) and then written
+into the live config object, which the scheduler, tasks and eval runner all read.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pydantic
+import yaml
+
+from protos.config import CoordinatorConfig, RunConfig
+
+SETTABLE = (
+    "max_staleness",
+    "sampling.temperature",
+    "sampling.top_p",
+    "sampling.top_k",
+    "sampling.max_tokens",
+    "dynamic_sampling",
+    "dynamic_sampling_max_tries",
+    "overlong.enabled",
+    "overlong.buffer_len",
+    "overlong.penalty_factor",
+    "reward_timeout_s",
+    "request_timeout_s",
+    "max_attempts",
+    "eval.samples_per_problem",
+    "eval.timeout_s",
+)
+
+
+class UnknownSetting(KeyError):
+    """No such coordinator config key."""
+
+
+class FixedSetting(Exception):
+    """A real key that cannot change while the run goes on."""
+
+
+def _known_keys(model: type[pydantic.BaseModel], prefix: str = "") -> set[str]:
+    keys = set()
+    for name, field in model.model_fields.items():
+        keys.add(prefix + name)
+        annotation = field.annotation
+        if isinstance(annotation, type) and issubclass(annotation, pydantic.BaseModel):
+            keys |= _known_keys(annotation, f"{prefix}{name}.")
+    return keys
+
+
+KNOWN = _known_keys(CoordinatorConfig)
+
+
+def _get(node: Any, parts: list[str]) -> Any:
+    for part in parts:
+        node = node[part] if isinstance(node, dict) else getattr(node, part)
+    return node
+
+
+def apply_setting(run_config: RunConfig, key: str, raw_value: str) -> tuple[str, Any, Any]:
+    """Set ``coordinator.<key>`` to the YAML scalar ``raw_value``; returns (key, old value, new value).
+
+    Raises:
+        UnknownSetting: ``key`` names no coordinator config field.
+        FixedSetting: the field exists but cannot change at run time.
+        ValueError: the value does not validate (the message names the field and the rule).
+    """
+    key = key.strip().removeprefix("coordinator.")
+    if key not in KNOWN:
+        raise UnknownSetting(f"unknown key coordinator.{key}; keys settable at run time: {', '.join(SETTABLE)}")
+    if key not in SETTABLE:
+        raise FixedSetting(f"coordinator.{key} is fixed at start and cannot change at run time; "
+                           f"settable: {', '.join(SETTABLE)}")
+    try:
+        value = yaml.safe_load(raw_value)
+    except yaml.YAMLError as error:
+        raise ValueError(f"coordinator.{key}: cannot parse {raw_value!r} as a YAML value ({error})") from None
+    live = run_config.coordinator
+    parts = key.split(".")
+    data = run_config.model_dump()
+    _get(data["coordinator"], parts[:-1])[parts[-1]] = value
+    try:
+        checked = RunConfig.model_validate(data)  # the whole tree: cross-field rules apply too
+    except pydantic.ValidationError as error:
+        details = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in error.errors())
+        raise ValueError(f"coordinator.{key}={raw_value!r} is invalid: {details}") from None
+    old = _get(live, parts)
+    new = _get(checked.coordinator, parts)
+    setattr(_get(live, parts[:-1]), parts[-1], new)
+    return key, old, new

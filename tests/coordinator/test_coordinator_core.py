@@ -1,0 +1,222 @@
+"""The coordinator's plain parts in-process: admission arithmetic, eval scheduling and pinning rules,
+run-time settings, dataset tasks on the tiny model's tokenizer and the demo-math recipe."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+import pytest
+import redis.asyncio as aioredis
+
+from coordinator.evaluation import EvalRunner, eval_versions, pass_at_k, spans_match
+from coordinator.fleet import Fleet
+from coordinator.queue_writer import RolloutQueue
+from coordinator.rewards import get_reward_fn
+from coordinator.rollout_client import SampleResult
+from coordinator.runtime_config import FixedSetting, UnknownSetting, apply_setting
+from coordinator.scheduler import RunState, Scheduler
+from coordinator.tasks import DatasetTask, EchoTask, PromptRenderer, ResponseScorer, build_task
+from modeling.tiny_model import build_tokenizer
+from protos.config import load_run_config
+from protos.redis_keys import RedisKeys
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+DATA_DIR = REPO_ROOT.parent / "shared" / "data"
+
+
+def make_scheduler(start_version: int = 0, total_groups: int = 40, overrides: tuple[str, ...] = ()) -> Scheduler:
+    config = load_run_config(overrides=["coordinator.groups_per_step=4", "coordinator.max_staleness=1", *overrides])
+    queue = RolloutQueue(aioredis.Redis.from_url("redis://127.0.0.1:1"), RedisKeys("unit"))  # never used here
+    return Scheduler(config.coordinator, Fleet([]), queue, EchoTask(), total_groups, start_version)
+
+
+def admit_all(scheduler: Scheduler) -> int:
+    count = 0
+    while scheduler.can_admit():
+        scheduler.admit()
+        count += 1
+    return count
+
+
+def test_admission_allows_k_plus_one_steps_of_slots_counted_from_the_start_version():
+    scheduler = make_scheduler(start_version=5)
+    assert admit_all(scheduler) == (0 + 1 + 1) * 4  # v_t - v_0 = 0, k = 1, B = 4
+    assert scheduler.version_floor(0) == 4 and scheduler.version_floor(7) == 5
+    assert scheduler.train_version(7) == 6
+    scheduler.set_trainer_version(6)
+    assert admit_all(scheduler) == 4
+    scheduler.set_trainer_version(3)  # an older report never moves the version back
+    assert scheduler.trainer_version == 6 and not scheduler.can_admit()
+
+
+def test_admission_stops_at_the_run_total():
+    scheduler = make_scheduler(total_groups=6)
+    scheduler.set_trainer_version(10)
+    assert admit_all(scheduler) == 6
+
+
+def test_pause_stops_admission_resume_restarts_it_and_drain_is_final():
+    scheduler = make_scheduler()
+    scheduler.pause()
+    assert scheduler.state == RunState.PAUSED and not scheduler.can_admit()
+    scheduler.resume()
+    assert scheduler.can_admit()
+    scheduler.admit()
+    scheduler.drain()
+    assert scheduler.state == RunState.DRAINING and not scheduler.can_admit()  # slot 0 still in flight
+    scheduler.in_flight.clear()
+    scheduler.update_state()
+    assert scheduler.state == RunState.DRAINED
+    with pytest.raises(ValueError, match="drain"):
+        scheduler.resume()
+
+
+def test_eval_versions_every_interval_steps_and_at_start():
+    config = load_run_config(overrides=["coordinator.eval.datasets=[a.jsonl]", "coordinator.eval.interval_steps=3",
+                                        "coordinator.eval.at_start=true"]).coordinator
+    assert eval_versions(config.eval, start_version=2, num_steps=10) == [2, 5, 8, 11]
+    config.eval.datasets = []
+    assert eval_versions(config.eval, 0, 10) == []
+
+
+def test_eval_holds_admission_at_its_version_until_the_round_ran():
+    scheduler = make_scheduler(start_version=5, overrides=("coordinator.eval.datasets=[a.jsonl]",))
+    evals = EvalRunner(scheduler.config, scheduler.fleet, [], scorer=None)
+    evals.schedule([5, 7])
+    assert evals.due(scheduler) == 5  # at_start: the trainer is there already
+    assert scheduler.admission_limit() == 0  # held while the round runs
+    assert evals.due(scheduler) is None  # round done: the hold moves to v7
+    assert scheduler.eval_hold_version == 7
+    scheduler.set_trainer_version(6)
+    assert admit_all(scheduler) == (7 - 5) * 4  # not (6 - 5 + 2) * 4 = 12
+    scheduler.set_trainer_version(7)
+    assert evals.due(scheduler) == 7
+    assert evals.due(scheduler) is None and scheduler.eval_hold_version is None
+
+
+def test_an_eval_version_the_trainer_already_passed_is_skipped_and_counted():
+    scheduler = make_scheduler(overrides=("coordinator.eval.datasets=[a.jsonl]",))
+    evals = EvalRunner(scheduler.config, scheduler.fleet, [], scorer=None)
+    evals.schedule([2, 4])
+    scheduler.set_trainer_version(3)
+    assert evals.due(scheduler) is None
+    assert evals.rounds_skipped == 1 and evals.pending == [4] and scheduler.eval_hold_version == 4
+
+
+def test_an_eval_the_trainer_never_reaches_is_given_up_only_when_it_alone_holds_the_run():
+    scheduler = make_scheduler(overrides=("coordinator.eval.datasets=[a.jsonl]", "coordinator.eval.timeout_s=0.05"))
+    evals = EvalRunner(scheduler.config, scheduler.fleet, [], scorer=None)
+    evals.schedule([2])
+    scheduler.pause()  # slots before v2 not admitted yet: the coordinator, not the trainer, holds the run
+    for _ in range(3):
+        assert evals.due(scheduler) is None
+        time.sleep(0.06)
+    assert evals.pending == [2]
+    scheduler.resume()
+    assert admit_all(scheduler) == 2 * 4
+    scheduler.in_flight.clear()  # all pushed; the trainer never publishes v1 or v2
+    evals.due(scheduler)
+    time.sleep(0.06)
+    assert evals.due(scheduler) is None and evals.rounds_skipped == 1 and scheduler.eval_hold_version is None
+
+
+def test_eval_accepts_only_samples_whose_every_span_is_the_pinned_version():
+    assert spans_match(SampleResult(token_ids=[1, 2], version_spans=[(3, 0, 2)]), 3)
+    assert not spans_match(SampleResult(token_ids=[1, 2], version_spans=[(3, 0, 1), (4, 1, 2)]), 3)
+    assert not spans_match(SampleResult(token_ids=[1], version_spans=[(2, 0, 1)]), 3)
+    assert pass_at_k([[False, True], [False, False]]) == (0.25, 0.5)
+
+
+def test_set_changes_the_live_config_after_validating_the_whole_run_config():
+    run = load_run_config()
+    live = run.coordinator
+    assert apply_setting(run, "max_staleness", "2") == ("max_staleness", 1, 2)
+    assert apply_setting(run, "coordinator.sampling.temperature", "0.8")[2] == pytest.approx(0.8)
+    assert live.max_staleness == 2 and live.sampling.temperature == pytest.approx(0.8)
+    with pytest.raises(UnknownSetting, match="unknown key coordinator.max_stalenes;.*settable.*max_staleness"):
+        apply_setting(run, "max_stalenes", "2")
+    with pytest.raises(FixedSetting, match="coordinator.group_size is fixed at start"):
+        apply_setting(run, "group_size", "4")
+    with pytest.raises(ValueError, match="sampling.temperature"):
+        apply_setting(run, "sampling.temperature", "hot")
+    with pytest.raises(ValueError, match="max_model_len"):  # a cross-section rule of RunConfig
+        apply_setting(run, "sampling.max_tokens", str(run.rollout.max_model_len))
+    with pytest.raises(ValueError, match="buffer"):
+        apply_setting(run, "overlong.buffer_len", "100")
+        apply_setting(run, "overlong.enabled", "true")
+    assert live.sampling.max_tokens == 8 and live.max_staleness == 2  # refused changes left nothing behind
+
+
+@pytest.fixture
+def tiny_tokenizer():
+    return build_tokenizer()
+
+
+def write_plain(path: Path, problems: list[tuple[str, str]]) -> Path:
+    import json
+
+    path.write_text("".join(json.dumps({"problem": p, "answer": a}) + "\n" for p, a in problems))
+    return path
+
+
+def test_dataset_prompts_use_the_chat_template_with_its_kwargs(tiny_tokenizer, tmp_path):
+    path = write_plain(tmp_path / "arith.jsonl", [("what is 1+1", "2")])
+    config = load_run_config(overrides=[f"coordinator.task={path}", "coordinator.prompt_template='{problem}?'",
+                                        "coordinator.chat_template_kwargs={reasoning_effort: high}"]).coordinator
+    task = build_task(config, 256, tiny_tokenizer, None)
+    prompt = task.next_prompt()
+    assert tiny_tokenizer.decode(prompt.prompt_token_ids) == "<bos>what is 1+1?h"  # the tiny template's effort mark
+    assert prompt.data_source == "arith" and prompt.payload.ground_truth == "2"
+
+
+def test_a_tokenizer_without_chat_template_gets_the_plain_fallback(tiny_tokenizer):
+    tiny_tokenizer.chat_template = None
+    renderer = PromptRenderer(tiny_tokenizer, {"reasoning_effort": "high"})
+    ids = renderer.render([{"role": "system", "content": "be brief"}, {"role": "user", "content": "1+1"}])
+    assert ids == [tiny_tokenizer.bos_token_id, *tiny_tokenizer.encode("be brief\n\n1+1", add_special_tokens=False)]
+
+
+def test_prompts_longer_than_the_model_allows_are_skipped_and_counted(tiny_tokenizer, tmp_path):
+    path = write_plain(tmp_path / "mixed.jsonl", [("x" * 300, "1"), ("short", "2")])
+    overrides = [f"coordinator.task={path}", "coordinator.prompt_template='{problem}'"]
+    config = load_run_config(overrides=overrides).coordinator
+    task = build_task(config, 256, tiny_tokenizer, None)
+    assert {task.next_prompt().payload.ground_truth for _ in range(4)} == {"2"}
+    assert 3 <= task.prompts_too_long <= 5  # one per epoch, give or take the shuffles
+    config.sampling.max_tokens = 255  # now nothing fits
+    with pytest.raises(ValueError, match="no prompt of mixed fits in 1 tokens"):
+        task.next_prompt()
+
+
+def test_dataset_rewards_come_from_the_plugin_plus_the_overlong_penalty(tiny_tokenizer, tmp_path):
+    path = write_plain(tmp_path / "p.jsonl", [("q", "1")])
+    config = load_run_config(overrides=[
+        f"coordinator.task={path}", "coordinator.reward_fn=tests.coordinator.reward_plugins:always_one",
+        "coordinator.sampling.max_tokens=8", "coordinator.overlong={enabled: true, buffer_len: 4, penalty_factor: 1.0}",
+    ]).coordinator
+    task = build_task(config, 256, tiny_tokenizer, None)
+    assert isinstance(task, DatasetTask)
+    results = asyncio.run(task.score(task.next_prompt(), [[5] * 2, [5] * 6, [5] * 8]))
+    assert [r.reward for r in results] == [1.0, 0.5, 0.0]
+
+
+def test_async_reward_plugins_are_awaited(tiny_tokenizer):
+    scorer = ResponseScorer(tiny_tokenizer, get_reward_fn("tests.coordinator.reward_plugins:parity_of_text"), None, 5)
+    results = asyncio.run(scorer.score(object(), [[5], [6], [7], [8]]))
+    assert {r.reward for r in results} <= {0.0, 1.0} and all(r.error is None for r in results)
+
+
+def test_demo_math_recipe_builds_its_task_and_eval_sets(tiny_tokenizer, monkeypatch):
+    if not DATA_DIR.is_dir():
+        pytest.skip(f"test data folder {DATA_DIR} is absent (expected shared/ beside the repo)")
+    from coordinator.evaluation import load_eval_sets
+
+    monkeypatch.chdir(REPO_ROOT)  # the recipe's paths are relative to the repository root
+    config = load_run_config(REPO_ROOT / "recipes" / "demo-math.yaml")
+    task = build_task(config.coordinator, config.rollout.max_model_len, tiny_tokenizer, None)
+    prompts = [task.next_prompt() for _ in range(16)]
+    assert all(len(p.prompt_token_ids) <= 256 - 32 for p in prompts)
+    sets = load_eval_sets(config.coordinator, PromptRenderer(tiny_tokenizer, {}), config.rollout.max_model_len)
+    assert [s.name for s in sets] == ["aime-2025"] and sets[0].problems

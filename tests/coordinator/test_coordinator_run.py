@@ -1,0 +1,381 @@
+"""The coordinator as a real process in real runs: two vLLM rollout servers, the trainer, Redis.
+
+The two servers are shared by the module (their start is the slow part) and follow the weight
+announcements of RUN_ID. Versions only go up, so each run continues from the versions the previous
+one left: the trainer of a new run (fresh checkpoint dir) publishes the next version at start, and the
+coordinator is started after that, so its start version is the trainer's. The test that kills a
+server runs last.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import pytest
+import redis
+import yaml
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from coordinator.redis_server import free_port
+from modeling.tiny_model import init_tiny
+from protos.records import decode_group, decode_metrics
+from protos.redis_keys import RedisKeys
+
+RUN_ID = "coord-run"
+KEYS = RedisKeys(RUN_ID)
+PLUGINS = "tests.coordinator.reward_plugins"
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> str:
+    return str(init_tiny(tmp_path_factory.mktemp("tiny")))
+
+
+@dataclass
+class Server:
+    address: str
+    process: subprocess.Popen
+
+
+@pytest.fixture(scope="module")
+def servers(model_dir, redis_server, tmp_path_factory):
+    """Two rollout server processes following RUN_ID's weight announcements."""
+    logs = tmp_path_factory.mktemp("rollout-logs")
+    started = []
+    for i in range(2):
+        port = free_port()
+        log = open(logs / f"rollout-{i}.log", "wb")
+        process = subprocess.Popen(
+            [sys.executable, "-m", "rollout_service", "serve", "--model", model_dir, "--port", str(port),
+             "--server-id", f"rollout-{i}", "--redis-url", redis_server.url, "--run-id", RUN_ID],
+            stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+            env={**os.environ, "OMP_NUM_THREADS": "1", "VLLM_CPU_OMP_THREADS_BIND": str(i % (os.cpu_count() or 1))},
+        )
+        started.append(Server(f"127.0.0.1:{port}", process))
+    try:
+        for i, server in enumerate(started):
+            _wait_healthy(server, logs / f"rollout-{i}.log")
+        yield started
+    finally:
+        for server in started:
+            if server.process.poll() is None:
+                os.killpg(server.process.pid, signal.SIGTERM)
+        for server in started:
+            try:
+                server.process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(server.process.pid, signal.SIGKILL)
+                server.process.wait()
+
+
+def _wait_healthy(server: Server, log: Path, timeout_s: float = 300) -> None:
+    channel = grpc.insecure_channel(server.address)
+    health = health_pb2_grpc.HealthStub(channel)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        assert server.process.poll() is None, log.read_text()[-3000:]
+        try:
+            reply = health.Check(health_pb2.HealthCheckRequest(), timeout=1)
+            if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                channel.close()
+                return
+        except grpc.RpcError:
+            pass
+        assert time.monotonic() < deadline, f"rollout server {server.address} not healthy in {timeout_s}s"
+        time.sleep(0.5)
+
+
+@dataclass
+class Run:
+    """One trainer + coordinator run against the module's servers."""
+
+    out: Path
+    trainer: subprocess.Popen
+    coordinator: subprocess.Popen
+    admin: str
+    metrics_url: str
+    start_version: int
+    config: dict
+
+    def log(self, role: str) -> str:
+        return (self.out / f"{role}.log").read_text(errors="replace")[-4000:]
+
+    def wait(self, timeout_s: float = 240) -> None:
+        """Wait for the coordinator to finish; it must exit 0."""
+        try:
+            code = self.coordinator.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"coordinator still running after {timeout_s}s:\n{self.log('coordinator')}\n"
+                        f"{self.log('trainer')}")
+        assert code == 0, self.log("coordinator") + self.log("trainer")
+
+    def stop(self) -> None:
+        for process in (self.coordinator, self.trainer):
+            if process.poll() is None:
+                process.terminate()
+                try:
+                    process.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    process.kill()
+                    process.wait()
+
+
+def start_run(tmp_path: Path, model_dir: str, servers: list[Server], redis_url: str, coordinator: dict,
+              num_steps: int) -> Run:
+    """Clear the previous run's streams, start the trainer, wait for its start version, start the coordinator."""
+    client = redis.Redis.from_url(redis_url)
+    client.delete(KEYS.trajectories, KEYS.control, KEYS.dead_letters, KEYS.metrics("trainer"),
+                  KEYS.metrics("coordinator"))
+    before = client.get(KEYS.policy_version)
+    admin, metrics_port = f"127.0.0.1:{free_port()}", free_port()
+    config = {
+        "run_id": RUN_ID, "out_dir": str(tmp_path),
+        "coordinator": {"dashboard": False, "admin_port": int(admin.split(":")[1]), "metrics_port": metrics_port,
+                        "max_staleness": 1, **coordinator},
+        "trainer": {"num_steps": num_steps, "geo_mask": None, "token_tis_cap": 2.0, "batch_timeout_s": 120,
+                    "resume": "none"},
+    }
+    config_path = tmp_path / "run.yaml"
+    config_path.write_text(yaml.safe_dump(config))
+    trainer = _spawn(tmp_path / "trainer.log", "trainer_service", "train", "--model", model_dir, "--redis-url",
+                     redis_url, "--config", str(config_path), "--linger-s", "30")
+    start_version = _wait_for_trainer_start(client, before, trainer, tmp_path / "trainer.log")
+    coordinator_process = _spawn(
+        tmp_path / "coordinator.log", "coordinator", "run", "--servers", ",".join(s.address for s in servers),
+        "--redis-url", redis_url, "--model", model_dir, "--config", str(config_path),
+    )
+    return Run(tmp_path, trainer, coordinator_process, admin, f"http://127.0.0.1:{metrics_port}/metrics",
+               start_version, config)
+
+
+def _spawn(log: Path, module: str, *args: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", module, *args], stdout=open(log, "wb"), stderr=subprocess.STDOUT,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+def _wait_for_trainer_start(client: redis.Redis, before: bytes | None, trainer, log: Path, timeout_s=180) -> int:
+    """A fresh trainer sets v0 (first run) or publishes the version after the last published one."""
+    deadline = time.monotonic() + timeout_s
+    expected = 0 if before is None else int(before) + 1
+    while (raw := client.get(KEYS.policy_version)) is None or int(raw) < expected:
+        assert trainer.poll() is None, log.read_text()[-3000:]
+        assert time.monotonic() < deadline, f"trainer did not start within {timeout_s}s"
+        time.sleep(0.2)
+    return int(raw)
+
+
+def fleetrl(run: Run, *argv: str, check: bool = True) -> subprocess.CompletedProcess:
+    result = subprocess.run([sys.executable, "-m", "coordinator.cli", *argv, "--admin", run.admin],
+                            capture_output=True, text=True, timeout=60)
+    if check:
+        assert result.returncode == 0, result.stdout + result.stderr
+    return result
+
+
+def status(run: Run) -> dict:
+    return json.loads(fleetrl(run, "status", "--json").stdout)
+
+
+def wait_for_admin(run: Run, timeout_s: float = 120) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        assert run.coordinator.poll() is None, run.log("coordinator")
+        result = fleetrl(run, "status", "--json", check=False)
+        if result.returncode == 0:
+            return json.loads(result.stdout)
+        time.sleep(0.5)
+    pytest.fail(f"admin API of the coordinator not up in {timeout_s}s:\n{run.log('coordinator')}")
+
+
+def pushed_groups(redis_url: str) -> list:
+    entries = redis.Redis.from_url(redis_url).xrange(KEYS.trajectories)
+    return [decode_group(fields[b"g"]) for _, fields in entries]
+
+
+def coordinator_reports(redis_url: str) -> list:
+    entries = redis.Redis.from_url(redis_url).xrange(KEYS.metrics("coordinator"))
+    return [decode_metrics(fields[b"m"]) for _, fields in entries]
+
+
+def assert_every_slot_once_within_the_bound(groups: list, num_slots: int, start_version: int, b: int, k: int) -> None:
+    assert sorted(g.admission_index for g in groups) == list(range(num_slots)), "a slot was lost or pushed twice"
+    for group in groups:
+        oldest = min(span.version for sample in group.samples for span in sample.version_spans)
+        staleness = start_version + group.admission_index // b - oldest
+        assert 0 <= staleness <= k, (group.admission_index, oldest, start_version)
+
+
+def test_admin_verbs_steer_a_live_run_that_keeps_the_staleness_bound(tmp_path, model_dir, servers, redis_server):
+    b, steps = 4, 40  # more steps than the test lets it run: it ends with a drain
+    run = start_run(tmp_path, model_dir, servers, redis_server.url,
+                    {"group_size": 4, "groups_per_step": b, "sampling": {"max_tokens": 8}}, steps)
+    try:
+        wait_for_admin(run)
+        # pause: nothing more is admitted, in-flight groups still finish and are pushed
+        assert "coordinator paused" in fleetrl(run, "pause").stdout
+        time.sleep(1.0)
+        paused = status(run)
+        time.sleep(1.5)
+        assert status(run)["slotsAdmitted"] == paused["slotsAdmitted"] and paused["state"] == "RUN_STATE_PAUSED"
+        table = fleetrl(run, "status").stdout
+        assert "| paused |" in table and all(s.address in table for s in servers)
+        scrape = urllib.request.urlopen(run.metrics_url, timeout=10).read().decode()
+        assert "coordinator_groups_admitted_total" in scrape and "coordinator_trainer_policy_version" in scrape
+        # set: lowering k is always safe; an unknown key is refused with a clear error
+        assert "coordinator.max_staleness: 1 -> 0" in fleetrl(run, "set", "max_staleness=0").stdout
+        assert status(run)["maxStaleness"] == 0
+        assert "coordinator.max_staleness: 0 -> 1" in fleetrl(run, "set", "max_staleness=1").stdout
+        refused = fleetrl(run, "set", "no_such_key=1", check=False)
+        assert refused.returncode == 2 and "unknown key coordinator.no_such_key" in refused.stderr
+        # servers: remove one (it gets no new calls), add it back
+        assert "1 servers" in fleetrl(run, "servers", "remove", servers[1].address).stdout
+        assert [s["address"] for s in status(run)["servers"]] == [servers[0].address]
+        assert "2 servers" in fleetrl(run, "servers", "add", servers[1].address).stdout
+        assert "coordinator running" in fleetrl(run, "resume").stdout
+        deadline = time.monotonic() + 120
+        while int(status(run).get("groupsPushed", 0)) < 3 * b:
+            assert time.monotonic() < deadline, "the resumed run pushed nothing"
+            time.sleep(0.2)
+        # drain: admitted work is finished and pushed, nothing new is admitted, the coordinator stops
+        drained = fleetrl(run, "drain", "--wait-s", "60").stdout
+        assert drained.startswith("coordinator drained: 0 groups in flight, ")
+        run.wait()
+    finally:
+        run.stop()
+    groups = pushed_groups(redis_server.url)
+    final = coordinator_reports(redis_server.url)[-1].values
+    assert 3 * b <= len(groups) == final["slots_admitted"] == final["groups_pushed"] < steps * b
+    assert_every_slot_once_within_the_bound(groups, len(groups), run.start_version, b, k=1)
+    assert final["max_staleness_at_push"] <= 1
+
+
+def test_dataset_run_with_dynamic_sampling_and_pinned_eval_rounds(tmp_path, model_dir, servers, redis_server):
+    train = tmp_path / "train.jsonl"
+    train.write_text("".join(json.dumps({"id": f"p{i}", "problem": f"what is {i}+{i}", "answer": str(2 * i)}) + "\n"
+                             for i in range(6)))
+    evalset = tmp_path / "tiny-eval.jsonl"
+    evalset.write_text("".join(json.dumps({"problem": f"{i}*3", "answer": str(3 * i)}) + "\n" for i in range(3)))
+    b, steps = 2, 4
+    run = start_run(tmp_path, model_dir, servers, redis_server.url, {
+        "task": str(train), "reward_fn": f"{PLUGINS}:zero_for_even_ids", "prompt_template": "{problem}=",
+        "group_size": 4, "groups_per_step": b, "sampling": {"max_tokens": 8},
+        "dynamic_sampling": True, "dynamic_sampling_max_tries": 3,
+        "eval": {"datasets": [str(evalset)], "interval_steps": 2, "at_start": True, "samples_per_problem": 2,
+                 "reward_fn": f"{PLUGINS}:always_one"},
+    }, steps)
+    try:
+        run.wait()
+    finally:
+        run.stop()
+    v0 = run.start_version
+    groups = pushed_groups(redis_server.url)
+    assert_every_slot_once_within_the_bound(groups, steps * b, v0, b, k=1)
+    reports = coordinator_reports(redis_server.url)
+    final = [r for r in reports if "groups_skipped" in r.values][-1].values
+    uniform = [g for g in groups if len({s.reward for s in g.samples}) == 1]
+    assert final["groups_skipped"] >= 1 and len(uniform) == final["groups_kept_uniform"]
+    assert final["groups_admitted"] == steps * b + final["groups_skipped"]  # each skip drew a replacement
+    # eval: one round per scheduled version, every sample produced by exactly that version
+    evals = [r for r in reports if "eval/version" in r.values]
+    assert [r.policy_version for r in evals] == [v0, v0 + 2, v0 + 4]
+    for report in evals:
+        assert report.values["eval/tiny-eval/acc"] == 1.0 and report.values["eval/tiny-eval/pass@2"] == 1.0
+        rows = [json.loads(line) for line in (tmp_path / "eval" / f"v{report.policy_version}.jsonl").open()]
+        assert len(rows) == 3 * 2
+        assert {span[0] for row in rows for span in row["version_spans"]} == {report.policy_version}
+
+
+def test_eval_requests_go_only_to_servers_at_the_pinned_version(tmp_path, model_dir, servers):
+    from coordinator.evaluation import EvalProblem, EvalRunner, EvalSet
+    from coordinator.fleet import Fleet
+    from coordinator.rewards import get_reward_fn
+    from coordinator.rollout_client import RolloutClient
+    from coordinator.tasks import ResponseScorer
+    from modeling.tiny_model import build_tokenizer
+    from protos.config import load_run_config
+
+    async def rounds() -> tuple:
+        config = load_run_config(overrides=["coordinator.eval.timeout_s=3", "coordinator.eval.samples_per_problem=3",
+                                            "coordinator.eval.datasets=[x.jsonl]"]).coordinator
+        fleet = Fleet([RolloutClient(s.address) for s in servers])
+        for client in fleet.clients:
+            await client.info()
+        current = fleet.clients[0].policy_version
+        assert {c.policy_version for c in fleet.clients} == {current}
+        problem = type("P", (), {"problem_id": "p", "ground_truth": "1"})()
+        sets = [EvalSet("pin", [EvalProblem(problem, [1, 5, 6, 7])] * 4, 0)]
+        tokenizer = build_tokenizer()
+        scorer = ResponseScorer(tokenizer, get_reward_fn(f"{PLUGINS}:always_one"), None, 5)
+        runner = EvalRunner(config, fleet, sets, scorer, str(tmp_path))
+        stale = await runner.run_round(current + 1)  # no server is there: the round waits, then gives up
+        requests_after_stale = sum(c.requests for c in fleet.clients)
+        pinned = await runner.run_round(current)
+        await fleet.close()
+        return current, stale, requests_after_stale, pinned, runner
+
+    current, stale, requests_after_stale, pinned, runner = asyncio.run(rounds())
+    assert stale is None and runner.rounds_failed == 1 and requests_after_stale == 0
+    assert pinned["eval/pin/acc"] == 1.0 and pinned["eval/pin/num_problems"] == 4
+    rows = [json.loads(line) for line in (tmp_path / "eval" / f"v{current}.jsonl").open()]
+    assert len(rows) == 4 * 3 and {span[0] for row in rows for span in row["version_spans"]} == {current}
+    assert not (tmp_path / "eval" / f"v{current + 1}.jsonl").exists()
+
+
+# Keep this test last: it kills one of the module's servers.
+def test_a_server_killed_mid_run_loses_no_prompt_and_its_requests_are_redispatched(
+        tmp_path, model_dir, servers, redis_server):
+    from protos import admin_pb2, admin_pb2_grpc
+    from protos import rollout_pb2, rollout_pb2_grpc
+
+    b, steps = 4, 10
+    run = start_run(tmp_path, model_dir, servers, redis_server.url,
+                    {"group_size": 4, "groups_per_step": b, "sampling": {"max_tokens": 96}, "request_timeout_s": 60},
+                    steps)
+    victim = servers[1]
+    try:
+        wait_for_admin(run)
+        stub = admin_pb2_grpc.CoordinatorAdminStub(grpc.insecure_channel(run.admin))
+        engine = rollout_pb2_grpc.RolloutServiceStub(grpc.insecure_channel(victim.address))
+
+        def busy_on_victim() -> bool:
+            now = stub.GetStatus(admin_pb2.GetStatusRequest(), timeout=10)
+            assert now.groups_pushed < now.total_groups, f"{victim.address} never busy mid-run"
+            return now.groups_pushed >= 1 and any(s.address == victim.address and s.inflight for s in now.servers)
+
+        deadline = time.monotonic() + 120
+        while True:  # catch the victim generating for the coordinator, and freeze those calls there
+            assert time.monotonic() < deadline, f"{victim.address} never busy"
+            if busy_on_victim():
+                engine.Pause(rollout_pb2.PauseRequest(mode=rollout_pb2.PAUSE_MODE_KEEP), timeout=10)
+                if busy_on_victim():
+                    break  # its calls are frozen: only the kill can end them
+                engine.Resume(rollout_pb2.ResumeRequest(), timeout=10)
+            time.sleep(0.01)
+        os.killpg(victim.process.pid, signal.SIGKILL)
+        victim.process.wait()
+        deadline = time.monotonic() + 10
+        while True:  # its broken calls tell the coordinator at once
+            now = stub.GetStatus(admin_pb2.GetStatusRequest(), timeout=10)
+            if not any(s.address == victim.address and s.healthy for s in now.servers):
+                break
+            assert time.monotonic() < deadline, f"{victim.address} still reported healthy"
+        run.wait()
+        gone = fleetrl(run, "status", check=False)  # the finished coordinator's admin API is gone: exit 3
+        assert gone.returncode == 3 and "cannot reach the coordinator admin API" in gone.stderr
+    finally:
+        run.stop()
+    assert_every_slot_once_within_the_bound(pushed_groups(redis_server.url), steps * b, run.start_version, b, k=1)
+    final = coordinator_reports(redis_server.url)[-1].values
+    assert final["groups_pushed"] == steps * b and final["redispatches"] >= 1
+    assert "re-dispatching" in run.log("coordinator")
+
