@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import signal
 import sys
@@ -45,19 +46,24 @@ def make_backend(model_path: str, config):
     return TorchBackend(model_path, tcfg, temperature=temperature, device=device)
 
 
-def read_new_groups(queue, trainer, num_groups: int, timeout_s: float, entry_ids: list[str]) -> list:
-    """Read until ``num_groups`` groups the ledger has not seen; every entry read joins ``entry_ids``."""
+def read_new_groups(queue, trainer, num_groups: int, timeout_s: float, entry_ids: list[str], on_wait) -> list:
+    """Read until ``num_groups`` groups the ledger has not seen; every entry read joins ``entry_ids``.
+
+    ``on_wait()`` runs about once a second while the queue is short (control commands).
+    """
     deadline = time.monotonic() + timeout_s
     groups = []
     while len(groups) < num_groups:
         remaining = deadline - time.monotonic()
-        read = queue.read(num_groups - len(groups), timeout_s=max(0.0, remaining)) if remaining > 0 else []
-        if not read:
+        if remaining <= 0:
             raise TimeoutError(
                 f"waited {timeout_s}s for {num_groups} new groups from {queue.keys.trajectories}, got {len(groups)}"
             )
+        read = queue.read(num_groups - len(groups), timeout_s=min(1.0, remaining))
         entry_ids.extend(entry_id for entry_id, _ in read)
         groups.extend(trainer.filter_new([group for _, group in read]))
+        if len(groups) < num_groups:
+            on_wait()
     return groups
 
 
@@ -104,24 +110,25 @@ def run(args: argparse.Namespace, stop: threading.Event) -> None:
     client.setnx(keys.policy_version, trainer.policy_version)
     metrics.POLICY_VERSION.set(trainer.policy_version)
     unacked: list[str] = []  # entries consumed since the last checkpoint
-    control = ControlReader(client, keys)
+    control = ControlReader(
+        client, keys, trainer, lambda: publisher.publish(trainer.policy_version, backend.export_hf_weights())
+    )
     for step in range(state.step + 1, tcfg.num_steps + 1):
         if stop.is_set():
             break
         started = time.monotonic()
         # 1) pop one step's new groups (entries already in the ledger are skipped but acknowledged later)
-        groups = read_new_groups(queue, trainer, ccfg.groups_per_step, tcfg.batch_timeout_s, unacked)
+        groups = read_new_groups(queue, trainer, ccfg.groups_per_step, tcfg.batch_timeout_s, unacked, control.poll)
         wait_s = time.monotonic() - started
         # 2) check policy lag and 3) take the optimizer step (inside Trainer.step)
         previous_version = trainer.policy_version
         values = trainer.step(groups)
-        # 4) publish weights v+1 if the step was taken (or a sync was asked for)
+        # 4) publish weights v+1 if the step was taken; then act on operator commands (sync, set)
         publish_s = 0.0
-        if control.sync_requested() and trainer.policy_version == previous_version:
-            trainer.policy_version += 1  # an operator asked for a publish even though the step was skipped
         if trainer.policy_version != previous_version:
             publish_s = publisher.publish(trainer.policy_version, backend.export_hf_weights())
             metrics.PUBLISH_SECONDS.observe(publish_s)
+        control.poll()
         # 5) checkpoint (model, optimizer, ledger), then acknowledge what it holds
         ckpt_s = 0.0
         if step % tcfg.ckpt_interval == 0 or step == tcfg.num_steps:
@@ -155,24 +162,54 @@ def _totals(trainer) -> dict[str, float]:
 
 
 class ControlReader:
-    """Reads the run's control stream between steps (``fleetrl sync`` writes ``{"c": "sync"}``)."""
+    """Reads the run's control stream (coordinator/control.py writes it): ``sync`` and ``set`` commands.
 
-    def __init__(self, client, keys):
+    Polled between steps and about once a second while a step waits for groups, so an operator's command
+    is seen even while the queue is empty (a paused coordinator, an eval round).
+    """
+
+    def __init__(self, client, keys, trainer, publish):
         self.client = client
         self.keys = keys
+        self.trainer = trainer
+        self.publish = publish  # () -> None: re-publish the current weights under the current version
         self.last_id = "0-0"
         last = client.xrevrange(keys.control, count=1)
         if last:  # start after what is already there: old commands were meant for an earlier trainer
             self.last_id = last[0][0]
 
-    def sync_requested(self) -> bool:
+    def poll(self) -> None:
         entries = self.client.xread({self.keys.control: self.last_id}, count=100) or []
-        requested = False
+        sync = False
         for _stream, items in entries:
             for entry_id, fields in items:
                 self.last_id = entry_id
-                requested |= fields.get(b"c") == b"sync"
-        return requested
+                command = fields.get(b"c", b"").decode(errors="replace")
+                if command == "sync":
+                    sync = True
+                elif command == "set":
+                    self._apply_setting(fields)
+        if sync:
+            # Same version number: the weights of version v are what the trainer holds (a skipped step
+            # changed nothing), and the coordinator counts versions as steps consumed. Servers already on v
+            # ignore it; stale ones catch up; the manifest's TTL is renewed.
+            logger.info("control: sync -> re-publishing policy_version=%d", self.trainer.policy_version)
+            self.publish()
+
+    def _apply_setting(self, fields) -> None:
+        key = fields.get(b"key", b"").decode(errors="replace")
+        try:
+            value = json.loads(fields.get(b"value", b"null"))
+            if key == "coordinator.max_staleness":
+                self.trainer.max_staleness = int(value)
+            elif key == "coordinator.sampling.temperature":
+                self.trainer.backend.temperature = float(value)
+            else:
+                return  # a setting of another role
+        except (ValueError, TypeError) as error:  # a malformed command must not stop training
+            logger.error("control: ignoring set %s=%r: %s", key, fields.get(b"value"), error)
+            return
+        logger.info("control: %s set to %r (policy_version=%d)", key, value, self.trainer.policy_version)
 
 
 def main(argv: list[str] | None = None) -> None:

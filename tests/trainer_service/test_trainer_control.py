@@ -1,0 +1,53 @@
+"""The trainer's side of the control stream: `fleetrl sync` re-publishes, `fleetrl set` changes live settings."""
+
+from __future__ import annotations
+
+import asyncio
+
+import redis
+import redis.asyncio as aioredis
+
+from coordinator.control import ControlChannel
+from modeling.tiny_model import init_tiny
+from protos.config import TrainerConfig, WeightBusConfig
+from protos.redis_keys import RedisKeys
+from trainer_service.__main__ import ControlReader
+from trainer_service.publisher import WeightPublisher
+from trainer_service.torch_backend import TorchBackend
+from trainer_service.trainer import Trainer
+
+
+def test_sync_republishes_the_current_version_and_set_changes_staleness_and_temperature(redis_url, tmp_path):
+    keys = RedisKeys("control-test")
+    client = redis.Redis.from_url(redis_url)
+    trainer = Trainer(TorchBackend(str(init_tiny(tmp_path / "tiny")), TrainerConfig()), max_staleness=1, policy_version=3)
+    publisher = WeightPublisher(client, keys, WeightBusConfig())
+
+    async def send(*commands):
+        channel = ControlChannel(aioredis.Redis.from_url(redis_url), keys)
+        for command in commands:
+            await command(channel)
+        await channel.client.aclose()
+
+    asyncio.run(send(lambda c: c.send("sync")))  # written before the trainer started: not for it
+    reader = ControlReader(client, keys, trainer, lambda: publisher.publish(trainer.policy_version, trainer.backend.export_hf_weights()))
+    reader.poll()
+    assert publisher.num_published == 0
+    try:
+        asyncio.run(send(
+            lambda c: c.announce_setting("coordinator.max_staleness", 4),
+            lambda c: c.announce_setting("coordinator.sampling.temperature", 0.7),
+            lambda c: c.announce_setting("coordinator.request_timeout_s", 9.0),  # another role's setting
+            lambda c: c.send("set", key="coordinator.max_staleness", value="not json"),  # ignored, logged
+            lambda c: c.send("sync"),
+            lambda c: c.send("sync"),  # two requests before one poll: one publish
+        ))
+        reader.poll()
+        assert trainer.max_staleness == 4 and trainer.backend.temperature == 0.7
+        assert publisher.num_published == 1 and trainer.policy_version == 3  # same version number
+        assert int(client.get(keys.policy_version)) == 3 and client.exists(keys.manifest(3))
+        reader.poll()  # nothing new
+        assert publisher.num_published == 1
+    finally:
+        publisher.close()
+        client.close()
