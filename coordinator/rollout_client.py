@@ -41,6 +41,9 @@ class SampleResult:
     routed_experts: np.ndarray | None = None
 
 
+STREAM_INTERVAL = 16  # tokens per streamed chunk (rollout.proto SamplingParams.stream_interval)
+
+
 class RolloutClient:
     """One server at ``address`` ("host:port"); ``inflight`` counts this client's open calls."""
 
@@ -79,6 +82,8 @@ class RolloutClient:
             sampling=pb.SamplingParams(
                 n=n, max_tokens=sampling.max_tokens, temperature=sampling.temperature,
                 top_p=sampling.top_p, top_k=sampling.top_k,
+                # Whole samples are what the coordinator needs: chunks of 16 tokens save CPU on both ends.
+                stream_interval=STREAM_INTERVAL,
             ),
         )
         samples = [SampleResult() for _ in range(n)]
