@@ -1,4 +1,8 @@
-"""One real end-to-end run of `fleetrl demo`: every role a process, two vLLM servers, Redis, weight bus."""
+"""One real end-to-end run of `fleetrl demo`: every role a process, two vLLM servers, Redis, weight bus.
+
+The weights travel in MXFP8 here (the demo's default is bf16, which the rollout tests cover): every
+version reaches both servers through quantize -> tcp -> dequantize -> reload.
+"""
 
 from __future__ import annotations
 
@@ -12,6 +16,12 @@ import pytest
 from modeling.tiny_model import init_tiny
 
 
+# How the launcher's role processes and vLLM's engine processes look in `ps` (not, say, a pytest run of
+# tests/rollout_service/). Anything else starting vLLM on this machine meanwhile would count too.
+ROLE_COMMANDS = ("-m rollout_service serve", "-m trainer_service train", "valkey-server", "-m coordinator run",
+                 "VLLM::")
+
+
 @pytest.mark.timeout(600)
 def test_short_demo_trains_publishes_and_stays_within_staleness_bound(tmp_path):
     model = init_tiny(tmp_path / "model")
@@ -20,7 +30,8 @@ def test_short_demo_trains_publishes_and_stays_within_staleness_bound(tmp_path):
     result = subprocess.run(
         [sys.executable, "-m", "coordinator.cli", "demo", "--steps", "3", "--out", str(out),
          f"model_path={model}", "coordinator.groups_per_step=4", "coordinator.group_size=4",
-         "coordinator.admin_port=0"],  # a free port: another demo on this machine may hold the default
+         "coordinator.admin_port=0",  # a free port: another demo on this machine may hold the default
+         "weight_bus.codec=mxfp8"],
         capture_output=True, text=True, timeout=580,
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
@@ -35,6 +46,6 @@ def test_short_demo_trains_publishes_and_stays_within_staleness_bound(tmp_path):
     # Every process the demo started is gone (no orphaned engines or Redis).
     leftovers = [
         p for p in psutil.process_iter(["pid", "cmdline"])
-        if p.pid not in before and any(s in " ".join(p.info["cmdline"] or []) for s in ("rollout_service", "trainer_service", "valkey-server", "coordinator run"))
+        if p.pid not in before and any(s in " ".join(p.info["cmdline"] or []) for s in ROLE_COMMANDS)
     ]
     assert not leftovers, [p.info["cmdline"] for p in leftovers]
