@@ -137,6 +137,45 @@ class MetricsReport(msgspec.Struct, array_like=True, gc=False, frozen=True):
     values: dict[str, float]
 
 
+class NcclGroup(msgspec.Struct, array_like=True, gc=False, frozen=True):
+    """The NCCL broadcast group of one generation. Producer: trainer (weight_bus.nccl) -> rollout subscribers."""
+
+    generation: int
+    unique_id: bytes  # ncclUniqueId (128 bytes)
+    members: list[str]  # members[i] has rank i + 1; rank 0 is the publisher
+    created_s: float
+
+    @property
+    def world_size(self) -> int:
+        return 1 + len(self.members)
+
+    def rank_of(self, member_id: str) -> int | None:
+        return self.members.index(member_id) + 1 if member_id in self.members else None
+
+
+class NcclRound(msgspec.Struct, array_like=True, gc=False, frozen=True):
+    """One version's broadcast, written before its first byte. Producer: trainer -> subscribers."""
+
+    generation: int
+    version: int
+    bucket_nbytes: list[int]
+    buffer_nbytes: int  # size of each of the two rotating device buffers
+    created_s: float
+
+
+class NcclMember(msgspec.Struct, array_like=True, gc=False, frozen=True):
+    """A subscriber's heartbeat. Producer: subscriber -> trainer (group membership, rebuild decisions)."""
+
+    member_id: str
+    generation: int  # generation it is joining or has joined (0 = none yet)
+    version: int  # policy version it holds
+    time_s: float  # written by its heartbeat thread: the process lives
+    progress_s: float  # last poll of its receive loop: it takes part in broadcasts
+
+    def is_alive(self, now: float, timeout_s: float) -> bool:
+        return now - self.time_s <= timeout_s and now - self.progress_s <= timeout_s
+
+
 _encoder = msgspec.msgpack.Encoder()
 _group_decoder = msgspec.msgpack.Decoder(TrajectoryGroup)
 _manifest_decoder = msgspec.msgpack.Decoder(WeightManifest)
@@ -162,3 +201,20 @@ def decode_report(data: bytes) -> VersionReport:
 
 def decode_metrics(data: bytes) -> MetricsReport:
     return _metrics_decoder.decode(data)
+
+
+_nccl_group_decoder = msgspec.msgpack.Decoder(NcclGroup)
+_nccl_round_decoder = msgspec.msgpack.Decoder(NcclRound)
+_nccl_member_decoder = msgspec.msgpack.Decoder(NcclMember)
+
+
+def decode_nccl_group(data: bytes) -> NcclGroup:
+    return _nccl_group_decoder.decode(data)
+
+
+def decode_nccl_round(data: bytes) -> NcclRound:
+    return _nccl_round_decoder.decode(data)
+
+
+def decode_nccl_member(data: bytes) -> NcclMember:
+    return _nccl_member_decoder.decode(data)

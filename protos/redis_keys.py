@@ -56,3 +56,18 @@ class RedisKeys:
     def control(self) -> str:
         """Stream of control messages to the roles (field ``c``), e.g. stop."""
         return self._key("control")
+
+    @property
+    def nccl_group(self) -> str:
+        """Encoded NcclGroup: the current NCCL broadcast group (generation, unique id, members)."""
+        return self._key("weights:nccl:group")
+
+    @property
+    def nccl_round(self) -> str:
+        """Encoded NcclRound: the version being broadcast over NCCL and its chunk plan inputs."""
+        return self._key("weights:nccl:round")
+
+    @property
+    def nccl_members(self) -> str:
+        """Hash member id -> encoded NcclMember heartbeat of each NCCL subscriber."""
+        return self._key("weights:nccl:members")

@@ -23,9 +23,9 @@ import enum
 import time
 from dataclasses import dataclass
 
-import msgspec
 import redis
 
+from protos.records import NcclGroup, NcclMember, NcclRound, decode_nccl_group, decode_nccl_member, decode_nccl_round, encode
 from protos.redis_keys import RedisKeys
 
 HEARTBEAT_S = 1.0
@@ -33,71 +33,23 @@ NCCL_SUCCESS = 0
 NCCL_IN_PROGRESS = 7  # ncclInProgress: a non-blocking call or init still running
 
 
-class NcclGroup(msgspec.Struct, array_like=True, gc=False, frozen=True):
-    """The broadcast group of one generation. Producer: trainer (NcclWeightPublisher) -> subscribers."""
-
-    generation: int
-    unique_id: bytes  # ncclUniqueId (128 bytes)
-    members: list[str]  # members[i] has rank i + 1; rank 0 is the publisher
-    created_s: float
-
-    @property
-    def world_size(self) -> int:
-        return 1 + len(self.members)
-
-    def rank_of(self, member_id: str) -> int | None:
-        return self.members.index(member_id) + 1 if member_id in self.members else None
-
-
-class NcclRound(msgspec.Struct, array_like=True, gc=False, frozen=True):
-    """One version's broadcast, written before its first byte. Producer: trainer -> subscribers."""
-
-    generation: int
-    version: int
-    bucket_nbytes: list[int]
-    buffer_nbytes: int  # size of each of the two rotating device buffers
-    created_s: float
-
-
-class NcclMember(msgspec.Struct, array_like=True, gc=False, frozen=True):
-    """A subscriber's heartbeat. Producer: subscriber -> trainer (group membership, rebuild decisions)."""
-
-    member_id: str
-    generation: int  # generation it is joining or has joined (0 = none yet)
-    version: int  # policy version it holds
-    time_s: float  # written by its heartbeat thread: the process lives
-    progress_s: float  # last poll of its receive loop: it takes part in broadcasts
-
-    def is_alive(self, now: float, timeout_s: float) -> bool:
-        return now - self.time_s <= timeout_s and now - self.progress_s <= timeout_s
-
-
-_group_decoder = msgspec.msgpack.Decoder(NcclGroup)
-_round_decoder = msgspec.msgpack.Decoder(NcclRound)
-_member_decoder = msgspec.msgpack.Decoder(NcclMember)
-_encoder = msgspec.msgpack.Encoder()
-
-
 @dataclass(frozen=True)
 class NcclKeys:
-    """Redis keys of the NCCL broadcast of one run (next to the run's weight keys)."""
+    """Redis keys of the NCCL broadcast of one run (named in protos/redis_keys.py)."""
 
     keys: RedisKeys
 
-    def _key(self, suffix: str) -> str:
-        return f"fleetrl:{self.keys.run_id}:weights:nccl:{suffix}"
-
     @property
     def group(self) -> str:
-        return self._key("group")
+        return self.keys.nccl_group
 
     @property
     def round(self) -> str:
-        return self._key("round")
+        return self.keys.nccl_round
 
     @property
     def members(self) -> str:
-        return self._key("members")
+        return self.keys.nccl_members
 
 
 # ------------------------------------------------------------------------------------------------
@@ -188,25 +140,25 @@ def watch_outcome(
 
 
 def write_group(client: redis.Redis, nkeys: NcclKeys, group: NcclGroup) -> None:
-    client.set(nkeys.group, _encoder.encode(group))
+    client.set(nkeys.group, encode(group))
 
 
 def read_group(client: redis.Redis, nkeys: NcclKeys) -> NcclGroup | None:
     raw = client.get(nkeys.group)
-    return _group_decoder.decode(raw) if raw is not None else None
+    return decode_nccl_group(raw) if raw is not None else None
 
 
 def write_round(client: redis.Redis, nkeys: NcclKeys, record: NcclRound) -> None:
-    client.set(nkeys.round, _encoder.encode(record))
+    client.set(nkeys.round, encode(record))
 
 
 def read_round(client: redis.Redis, nkeys: NcclKeys) -> NcclRound | None:
     raw = client.get(nkeys.round)
-    return _round_decoder.decode(raw) if raw is not None else None
+    return decode_nccl_round(raw) if raw is not None else None
 
 
 def heartbeat(client: redis.Redis, nkeys: NcclKeys, member: NcclMember) -> None:
-    client.hset(nkeys.members, member.member_id, _encoder.encode(member))
+    client.hset(nkeys.members, member.member_id, encode(member))
 
 
 def leave(client: redis.Redis, nkeys: NcclKeys, member_id: str) -> None:
@@ -215,7 +167,7 @@ def leave(client: redis.Redis, nkeys: NcclKeys, member_id: str) -> None:
 
 def read_heartbeats(client: redis.Redis, nkeys: NcclKeys) -> dict[str, NcclMember]:
     raw = client.hgetall(nkeys.members)
-    return {(k.decode() if isinstance(k, bytes) else k): _member_decoder.decode(v) for k, v in raw.items()}
+    return {(k.decode() if isinstance(k, bytes) else k): decode_nccl_member(v) for k, v in raw.items()}
 
 
 def wait_for(read, accept, timeout_s: float, what: str, poll_s: float = 0.05):

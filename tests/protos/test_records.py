@@ -261,3 +261,22 @@ def test_a_record_missing_a_required_field_is_refused():
     truncated = msgspec.msgpack.encode(["rollout-0", "127.0.0.1:1", 1, 0, ""])  # no time_s
     with pytest.raises(msgspec.ValidationError):
         decode_report(truncated)
+
+
+# The NCCL group records of the weight bus (weight_bus/nccl_group.py reads and writes them in Redis).
+NCCL_GROUP_HEX = "9403c408000102030405060792a9726f6c6c6f75742d30a9726f6c6c6f75742d31cb41d954fc40200000"
+NCCL_ROUND_HEX = "95030792cd100040ce00100000cb41d954fc40500000"
+NCCL_MEMBER_HEX = "95a9726f6c6c6f75742d300307cb41d954fc40800000cb41d954fc40a00000"
+
+
+def test_nccl_records_encode_to_golden_bytes_and_back():
+    from protos.records import NcclGroup, NcclMember, NcclRound, decode_nccl_group, decode_nccl_member, decode_nccl_round
+
+    group = NcclGroup(3, bytes(range(8)), ["rollout-0", "rollout-1"], 1700000000.5)
+    round_ = NcclRound(3, 7, [4096, 64], 1 << 20, 1700000001.25)
+    member = NcclMember("rollout-0", 3, 7, 1700000002.0, 1700000002.5)
+    assert (encode(group).hex(), encode(round_).hex(), encode(member).hex()) == (NCCL_GROUP_HEX, NCCL_ROUND_HEX, NCCL_MEMBER_HEX)
+    assert decode_nccl_group(bytes.fromhex(NCCL_GROUP_HEX)) == group
+    assert decode_nccl_round(bytes.fromhex(NCCL_ROUND_HEX)) == round_
+    assert decode_nccl_member(bytes.fromhex(NCCL_MEMBER_HEX)) == member
+    assert group.world_size == 3 and group.rank_of("rollout-1") == 2 and group.rank_of("x") is None
