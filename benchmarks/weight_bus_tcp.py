@@ -78,9 +78,30 @@ class _Staging:
         self.file.close()
 
 
-def raw_copy_s(buckets: list, size: int) -> float:
-    """Seconds to move ``buckets`` through a loopback socket into a fresh staging map."""
-    listener = socket.create_server(("127.0.0.1", 0))
+def _parallel(count: int, work) -> float:
+    """Wall seconds for ``count`` threads each running ``work()`` (the receivers of one version)."""
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            work()
+        except BaseException as error:  # noqa: BLE001 - re-raised below, in the caller's thread
+            errors.append(error)
+
+    threads = [threading.Thread(target=run) for _ in range(count)]
+    started = time.perf_counter()
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=300)
+    if errors:
+        raise errors[0]
+    return time.perf_counter() - started
+
+
+def raw_copy_s(buckets: list, size: int, subscribers: int) -> float:
+    """Seconds to send ``buckets`` through loopback sockets into a fresh staging map per subscriber."""
+    listener = socket.create_server(("127.0.0.1", 0), backlog=subscribers)
 
     def serve() -> None:
         conn, _ = listener.accept()
@@ -88,44 +109,49 @@ def raw_copy_s(buckets: list, size: int) -> float:
             for bucket in buckets:
                 conn.sendall(memoryview(bucket).cast("B"))
 
-    thread = threading.Thread(target=serve, daemon=True)
-    staging = _Staging(size)
+    def receive() -> None:
+        staging = _Staging(size)
+        try:
+            with socket.create_connection(listener.getsockname()) as sock:
+                got = 0
+                while got < size:
+                    with staging.view[got:] as target:
+                        count = sock.recv_into(target)
+                    if count == 0:
+                        raise ConnectionError(f"raw copy: peer closed after {got} of {size} bytes")
+                    got += count
+        finally:
+            staging.close()
+
+    senders = [threading.Thread(target=serve, daemon=True) for _ in range(subscribers)]
+    for sender in senders:
+        sender.start()
     try:
-        thread.start()
-        started = time.perf_counter()
-        with socket.create_connection(listener.getsockname()) as sock:
-            got = 0
-            while got < size:
-                with staging.view[got:] as target:
-                    count = sock.recv_into(target)
-                if count == 0:
-                    raise ConnectionError(f"raw copy: peer closed after {got} of {size} bytes")
-                got += count
-        seconds = time.perf_counter() - started
+        return _parallel(subscribers, receive)
     finally:
-        thread.join(timeout=60)
+        for sender in senders:
+            sender.join(timeout=60)
         listener.close()
-        staging.close()
-    return seconds
 
 
-def receive_s(client, keys, version: int) -> tuple[float, int]:
-    """The rollout side: fetch + verify ``version`` into a fresh staging map; (seconds, bytes)."""
+def receive_s(client, keys, version: int, subscribers: int) -> tuple[float, int]:
+    """The rollout side: ``subscribers`` servers fetch + verify ``version`` at once; (seconds, bytes each)."""
     manifest = decode_manifest(client.get(keys.manifest(version)))
     size = total_nbytes(manifest)
-    staging = _Staging(size)
-    try:
-        started = time.perf_counter()
-        source = receiver.receive_into(manifest, staging.view, timeout_s=120)
-        seconds = time.perf_counter() - started
-    finally:
-        staging.close()
-    if source != "publisher":
-        raise RuntimeError(f"v{version} came from the {source}, not the publisher")
-    return seconds, size
+
+    def receive() -> None:
+        staging = _Staging(size)
+        try:
+            source = receiver.receive_into(manifest, staging.view, timeout_s=120)
+        finally:
+            staging.close()
+        if source != "publisher":
+            raise RuntimeError(f"v{version} came from the {source}, not the publisher")
+
+    return _parallel(subscribers, receive), size
 
 
-def measure(client, keys, codec: str, tensors, repeats: int, bucket_mib: float) -> dict:
+def measure(client, keys, codec: str, tensors, repeats: int, bucket_mib: float, subscribers: int) -> dict:
     """One publisher for all versions, as in a trainer; keep_versions=1 so buckets recycle from v3 on."""
     publisher = WeightPublisher(client, keys, WeightBusConfig(codec=codec, bucket_mib=bucket_mib, keep_versions=1))
     try:
@@ -137,19 +163,20 @@ def measure(client, keys, codec: str, tensors, repeats: int, bucket_mib: float) 
             # torch's CPU worker threads spin a while after the quantizer's parallel ops; in a real fleet
             # the receiver is another process on another machine, so do not time it against that spin.
             time.sleep(1.0)
-            fetch_s, wire = receive_s(client, keys, version)
-            raw_s = raw_copy_s(publisher.transport.buckets_of(version), wire)
+            fetch_s, wire = receive_s(client, keys, version, subscribers)
+            raw_s = raw_copy_s(publisher.transport.buckets_of(version), wire, subscribers)
             runs.append({"publish_s": publish_s, "fetch_s": fetch_s, "raw_s": raw_s})
     finally:
         publisher.close()
     median = {k: statistics.median(r[k] for r in runs) for k in ("publish_s", "fetch_s", "raw_s")}
     return {
         "codec": codec,
+        "subscribers": subscribers,
         "wire_gib": wire / 2**30,
         "cold_publish_s": cold_publish_s,
         **median,
-        "fetch_gb_per_s": wire / median["fetch_s"] / 1e9,
-        "raw_gb_per_s": wire / median["raw_s"] / 1e9,
+        "fetch_gb_per_s": subscribers * wire / median["fetch_s"] / 1e9,  # delivered, all subscribers
+        "raw_gb_per_s": subscribers * wire / median["raw_s"] / 1e9,
         "fetch_over_raw": median["fetch_s"] / median["raw_s"],
         "publish_plus_fetch_over_raw": (median["publish_s"] + median["fetch_s"]) / median["raw_s"],
         "runs": runs,
@@ -162,6 +189,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--bucket-mib", type=float, default=512.0)
     parser.add_argument("--mxfp8", action="store_true", help="also publish with the mxfp8 codec")
+    parser.add_argument("--subscribers", type=int, default=2, help="rollout servers fetching each version at once")
     args = parser.parse_args()
     tensors = model_tensors(args.gib)
     source_bytes = sum(t.numel() * t.element_size() for _, t in tensors)
@@ -171,7 +199,8 @@ def main() -> None:
     try:
         client = redis.Redis.from_url(server.url)
         for codec in ("bf16", "mxfp8") if args.mxfp8 else ("bf16",):
-            result = measure(client, RedisKeys(f"bench-{codec}"), codec, tensors, args.repeats, args.bucket_mib)
+            result = measure(client, RedisKeys(f"bench-{codec}"), codec, tensors, args.repeats, args.bucket_mib,
+                             args.subscribers)
             results[codec] = result
             print(
                 f"{codec}: wire {result['wire_gib']:.3f} GiB | publish {result['publish_s']:.2f}s "
