@@ -53,6 +53,9 @@ def _cmd_rollout(args: argparse.Namespace) -> int:
 def _cmd_model_init_tiny(args: argparse.Namespace) -> int:
     from modeling.tiny_model import init_tiny
 
+    if args.family == "beam":
+        from modeling.beam.tiny import init_tiny_beam as init_tiny
+
     path = init_tiny(args.path, seed=args.seed, warmup_steps=args.warmup_steps)
     print(f"tiny MoE checkpoint and tokenizer written to {path}")
     return 0
@@ -78,7 +81,8 @@ def build_parser() -> argparse.ArgumentParser:
     init_tiny = model_commands.add_parser("init-tiny", help="write the tiny local MoE checkpoint + tokenizer")
     init_tiny.add_argument("path")
     init_tiny.add_argument("--seed", type=int, default=0)
-    init_tiny.add_argument("--warmup-steps", type=int, default=0, help="short echo warm-up (the demo uses 80)")
+    init_tiny.add_argument("--warmup-steps", type=int, default=0, help="short echo warm-up (the demo uses 150)")
+    init_tiny.add_argument("--family", choices=["qwen3-moe", "beam"], default="qwen3-moe", help="model architecture")
     init_tiny.set_defaults(func=_cmd_model_init_tiny)
 
     add_admin_commands(commands)

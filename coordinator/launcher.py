@@ -33,18 +33,25 @@ class RoleFailed(RuntimeError):
     """A role process exited before the run finished."""
 
 
-def tiny_model_dir(warmup_steps: int = WARMUP_STEPS) -> Path:
-    """Build (once, cached) the demo's tiny MoE with its short echo warm-up; returns its directory."""
+def tiny_model_dir(family: str = "qwen3-moe", warmup_steps: int = WARMUP_STEPS) -> Path:
+    """Build (once, cached) the demo's tiny MoE of ``family`` with its short echo warm-up; returns its directory."""
     from modeling import tiny_model
 
-    source = Path(tiny_model.__file__).read_bytes()
-    digest = hashlib.sha256(source + str(warmup_steps).encode()).hexdigest()[:12]
-    cache = Path(os.environ.get("FLEETRL_CACHE", Path.home() / ".cache" / "fleetrl")) / f"tiny-echo-{digest}"
+    if family == "beam":
+        from modeling.beam import tiny as builder
+
+        sources = [Path(tiny_model.__file__)] + sorted(Path(builder.__file__).parent.glob("*.py"))
+        build = builder.init_tiny_beam
+    else:
+        sources, build = [Path(tiny_model.__file__)], tiny_model.init_tiny
+    digest = hashlib.sha256(b"".join(p.read_bytes() for p in sources) + str(warmup_steps).encode()).hexdigest()[:12]
+    prefix = "tiny-beam-echo" if family == "beam" else "tiny-echo"
+    cache = Path(os.environ.get("FLEETRL_CACHE", Path.home() / ".cache" / "fleetrl")) / f"{prefix}-{digest}"
     if not (cache / "config.json").exists():
         partial = cache.with_suffix(".partial")
         shutil.rmtree(partial, ignore_errors=True)
-        print(f"building the tiny MoE model (warm-up {warmup_steps} steps) into {cache} ...", flush=True)
-        tiny_model.init_tiny(partial, warmup_steps=warmup_steps)
+        print(f"building the tiny {family} model (warm-up {warmup_steps} steps) into {cache} ...", flush=True)
+        build(partial, warmup_steps=warmup_steps)
         partial.rename(cache)
     return cache
 
@@ -100,7 +107,7 @@ class DemoLauncher:
         if not redis_url:
             self.redis_server = EmbeddedRedis().start()
             redis_url = self.redis_server.url
-        model = self.config.model_path or str(tiny_model_dir())
+        model = self.config.model_path or str(tiny_model_dir(self.config.tiny_model))
         if not self.config.out_dir:  # eval samples and trainer checkpoints go under the run directory
             self.config.out_dir = str(self.out_dir)
         config_path = self.out_dir / "config.json"

@@ -261,7 +261,10 @@ class RunConfig(_Strict):
     """The whole run. Shared keys live here and are read by every role."""
 
     run_id: str = Field("demo", description="Namespace of the run's Redis keys.")
-    model_path: str = Field("", description="HF checkpoint directory; '' = build the tiny model in the run dir.")
+    model_path: str = Field("", description="HF checkpoint directory; '' = build (and cache) the demo's tiny model.")
+    tiny_model: Literal["qwen3-moe", "beam"] = Field(
+        "qwen3-moe", description="Which tiny model the demo builds when model_path is '': a Qwen3-MoE or a Beam."
+    )
     redis_url: str = Field("", description="Redis URL; '' = start an embedded valkey server.")
     out_dir: str = Field("", description="Run directory (logs, summary.json, checkpoints).")
     coordinator: CoordinatorConfig = Field(default_factory=CoordinatorConfig)

@@ -46,6 +46,8 @@ class TorchBackend:
     def __init__(self, model_path: str, config: TrainerConfig, temperature: float = 1.0, device: str = "cpu"):
         from transformers import AutoModelForCausalLM
 
+        import modeling.beam  # noqa: F401 - registers model_type "beam" with transformers' Auto classes
+
         torch.manual_seed(config.seed)
         self.config = config
         self.temperature = temperature
