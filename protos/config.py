@@ -128,6 +128,13 @@ class RolloutConfig(_Strict):
     stream_interval: int = Field(
         1, gt=0, description="Tokens the engine buffers per streamed chunk; larger cuts per-token overhead."
     )
+    return_routed_experts: Literal["auto", "on", "off"] = Field(
+        "auto", description="Return routed experts for R3: auto = on with a GPU (vLLM on CPU refuses it)."
+    )
+    tensor_parallel_size: int = Field(1, gt=0, description="vLLM tensor parallel size of one server (GPUs per replica / PP).")
+    pipeline_parallel_size: int = Field(1, gt=0, description="vLLM pipeline parallel size of one server.")
+    enable_expert_parallel: bool = Field(False, description="vLLM expert parallelism for MoE layers (EP = TP x DP).")
+    max_num_seqs: int = Field(256, gt=0, description="vLLM: sequences scheduled at once per server.")
     seed: int = Field(0, description="Engine seed.")
 
 
@@ -159,6 +166,12 @@ class MegatronConfig(_Strict):
     )
     routing_replay: bool = Field(
         True, description="Build routers with routing replay (R3) so rollout routes can be replayed."
+    )
+    moe_router_bias_update_rate: float = Field(
+        0.0,
+        ge=0.0,
+        description="Aux-loss-free balancing step on routers with an expert bias (Beam's e_score_correction_bias) "
+        "per optimizer step; 0 keeps the checkpoint's bias, so rollout and trainer route alike.",
     )
 
 

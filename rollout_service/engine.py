@@ -118,13 +118,19 @@ class RolloutEngine:
             worker_extension_cls=WORKER_EXTENSION,
             enable_prefix_caching=False,
             stream_interval=self.config.stream_interval,
+            enable_return_routed_experts=self._want_routed_experts(),
+            tensor_parallel_size=self.config.tensor_parallel_size,
+            pipeline_parallel_size=self.config.pipeline_parallel_size,
+            enable_expert_parallel=self.config.enable_expert_parallel,
+            max_num_seqs=self.config.max_num_seqs,
         )
         started = time.monotonic()
         self._load_tracker = make_load_tracker()
         self._llm = AsyncLLM.from_engine_args(args, stat_loggers=[self._load_tracker])
         model_config = self._llm.model_config
         self.vocab_size = model_config.get_vocab_size()
-        self.routed_experts_available = bool(getattr(model_config, "enable_return_routed_experts", False))
+        aux_config = getattr(self._llm.vllm_config, "aux_output_config", None)
+        self.routed_experts_available = bool(getattr(aux_config, "enable_return_routed_experts", False))
         await self._llm.update_weight_version(str(self.policy_version))
         logger.info("engine %s up in %.1fs (vocab %d)", self.server_id, time.monotonic() - started, self.vocab_size)
 
@@ -138,6 +144,14 @@ class RolloutEngine:
     def num_unfinished(self) -> int:
         """Requests the engine front end still tracks (aborted ones leave at once)."""
         return self.llm.output_processor.get_num_unfinished_requests()
+
+    def _want_routed_experts(self) -> bool:
+        """R3 needs the routes; vLLM returns them only with its GPU model runner (CPU refuses the option)."""
+        if self.config.return_routed_experts != "auto":
+            return self.config.return_routed_experts == "on"
+        from vllm.platforms import current_platform
+
+        return not current_platform.is_cpu()
 
     @property
     def llm(self):
