@@ -192,6 +192,10 @@ class TrainerConfig(_Strict):
     batch_timeout_s: float = Field(600.0, gt=0, description="Longest wait for one step's groups.")
     seed: int = Field(0, description="Torch seed.")
     lr_warmup_steps: int = Field(0, ge=0, description="Linear LR warm-up steps from 0 to lr; constant after.")
+    mini_batches: int = Field(
+        1, gt=0, description="Optimizer steps per training step (PPO mini-batches of whole groups); pi_old is the "
+        "policy at the step's start and one version is published per step.",
+    )
     micro_batch_tokens: int = Field(
         0, ge=0, description="Padded-token budget of one micro-batch (gradient accumulation); 0 = whole step at once."
     )

@@ -95,7 +95,8 @@ def run(args: argparse.Namespace, stop: threading.Event) -> None:
     checkpoints = CheckpointManager(checkpoint_root(config), tcfg.keep_last_checkpoints)
     restored = checkpoints.resolve(tcfg.resume)
     state = CheckpointManager.load(restored, backend) if restored else TrainerState(step=0, policy_version=0)
-    trainer = Trainer(backend, ccfg.max_staleness, state.policy_version, ledger=state.ledger)
+    trainer = Trainer(backend, ccfg.max_staleness, state.policy_version, ledger=state.ledger,
+                      mini_batches=tcfg.mini_batches)
     queue = TrajectoryQueue(client, keys)
     reclaimed = queue.reclaim_pending()
     publisher = WeightPublisher(client, keys, config.weight_bus)

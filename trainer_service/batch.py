@@ -25,6 +25,7 @@ class TrainBatch:
     min_versions_B: torch.Tensor
     num_response_tokens: int
     routed_experts_BTLK: torch.Tensor | None = None  # rollout routes for R3 (routing_replay); None = natural
+    old_logprobs_BT: torch.Tensor | None = None  # pi_old when fixed before the step (mini-batches); None = detach
 
 
 def build_batch(groups: list[TrajectoryGroup], pad_id: int = 0) -> TrainBatch:
@@ -87,6 +88,7 @@ def _rows(batch: TrainBatch, rows: list[int]) -> TrainBatch:
         min_versions_B=batch.min_versions_B[index],
         num_response_tokens=int(loss_mask.sum().item()),
         routed_experts_BTLK=None if batch.routed_experts_BTLK is None else batch.routed_experts_BTLK[index, :width],
+        old_logprobs_BT=None if batch.old_logprobs_BT is None else batch.old_logprobs_BT[index, : width - 1],
     )
 
 
@@ -108,3 +110,12 @@ def split_micro_batches(batch: TrainBatch, max_tokens: int) -> list[TrainBatch]:
         longest = max(longest, length)
     micro.append(_rows(batch, current))
     return micro
+
+
+def split_mini_batches(batch: TrainBatch, num_mini: int, group_size: int) -> list[TrainBatch]:
+    """Split a step's batch into ``num_mini`` mini-batches of whole GRPO groups (rows are group-major)."""
+    num_groups = len(batch.advantages_B) // group_size
+    if num_mini < 1 or num_groups % num_mini:
+        raise ValueError(f"trainer.mini_batches={num_mini} must divide the step's {num_groups} groups")
+    rows_per_mini = len(batch.advantages_B) // num_mini
+    return [_rows(batch, list(range(i * rows_per_mini, (i + 1) * rows_per_mini))) for i in range(num_mini)]

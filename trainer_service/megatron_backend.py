@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from protos.config import MegatronConfig, TrainerConfig
-from trainer_service import megatron_checkpoint, megatron_cpu_shims
+from trainer_service import megatron_beam, megatron_checkpoint, megatron_cpu_shims
 from trainer_service.batch import TrainBatch, split_micro_batches
 from trainer_service.losses import loss_denominator, policy_loss
 from trainer_service.routing_replay import megatron_forced_routing
@@ -102,8 +102,10 @@ def _configure_provider(provider, config: MegatronConfig, on_cpu: bool) -> None:
     provider.context_parallel_size = config.context_parallel_size
     # MoE with TP > 1 needs sequence parallel in megatron-core.
     provider.sequence_parallel = config.tensor_model_parallel_size > 1
-    # The bridge defaults to the TE spec, which fails without Transformer Engine.
-    provider.transformer_layer_spec = local_layer_spec
+    # The bridge defaults to the TE spec, which fails without Transformer Engine; a provider that brings its own
+    # local spec (Beam) keeps it.
+    if not getattr(provider, "has_local_layer_spec", False):
+        provider.transformer_layer_spec = local_layer_spec
     provider.persist_layer_norm = False
     provider.params_dtype = dtype
     provider.pipeline_dtype = dtype
@@ -114,6 +116,8 @@ def _configure_provider(provider, config: MegatronConfig, on_cpu: bool) -> None:
     provider.moe_token_dispatcher_type = config.moe_token_dispatcher
     provider.moe_permute_fusion = False  # the bridge turns it on; it needs TE
     provider.moe_enable_routing_replay = config.routing_replay
+    # Only routers with an expert bias (Beam) read it.
+    provider.moe_router_bias_update_rate = config.moe_router_bias_update_rate
     # RL trains on the policy loss alone: no load-balancing term unless asked for.
     provider.moe_aux_loss_coeff = config.moe_aux_loss_coeff
     if config.moe_aux_loss_coeff == 0.0:
@@ -150,6 +154,7 @@ class MegatronBackend:
     ):
         """``random_init``: build from ``config.json`` alone with random weights (benchmarks), else load weights."""
         AutoBridge = megatron_cpu_shims.import_bridge()
+        megatron_beam.register()  # fleetrl's own bridge: BeamForCausalLM checkpoints
         from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
         from megatron.core.utils import get_model_config
         from transformers import AutoConfig
@@ -267,13 +272,18 @@ class MegatronBackend:
                 chunk.train()
         return out["logprobs"].cpu()
 
+    def policy_logprobs(self, batch: TrainBatch) -> torch.Tensor:
+        """[B, T] logprobs of the current policy for the whole batch (pi_old of a step in mini-batches)."""
+        return self.token_logprobs(batch.input_ids_BT, batch.attention_mask_BT, batch.routed_experts_BTLK)
+
     # -- step ----------------------------------------------------------------------------------------------
 
     def _loss_fn(self, micro: TrainBatch, weight: float, num_micro: int, logprobs_BT: torch.Tensor):
-        # One optimizer step per batch: pi_old is the current policy before the step.
+        # pi_old: fixed at the training step's start (mini-batches), else the current policy before this update.
+        old_BT = logprobs_BT.detach() if micro.old_logprobs_BT is None else micro.old_logprobs_BT.to(self.device)
         loss, metrics = policy_loss(
             logprobs_BT,
-            logprobs_BT.detach(),
+            old_BT,
             micro.rollout_logprobs_BT.to(self.device),
             micro.advantages_B.to(self.device),
             micro.loss_mask_BT.to(self.device),

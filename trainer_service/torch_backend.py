@@ -94,11 +94,27 @@ class TorchBackend:
         routes = None if micro.routed_experts_BTLK is None else micro.routed_experts_BTLK.to(self.device)
         with forced_routing(self.model, routes):  # R3: the experts the rollout engine chose (None: natural)
             logprobs = token_logprobs(self.model, ids, micro.attention_mask_BT.to(self.device), self.temperature)
-        # One optimizer step per batch: pi_old is the current policy before the step.
+        # pi_old: fixed at the training step's start (mini-batches), else the current policy before this update.
+        old = logprobs.detach() if micro.old_logprobs_BT is None else micro.old_logprobs_BT.to(self.device)
         return policy_loss(
-            logprobs, logprobs.detach(), micro.rollout_logprobs_BT.to(self.device),
+            logprobs, old, micro.rollout_logprobs_BT.to(self.device),
             micro.advantages_B.to(self.device), micro.loss_mask_BT.to(self.device), self.loss_config,
         )
+
+    @torch.no_grad()
+    def policy_logprobs(self, batch: TrainBatch) -> torch.Tensor:
+        """[B, T] logprobs of the current policy for the whole batch (pi_old of a step in mini-batches)."""
+        out = torch.zeros_like(batch.rollout_logprobs_BT)
+        rows = 0
+        for micro in split_micro_batches(batch, self.config.micro_batch_tokens):
+            routes = None if micro.routed_experts_BTLK is None else micro.routed_experts_BTLK.to(self.device)
+            with forced_routing(self.model, routes):
+                logprobs = token_logprobs(
+                    self.model, micro.input_ids_BT.to(self.device), micro.attention_mask_BT.to(self.device), self.temperature
+                )
+            out[rows : rows + logprobs.shape[0], : logprobs.shape[1]] = logprobs.cpu()
+            rows += logprobs.shape[0]
+        return out
 
     def export_hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Yield (name, tensor) in the HF checkpoint layout vLLM loads (experts per expert, layer order)."""

@@ -11,7 +11,7 @@ import time
 from dataclasses import dataclass, field
 
 from protos.records import TrajectoryGroup
-from trainer_service.batch import build_batch
+from trainer_service.batch import build_batch, split_mini_batches
 
 
 def staleness_of(group: TrajectoryGroup, policy_version: int) -> int:
@@ -33,13 +33,28 @@ class TrainerTotals:
 class Trainer:
     """Owns the backend, the policy version and the ledger; ``step`` trains on one step's groups."""
 
-    def __init__(self, backend, max_staleness: int, policy_version: int = 0, ledger: dict[str, str] | None = None):
+    def __init__(
+        self, backend, max_staleness: int, policy_version: int = 0, ledger: dict[str, str] | None = None,
+        mini_batches: int = 1,
+    ):
         self.backend = backend
+        self.mini_batches = mini_batches
         self.max_staleness = max_staleness
         self.policy_version = policy_version
         self.ledger: dict[str, str] = dict(ledger or {})
         self.totals = TrainerTotals()
         self.last_staleness: list[int] = []  # per group of the last step (metrics)
+
+    def _train(self, batch, group_size: int) -> dict[str, float]:
+        """One training step: one optimizer step, or ``mini_batches`` of them against a pi_old fixed here."""
+        if self.mini_batches == 1:
+            return self.backend.train_step(batch)
+        batch.old_logprobs_BT = self.backend.policy_logprobs(batch)
+        parts = [self.backend.train_step(mini) for mini in split_mini_batches(batch, self.mini_batches, group_size)]
+        values = {key: sum(p[key] for p in parts) / len(parts) for key in parts[0]}
+        values["skipped"] = float(all(p["skipped"] for p in parts))  # a version is published if any update ran
+        values["mini_batches"] = float(len(parts))
+        return values
 
     def filter_new(self, groups: list[TrajectoryGroup]) -> list[TrajectoryGroup]:
         """The groups not consumed before (ledger) and not repeated in ``groups``; counts the rest."""
@@ -71,7 +86,7 @@ class Trainer:
         values: dict[str, float] = {"skipped": 1.0, "reward_mean": 0.0}
         if fresh:
             batch = build_batch(fresh)
-            values = self.backend.train_step(batch)
+            values = self._train(batch, len(fresh[0].samples))
             values["r3_replayed"] = float(batch.routed_experts_BTLK is not None)
             values["reward_mean"] = float(batch.rewards_B.mean())
             totals.samples_trained += int(batch.rewards_B.numel())

@@ -228,3 +228,14 @@ def test_megatron_micro_batches_give_the_same_step_as_one_batch(model_dir):
     assert split["loss"] == pytest.approx(whole["loss"], abs=1e-6)
     assert split["grad_norm"] == pytest.approx(whole["grad_norm"], rel=1e-5)
     assert max((whole_weights[k] - split_weights[k]).abs().max().item() for k in whole_weights) < 1e-4
+
+
+def test_megatron_mini_batches_step_twice_against_the_step_start_policy(model_dir):
+    from synthetic import make_group
+
+    from trainer_service.trainer import Trainer
+
+    trainer = Trainer(MegatronBackend(model_dir, TrainerConfig(geo_mask=None)), max_staleness=1, mini_batches=2)
+    values = trainer.step([make_group(i, seed=9) for i in range(4)])
+    assert values["mini_batches"] == 2 and values["skipped"] == 0.0 and trainer.policy_version == 1
+    assert values["clip_frac"] > 0.0  # the second update's ratio is against the policy before the first

@@ -131,3 +131,24 @@ def test_trainer_replays_rollout_routes_so_its_logprobs_match_the_rollouts(model
     assert results[True]["r3_replayed"] == 1.0 and results[False]["r3_replayed"] == 0.0
     assert results[True]["mean_abs_logprob_diff"] < 1e-5  # replayed: the rollout's own logprobs back
     assert results[False]["mean_abs_logprob_diff"] > 1e-3
+
+
+def test_mini_batches_take_several_optimizer_steps_against_one_pi_old_and_publish_once(model_dir):
+    import torch
+    from synthetic import make_group
+
+    groups = [make_group(i, seed=9) for i in range(4)]
+    one = Trainer(TorchBackend(model_dir, TrainerConfig(geo_mask=None)), max_staleness=1)
+    two = Trainer(TorchBackend(model_dir, TrainerConfig(geo_mask=None)), max_staleness=1, mini_batches=2)
+    start = {k: v.clone() for k, v in two.backend.model.state_dict().items()}
+    values_one, values_two = one.step(groups), two.step(groups)
+    assert values_two["mini_batches"] == 2 and two.policy_version == one.policy_version == 1
+    assert two.backend.optimizer.state[next(iter(two.backend.model.parameters()))]["step"] == 2  # two updates
+    moved_one = sum((v - start[k]).abs().sum() for k, v in one.backend.model.state_dict().items())
+    moved_two = sum((v - start[k]).abs().sum() for k, v in two.backend.model.state_dict().items())
+    assert moved_two > moved_one  # the second update went further from the start
+    # The second mini-batch's ratio is against the step-start policy: it is not 1 everywhere any more.
+    assert values_two["clip_frac"] > values_one["clip_frac"] == 0.0
+    with pytest.raises(ValueError, match="mini_batches=3"):
+        Trainer(TorchBackend(model_dir, TrainerConfig(geo_mask=None)), max_staleness=1, mini_batches=3).step(groups)
+    assert torch.isfinite(torch.tensor(values_two["loss"]))
