@@ -49,3 +49,22 @@ def test_short_demo_trains_publishes_and_stays_within_staleness_bound(tmp_path):
         if p.pid not in before and any(s in " ".join(p.info["cmdline"] or []) for s in ROLE_COMMANDS)
     ]
     assert not leftovers, [p.info["cmdline"] for p in leftovers]
+
+
+@pytest.mark.timeout(600)
+def test_short_demo_with_the_tiny_beam_model_trains_and_publishes_into_vllm_beam(tmp_path):
+    from modeling.beam.tiny import init_tiny_beam
+
+    model = init_tiny_beam(tmp_path / "beam")
+    out = tmp_path / "run"
+    result = subprocess.run(
+        [sys.executable, "-m", "coordinator.cli", "demo", "--steps", "3", "--out", str(out),
+         f"model_path={model}", "coordinator.groups_per_step=4", "coordinator.group_size=4",
+         "coordinator.admin_port=0"],
+        capture_output=True, text=True, timeout=580,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["trajectories_trained"] == 3 * 4 * 4 and summary["weight_versions_published"] == 3
+    assert set(summary["rollout_server_versions"].values()) == {3}  # vLLM's Beam model took every version
+    assert summary["max_staleness_seen"] <= 1
