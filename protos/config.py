@@ -318,8 +318,24 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
             node = node.setdefault(part, {})
             if not isinstance(node, dict):
                 raise ValueError(f"override {item!r}: {part!r} is not a section")
-        node[parts[-1]] = yaml.safe_load(raw)
+        node[parts[-1]] = raw if _is_text_field(parts) else yaml.safe_load(raw)
     return data
+
+
+def _is_text_field(parts: list[str]) -> bool:
+    """True when ``a.b.c`` names a plain ``str`` field: ``run_id=42`` must stay the string "42"."""
+    model: type[BaseModel] = RunConfig
+    for index, part in enumerate(parts):
+        field = model.model_fields.get(part)
+        if field is None:
+            return False  # unknown key: validation reports it with its name
+        annotation = field.annotation
+        if index == len(parts) - 1:
+            return annotation is str
+        if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
+            return False
+        model = annotation
+    return False
 
 
 def load_run_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:

@@ -112,3 +112,9 @@ def test_demo_echo_recipe_loads():
     assert config.trainer.geo_mask is None
     assert config.trainer.token_tis_cap == 2.0
     assert config.rollout.num_servers == 2
+
+
+def test_text_fields_keep_override_values_as_strings():
+    config = load_run_config(overrides=["run_id=42", "coordinator.task=2024.jsonl", "trainer.resume=none"])
+    assert (config.run_id, config.coordinator.task, config.trainer.resume) == ("42", "2024.jsonl", "none")
+    assert load_run_config(overrides=["trainer.lr=1e-6"]).trainer.lr == 1e-6  # numbers still parse

@@ -1,0 +1,72 @@
+"""A rollout server whose vLLM engine core dies: calls fail with UNAVAILABLE and the server exits non-zero.
+
+A supervisor (the launcher, Kubernetes) restarts it, and the coordinator re-dispatches its requests
+(tests/coordinator/test_coordinator_run.py); what this proves is that the server neither hangs nor keeps
+answering health checks as SERVING with a dead engine.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import grpc
+import psutil
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from coordinator.redis_server import free_port
+from modeling.tiny_model import init_tiny
+from protos import rollout_pb2 as pb
+from protos import rollout_pb2_grpc as pb_grpc
+
+
+def _wait_serving(channel, process, log_path, timeout_s: float = 240) -> None:
+    health = health_pb2_grpc.HealthStub(channel)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        assert process.poll() is None, open(log_path).read()[-3000:]
+        try:
+            if health.Check(health_pb2.HealthCheckRequest(), timeout=1).status == health_pb2.HealthCheckResponse.SERVING:
+                return
+        except grpc.RpcError:
+            pass
+        assert time.monotonic() < deadline, f"rollout server not SERVING after {timeout_s}s"
+        time.sleep(0.5)
+
+
+def test_dead_engine_core_turns_calls_unavailable_and_stops_the_server(tmp_path):
+    model = init_tiny(tmp_path / "tiny")
+    port, log_path = free_port(), tmp_path / "rollout.log"
+    process = subprocess.Popen(
+        [sys.executable, "-m", "rollout_service", "serve", "--model", str(model), "--port", str(port),
+         "--server-id", "doomed"],
+        stdout=open(log_path, "wb"), stderr=subprocess.STDOUT, start_new_session=True,
+    )
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+    try:
+        _wait_serving(channel, process, log_path)
+        stub = pb_grpc.RolloutServiceStub(channel)
+        stub.Pause(pb.PauseRequest(mode=pb.PAUSE_MODE_KEEP), timeout=30)  # the call below stays in flight
+        call = stub.Generate(pb.GenerateRequest(prompt_token_ids=[1, 4, 5],
+                                                sampling=pb.SamplingParams(max_tokens=200, ignore_eos=True)), timeout=120)
+        engine_cores = [p for p in psutil.Process(process.pid).children(recursive=True)
+                        if "EngineCore" in " ".join(p.cmdline())]
+        assert engine_cores, "no VLLM::EngineCore child found"
+        for core in engine_cores:
+            os.kill(core.pid, signal.SIGKILL)
+        try:
+            list(call)
+            raise AssertionError("the in-flight call finished although its engine died")
+        except grpc.RpcError as error:
+            # UNAVAILABLE from the server's mapping, or the transport closing as the server exits
+            assert error.code() == grpc.StatusCode.UNAVAILABLE, (error.code(), error.details())
+        assert process.wait(timeout=60) != 0  # the watchdog stopped it with an error
+        assert "engine core died" in open(log_path).read()
+    finally:
+        channel.close()
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait(timeout=30)
