@@ -75,9 +75,27 @@ class TrajectoryQueue:
             self.num_dead_letters += 1
 
     def ack(self, entry_ids: list[str]) -> None:
-        """Acknowledge entries whose step is committed."""
+        """Acknowledge entries whose step is committed, then drop what no consumer can need any more."""
         if entry_ids:
             self.client.xack(self.keys.trajectories, self.keys.trainer_group, *entry_ids)
+            self.trim_acknowledged()
+
+    def trim_acknowledged(self) -> int:
+        """Delete stream entries older than both the oldest pending entry and the group's last delivery.
+
+        Those are acknowledged: keeping them only grows Redis by one group per entry for the whole run. Entries
+        not yet delivered are never trimmed, so the group's lag (the queue depth) stays exact.
+        """
+        keep_from = None
+        for group in self.client.xinfo_groups(self.keys.trajectories):
+            if group["name"] in (self.keys.trainer_group, self.keys.trainer_group.encode()):
+                keep_from = _id(group["last-delivered-id"])
+        if keep_from is None or keep_from == "0-0":
+            return 0
+        pending = self.client.xpending(self.keys.trajectories, self.keys.trainer_group)
+        if pending["pending"]:
+            keep_from = min(keep_from, _id(pending["min"]), key=_stream_id_key)
+        return int(self.client.xtrim(self.keys.trajectories, minid=keep_from, approximate=False))
 
     def depth(self) -> int:
         """Entries on the stream not yet delivered to the trainers' group (the queue's backlog)."""
@@ -85,6 +103,11 @@ class TrajectoryQueue:
             if group["name"] in (self.keys.trainer_group, self.keys.trainer_group.encode()):
                 return int(group.get("lag") or 0)
         return 0
+
+
+def _stream_id_key(entry_id: str) -> tuple[int, int]:
+    millis, _, sequence = entry_id.partition("-")
+    return int(millis), int(sequence or 0)
 
 
 def _id(entry_id) -> str:

@@ -132,6 +132,21 @@ def test_ack_removes_entries_from_the_pending_list(redis_url, client):
     queue.ack([])  # no-op
 
 
+def test_acknowledged_entries_are_trimmed_but_pending_and_undelivered_ones_stay(redis_url, client):
+    queue = TrajectoryQueue(client, KEYS)
+    _push(redis_url, [_group(i) for i in range(6)])
+    batch = queue.read(4, timeout_s=2)
+    queue.ack([batch[1][0], batch[2][0]])  # entry 0 stays pending: nothing from it onwards may go
+    assert client.xlen(KEYS.trajectories) == 6
+    queue.ack([batch[0][0]])  # 0-2 acked, 3 pending, 4-5 undelivered
+    assert client.xlen(KEYS.trajectories) == 3 and queue.depth() == 2
+    queue.ack([batch[3][0]])
+    rest = queue.read(2, timeout_s=2)
+    assert [g.group_id for _, g in rest] == ["g-4", "g-5"]  # undelivered entries were never trimmed
+    queue.ack([entry_id for entry_id, _ in rest])
+    assert client.xlen(KEYS.trajectories) <= 1 and _pending(client) == 0 and queue.depth() == 0
+
+
 # ---------------------------------------------------------------------------------------------------
 # crash recovery and bad payloads
 
