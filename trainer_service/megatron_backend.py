@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from protos.config import MegatronConfig, TrainerConfig
-from trainer_service import megatron_beam, megatron_checkpoint, megatron_cpu_shims
+from trainer_service import megatron_checkpoint, megatron_cpu_shims
 from trainer_service.batch import TrainBatch, split_micro_batches
 from trainer_service.losses import loss_denominator, policy_loss
 from trainer_service.routing_replay import megatron_forced_routing
@@ -154,7 +154,6 @@ class MegatronBackend:
     ):
         """``random_init``: build from ``config.json`` alone with random weights (benchmarks), else load weights."""
         AutoBridge = megatron_cpu_shims.import_bridge()
-        megatron_beam.register()  # fleetrl's own bridge: BeamForCausalLM checkpoints
         from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
         from megatron.core.utils import get_model_config
         from transformers import AutoConfig
