@@ -199,6 +199,9 @@ class TrainerConfig(_Strict):
     micro_batch_tokens: int = Field(
         0, ge=0, description="Padded-token budget of one micro-batch (gradient accumulation); 0 = whole step at once."
     )
+    trim_acknowledged: bool = Field(
+        True, description="Delete acknowledged entries from the trajectory stream (False keeps it as an audit log)."
+    )
     ckpt_interval: int = Field(
         1, gt=0, description="Steps between checkpoints; queue entries are acknowledged only at a checkpoint."
     )
@@ -318,12 +321,15 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
             node = node.setdefault(part, {})
             if not isinstance(node, dict):
                 raise ValueError(f"override {item!r}: {part!r} is not a section")
-        node[parts[-1]] = raw if _is_text_field(parts) else yaml.safe_load(raw)
+        value = yaml.safe_load(raw)
+        if _is_text_field(parts) and not isinstance(value, str) and value is not None:
+            value = raw  # run_id=42 means the text "42"; quoted values ('{problem}?') still unquote
+        node[parts[-1]] = value
     return data
 
 
 def _is_text_field(parts: list[str]) -> bool:
-    """True when ``a.b.c`` names a plain ``str`` field: ``run_id=42`` must stay the string "42"."""
+    """True when ``a.b.c`` names a plain ``str`` field, whose value must stay text (``run_id=42``)."""
     model: type[BaseModel] = RunConfig
     for index, part in enumerate(parts):
         field = model.model_fields.get(part)

@@ -97,7 +97,7 @@ def run(args: argparse.Namespace, stop: threading.Event) -> None:
     state = CheckpointManager.load(restored, backend) if restored else TrainerState(step=0, policy_version=0)
     trainer = Trainer(backend, ccfg.max_staleness, state.policy_version, ledger=state.ledger,
                       mini_batches=tcfg.mini_batches)
-    queue = TrajectoryQueue(client, keys)
+    queue = TrajectoryQueue(client, keys, trim=tcfg.trim_acknowledged)
     reclaimed = queue.reclaim_pending()
     publisher = WeightPublisher(client, keys, config.weight_bus)
     published = int(client.get(keys.policy_version) or 0)

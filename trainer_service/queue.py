@@ -22,10 +22,11 @@ logger = logging.getLogger(__name__)
 class TrajectoryQueue:
     """Reads whole groups for one consumer of the trainers' consumer group."""
 
-    def __init__(self, client: redis.Redis, keys: RedisKeys, consumer: str = "trainer-0"):
+    def __init__(self, client: redis.Redis, keys: RedisKeys, consumer: str = "trainer-0", trim: bool = True):
         self.client = client
         self.keys = keys
         self.consumer = consumer
+        self.trim = trim
         self.num_dead_letters = 0
         self._reclaimed: list[tuple[str, bytes]] = []
         try:
@@ -78,7 +79,8 @@ class TrajectoryQueue:
         """Acknowledge entries whose step is committed, then drop what no consumer can need any more."""
         if entry_ids:
             self.client.xack(self.keys.trajectories, self.keys.trainer_group, *entry_ids)
-            self.trim_acknowledged()
+            if self.trim:
+                self.trim_acknowledged()
 
     def trim_acknowledged(self) -> int:
         """Delete stream entries older than both the oldest pending entry and the group's last delivery.

@@ -142,8 +142,9 @@ def start_run(tmp_path: Path, model_dir: str, servers: list[Server], redis_url: 
         "run_id": RUN_ID, "out_dir": str(tmp_path),
         "coordinator": {"dashboard": False, "admin_port": int(admin.split(":")[1]), "metrics_port": metrics_port,
                         "max_staleness": 1, **coordinator},
+        # trim_acknowledged off: the tests read the whole trajectory stream afterwards as the record of pushes
         "trainer": {"num_steps": num_steps, "geo_mask": None, "token_tis_cap": 2.0, "batch_timeout_s": 120,
-                    "resume": "none"},
+                    "resume": "none", "trim_acknowledged": False},
     }
     config_path = tmp_path / "run.yaml"
     config_path.write_text(yaml.safe_dump(config))

@@ -115,6 +115,8 @@ def test_demo_echo_recipe_loads():
 
 
 def test_text_fields_keep_override_values_as_strings():
-    config = load_run_config(overrides=["run_id=42", "coordinator.task=2024.jsonl", "trainer.resume=none"])
+    config = load_run_config(overrides=["run_id=42", "coordinator.task=2024.jsonl", "trainer.resume=none",
+                                        "coordinator.prompt_template='{problem}?'"])
     assert (config.run_id, config.coordinator.task, config.trainer.resume) == ("42", "2024.jsonl", "none")
+    assert config.coordinator.prompt_template == "{problem}?"  # YAML quotes still come off
     assert load_run_config(overrides=["trainer.lr=1e-6"]).trainer.lr == 1e-6  # numbers still parse

@@ -48,6 +48,11 @@ def _start_trainer(model_dir: str, url: str, ckpt_dir: Path, log: Path, *extra: 
     return subprocess.Popen(command, stdout=open(log, "ab"), stderr=subprocess.STDOUT, start_new_session=True)
 
 
+def _latest_state(ckpt_dir: Path) -> dict:
+    """trainer_state.json of the checkpoint ``latest`` names."""
+    return json.loads((ckpt_dir / (ckpt_dir / "latest").read_text() / "trainer_state.json").read_text())
+
+
 def _pending(client: redis.Redis, keys: RedisKeys) -> int:
     return int(client.xpending(keys.trajectories, keys.trainer_group)["pending"])
 
@@ -75,7 +80,7 @@ def test_sigkill_mid_step_then_restart_trains_every_group_exactly_once(redis_ser
         time.sleep(0.005)
     os.killpg(first.pid, signal.SIGKILL)
     first.wait(timeout=30)
-    killed_at = json.loads((ckpt_dir / (ckpt_dir / "latest").read_text() / "trainer_state.json").read_text())
+    killed_at = _latest_state(ckpt_dir)
     pending_at_kill = _pending(client, keys)
     version_at_kill = int(client.get(keys.policy_version))
     assert pending_at_kill > 0 and killed_at["step"] < NUM_GROUPS // GROUPS_PER_STEP
@@ -83,7 +88,7 @@ def test_sigkill_mid_step_then_restart_trains_every_group_exactly_once(redis_ser
     second = _start_trainer(model_dir, redis_server.url, ckpt_dir, log)
     assert second.wait(timeout=300) == 0, log.read_text()[-3000:]
 
-    final = json.loads((ckpt_dir / (ckpt_dir / "latest").read_text() / "trainer_state.json").read_text())
+    final = _latest_state(ckpt_dir)
     assert final["step"] == NUM_GROUPS // GROUPS_PER_STEP
     assert sorted(final["ledger"]) == sorted(f"g{i}" for i in range(NUM_GROUPS))  # none lost, none twice
     assert set(final["ledger"].values()) == {"trained"}
@@ -102,7 +107,7 @@ def test_a_group_pushed_twice_is_trained_once(redis_server, tmp_path):
     _push_groups(redis_server.url, keys, list(range(10)) + [3] + list(range(10, NUM_GROUPS)))
     trainer = _start_trainer(model_dir, redis_server.url, tmp_path / "ckpt", tmp_path / "trainer.log")
     assert trainer.wait(timeout=300) == 0, (tmp_path / "trainer.log").read_text()[-3000:]
-    final = json.loads((tmp_path / "ckpt" / (tmp_path / "ckpt" / "latest").read_text() / "trainer_state.json").read_text())
+    final = _latest_state(tmp_path / "ckpt")
     assert sorted(final["ledger"]) == sorted(f"g{i}" for i in range(NUM_GROUPS))
     assert final["totals"]["duplicates_skipped"] == 1 and final["totals"]["samples_trained"] == 4 * NUM_GROUPS
     assert _pending(client, keys) == 0 and client.xinfo_groups(keys.trajectories)[0]["lag"] == 0
@@ -119,7 +124,7 @@ def test_megatron_backend_runs_in_the_trainer_process_and_publishes(redis_server
     trainer = _start_trainer(model_dir, redis_server.url, tmp_path / "ckpt", log,
                              "trainer.backend=megatron", "trainer.num_steps=2")
     assert trainer.wait(timeout=300) == 0, log.read_text()[-3000:]
-    final = json.loads((tmp_path / "ckpt" / (tmp_path / "ckpt" / "latest").read_text() / "trainer_state.json").read_text())
+    final = _latest_state(tmp_path / "ckpt")
     assert final["step"] == 2 and sorted(final["ledger"]) == [f"g{i}" for i in range(4)]
     assert int(client.get(keys.policy_version)) == 2 and client.exists(keys.manifest(2))
     assert _pending(client, keys) == 0
