@@ -25,10 +25,10 @@ from pathlib import Path
 import torch
 
 from protos.config import MegatronConfig, TrainerConfig
-from trainer_service import megatron_checkpoint, megatron_cpu_shims
+from trainer_service import megatron_beam, megatron_checkpoint, megatron_cpu_shims
 from trainer_service.batch import TrainBatch, split_micro_batches
 from trainer_service.losses import loss_denominator, policy_loss
-from trainer_service.routing_replay import megatron_forced_routing
+from trainer_service.routing_replay import NO_ROUTE, megatron_forced_routing
 from trainer_service.torch_backend import loss_config
 
 logger = logging.getLogger(__name__)
@@ -141,6 +141,19 @@ def attention_mask_B1TT(attention_mask_BT: torch.Tensor) -> torch.Tensor:
     return (future_TT[None] | padded_key_BT[:, None, :])[:, None]
 
 
+def pad_sequence_dim(tensor_BT: torch.Tensor, multiple: int, value: int) -> torch.Tensor:
+    """Right-pad dim 1 to a multiple of ``multiple`` with ``value``.
+
+    Sequence parallelism splits the sequence evenly over the TP ranks; right padding (masked keys, after every
+    real token) changes no real position's output under causal attention.
+    """
+    extra = -tensor_BT.shape[1] % multiple
+    if extra == 0:
+        return tensor_BT
+    padding = tensor_BT.new_full((tensor_BT.shape[0], extra, *tensor_BT.shape[2:]), value)
+    return torch.cat([tensor_BT, padding], dim=1)
+
+
 class MegatronBackend:
     """Owns the megatron model chunks and optimizer; ``train_step`` is one optimizer step on one batch."""
 
@@ -154,6 +167,7 @@ class MegatronBackend:
     ):
         """``random_init``: build from ``config.json`` alone with random weights (benchmarks), else load weights."""
         AutoBridge = megatron_cpu_shims.import_bridge()
+        megatron_beam.register()  # fleetrl's own bridge: BeamForCausalLM checkpoints
         from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
         from megatron.core.utils import get_model_config
         from transformers import AutoConfig
@@ -172,7 +186,10 @@ class MegatronBackend:
         else:
             self.bridge = AutoBridge.from_hf_pretrained(model_path, dtype=_DTYPES[config.megatron.params_dtype])
         self.model, self.optimizer = self._build(config, on_cpu=self.device.type == "cpu", load_weights=not random_init)
-        self.num_layers = get_model_config(self.model[0]).num_layers
+        model_config = get_model_config(self.model[0])
+        self.num_layers = model_config.num_layers
+        # Sequence lengths must split evenly over the TP ranks under sequence parallelism.
+        self.sequence_multiple = model_config.tensor_model_parallel_size if model_config.sequence_parallel else 1
 
     def _build(self, config: TrainerConfig, on_cpu: bool, load_weights: bool):
         from megatron.core.distributed import DistributedDataParallelConfig, finalize_model_grads
@@ -219,6 +236,12 @@ class MegatronBackend:
 
     # -- forward -------------------------------------------------------------------------------------------
 
+    def _padded(self, input_ids_BT, attention_mask_BT, routes_BTLK):
+        """The inputs right-padded for sequence parallelism (padded routes are NO_ROUTE)."""
+        multiple = self.sequence_multiple
+        routes = None if routes_BTLK is None else pad_sequence_dim(routes_BTLK, multiple, NO_ROUTE)
+        return pad_sequence_dim(input_ids_BT, multiple, 0), pad_sequence_dim(attention_mask_BT, multiple, 0), routes
+
     def _logprobs_BT(self, model, input_ids_BT: torch.Tensor, attention_mask_BT: torch.Tensor) -> torch.Tensor:
         """Log-probability of every next token, [B, T-1], through the model's (vocab-parallel) logits."""
         from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
@@ -253,8 +276,9 @@ class MegatronBackend:
         self, input_ids_BT: torch.Tensor, attention_mask_BT: torch.Tensor, routed_experts: torch.Tensor | None = None
     ) -> torch.Tensor:
         """The torch backend's ``token_logprobs`` (eval mode, no grad): [B, T-1] on the CPU."""
-        ids = input_ids_BT.to(self.device)
-        attention = attention_mask_BT.to(self.device)
+        ids, attention, routed_experts = self._padded(
+            input_ids_BT.to(self.device), attention_mask_BT.to(self.device), routed_experts
+        )
         out: dict[str, torch.Tensor] = {}
 
         def step_fn(data_iterator, model):
@@ -269,7 +293,7 @@ class MegatronBackend:
         finally:
             for chunk in self.model:
                 chunk.train()
-        return out["logprobs"].cpu()
+        return out["logprobs"][:, : input_ids_BT.shape[1] - 1].cpu()
 
     def policy_logprobs(self, batch: TrainBatch) -> torch.Tensor:
         """[B, T] logprobs of the current policy for the whole batch (pi_old of a step in mini-batches)."""
@@ -309,12 +333,12 @@ class MegatronBackend:
         def step_fn(data_iterator, model):
             micro = next(data_iterator)
             weight = loss_denominator(micro.loss_mask_BT, agg) / total
-            routes = micro.routed_experts_BTLK
+            ids, attention, routes = self._padded(
+                micro.input_ids_BT.to(self.device), micro.attention_mask_BT.to(self.device), micro.routed_experts_BTLK
+            )
             # Replay targets are set for this micro-batch's forward; backward reuses the saved routing.
             with megatron_forced_routing(self.model, routes, self.num_layers):
-                logprobs_BT = self._logprobs_BT(
-                    model, micro.input_ids_BT.to(self.device), micro.attention_mask_BT.to(self.device)
-                )
+                logprobs_BT = self._logprobs_BT(model, ids, attention)[:, : micro.input_ids_BT.shape[1] - 1]
             return logprobs_BT, partial(self._loss_fn, micro, weight, len(micro_batches))
 
         for chunk in self.model:

@@ -1,8 +1,8 @@
 """Every workaround megatron-core 0.19.2 / megatron-bridge 0.6.2 need here: CPU-only torch, Python 3.11, no TE.
 
 ``apply()`` is idempotent and must run before ``megatron.core`` / ``megatron.bridge`` are imported;
-``import_bridge()`` does both. Items 2-4 apply only when CUDA is absent; 1 and 5 fix the Python / package set and
-apply wherever they are needed. The list mirrors shared/notes/stack.md ("Megatron on CPU"):
+``import_bridge()`` does both. Items 2-4 and 6 apply only when CUDA is absent; 1 and 5 fix the Python / package set
+and apply wherever they are needed. The list mirrors shared/notes/stack.md ("Megatron on CPU"):
 
 1. ``typing.override`` on Python < 3.12 (megatron-bridge uses it; it is new in 3.12).
 2. ``torch.cuda.current_device()`` returns ``"cpu"`` (megatron-core uses it as the ``device=`` of RoPE
@@ -20,6 +20,10 @@ apply wherever they are needed. The list mirrors shared/notes/stack.md ("Megatro
    ``transformer_engine.pytorch`` in ``megatron.bridge.peft.lora_layers`` (LoRA, unused here). That one module
    gets a placeholder for the duration of its own import; the placeholder is removed again, so megatron-core's own
    ``import transformer_engine`` probes still fail and it keeps its non-TE paths.
+6. megatron-core wraps small elementwise helpers in ``torch.compile`` (its ``jit_fuser``); on a CPU torch each
+   new input shape then compiles C++ through inductor (3 s for the first call, ~1 s per new shape here). The
+   helpers on the Beam path (the attention output gate, the expert-bias token count) run as the plain Python
+   functions they wrap.
 
 Settings that are not shims (local layer spec, fp32, no grouped GEMM, allgather dispatcher, no fused permute,
 explicit causal mask) live in ``megatron_backend``, where the model is configured.
@@ -73,6 +77,7 @@ def apply() -> None:
     torch.cuda.current_stream = _null_stream
     torch.cuda.stream = _null_stream_context
     _patch_rng_tracker()
+    _run_compiled_helpers_eagerly()
 
 
 def import_bridge():
@@ -238,3 +243,19 @@ class _TransformerEnginePlaceholderFinder(importlib.abc.MetaPathFinder):
             return spec
         spec.loader = _PlaceholderWhileExecLoader(spec.loader)
         return spec
+
+
+# -- 6. torch.compile'd megatron-core helpers run eagerly ------------------------------------------------------
+
+_COMPILED_HELPERS = (
+    ("megatron.core.transformer.attention", "Attention", "_apply_output_gate"),
+    ("megatron.core.transformer.moe.router", "TopKRouter", "_apply_expert_bias"),
+)
+
+
+def _run_compiled_helpers_eagerly() -> None:
+    for module_name, class_name, attribute in _COMPILED_HELPERS:
+        owner = getattr(importlib.import_module(module_name), class_name)
+        helper = owner.__dict__[attribute]
+        # torch.compile keeps the wrapped function here; absent if a version stops compiling the helper.
+        setattr(owner, attribute, getattr(helper, "_torchdynamo_orig_callable", helper))
