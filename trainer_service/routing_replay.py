@@ -75,15 +75,44 @@ def routes_from_groups(groups: Sequence[TrajectoryGroup], width: int) -> torch.T
 # -- (b) transformers models ----------------------------------------------------------------------------------
 
 
+def _is_sigmoid_router(router: torch.nn.Module) -> bool:
+    """DeepSeek-V3 / Beam style: sigmoid scores + ``e_score_correction_bias``; returns (weights, ids, logits)."""
+    return hasattr(router, "e_score_correction_bias") and hasattr(router, "routed_scaling_factor")
+
+
 def _hf_routers(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The top-k routers in module (= layer) order: modules with ``top_k``, ``num_experts`` and ``weight``."""
+    """The top-k routers in module (= layer) order: softmax routers (``top_k``, ``num_experts``, ``weight``)
+    and sigmoid routers with a correction bias (Beam's ``BeamRouter``)."""
     return [
         module
         for module in model.modules()
         if hasattr(module, "top_k")
-        and hasattr(module, "num_experts")
+        and (hasattr(module, "num_experts") or _is_sigmoid_router(module))
         and isinstance(getattr(module, "weight", None), torch.nn.Parameter)
     ]
+
+
+def _chosen_experts(router: torch.nn.Module, output: tuple) -> torch.Tensor:
+    return output[1] if _is_sigmoid_router(router) else output[2]
+
+
+def _forced_sigmoid_gate(router: torch.nn.Module, output: tuple, forced_NK: torch.Tensor) -> tuple:
+    """Beam's router output ``(weights, ids, logits)`` with the forced experts; weights from its own logits.
+
+    The same arithmetic as ``BeamRouter.forward`` after selection (sigmoid of the unbiased logits at the chosen
+    experts, renormalised when ``norm_topk_prob``, times ``routed_scaling_factor``): replaying the router's own
+    choice is bit-exact, and the router weight still gets gradients through the logits.
+    """
+    weights_NK, natural_NK, logits_NE = output[0], output[1], output[2]
+    if forced_NK.shape != natural_NK.shape:
+        raise ValueError(f"routes give {tuple(forced_NK.shape)} per layer, the router made {tuple(natural_NK.shape)}")
+    forced_NK = forced_NK.to(natural_NK.device)
+    missing_N = (forced_NK < 0).any(dim=-1, keepdim=True)
+    ids_NK = torch.where(missing_N, natural_NK, forced_NK)
+    gate_NK = logits_NE.sigmoid().gather(-1, ids_NK)
+    if router.norm_topk_prob:
+        gate_NK = gate_NK / gate_NK.sum(dim=-1, keepdim=True)
+    return (gate_NK * router.routed_scaling_factor).to(weights_NK.dtype), ids_NK, logits_NE
 
 
 def _forced_gate(router: torch.nn.Module, output: tuple, forced_NK: torch.Tensor) -> tuple:
@@ -124,6 +153,8 @@ def forced_routing(model: torch.nn.Module, routes_BTLK: torch.Tensor | None) -> 
         forced_NK = routes_BTLK[:, :, layer].reshape(batch * seq, top_k)
 
         def hook(module, args, output, forced_NK=forced_NK):
+            if _is_sigmoid_router(module):
+                return _forced_sigmoid_gate(module, output, forced_NK)
             return _forced_gate(module, output, forced_NK)
 
         handles.append(router.register_forward_hook(hook))
@@ -156,7 +187,7 @@ def record_routes(model: torch.nn.Module) -> Iterator[RouteRecorder]:
         recorder.indices_NK.append(None)
 
         def hook(module, args, output, layer=layer):
-            recorder.indices_NK[layer] = output[2].detach()
+            recorder.indices_NK[layer] = _chosen_experts(module, output).detach()
 
         handles.append(router.register_forward_hook(hook))
     try:

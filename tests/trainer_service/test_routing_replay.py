@@ -142,3 +142,31 @@ def test_forced_routing_rejects_routes_with_the_wrong_layer_count(model):
         forced_routing(model, torch.zeros(1, 4, 3, TOP_K, dtype=torch.long)),
     ):
         model(input_ids=ids)
+
+
+def test_beam_sigmoid_router_replays_recorded_routes_exactly_and_still_learns(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    import modeling.beam  # noqa: F401 - registers the model type
+    from modeling.beam.tiny import init_tiny_beam
+
+    model = AutoModelForCausalLM.from_pretrained(str(init_tiny_beam(tmp_path / "beam")), dtype=torch.float32).eval()
+    ids = torch.tensor([[1, 4, 5, 6, 7, 8, 9, 10], [1, 9, 8, 7, 6, 5, 4, 3]])
+    attention = torch.ones_like(ids)
+    with torch.no_grad(), record_routes(model) as recorder:
+        recorded = token_logprobs(model, ids, attention, 1.0)
+    routes = recorder.routes(*ids.shape)
+    routers = [m for m in model.modules() if hasattr(m, "e_score_correction_bias")]
+    assert routes.shape[2] == len(routers) > 0
+    with torch.no_grad(), forced_routing(model, routes):
+        assert torch.equal(token_logprobs(model, ids, attention, 1.0), recorded)  # own routes: bit-exact
+    with torch.no_grad():  # the trainer's router drifts: natural routing changes, replay holds
+        for router in routers:
+            router.e_score_correction_bias.copy_(torch.linspace(2.0, -2.0, router.e_score_correction_bias.numel()))
+        natural = token_logprobs(model, ids, attention, 1.0)
+    assert (natural - recorded).abs().max() > 1e-4
+    with forced_routing(model, routes):
+        replayed = token_logprobs(model, ids, attention, 1.0)
+        assert torch.allclose(replayed, recorded, atol=1e-6)
+        replayed.sum().backward()
+    assert all(router.weight.grad is not None and router.weight.grad.abs().sum() > 0 for router in routers)
