@@ -33,6 +33,22 @@ class BeamMLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
+def keeping_fp32(fn):
+    """Wrap a ``Module._apply`` function so fp32 tensors only move device, never change dtype.
+
+    Used by every router implementation of Beam (this reference, the Megatron module) so the router
+    weight and correction bias stay fp32 through ``.to(bfloat16)``, ``.half()`` and the like.
+    """
+
+    def keep_fp32(tensor: torch.Tensor) -> torch.Tensor:
+        moved = fn(tensor)
+        if tensor.dtype == torch.float32 and moved.dtype != torch.float32:
+            return tensor.to(device=moved.device)
+        return moved
+
+    return keep_fp32
+
+
 class Fp32Module(nn.Module):
     """A module whose float32 parameters and buffers stay float32 through ``.to(dtype)``/``.half()``.
 
@@ -43,13 +59,7 @@ class Fp32Module(nn.Module):
     """
 
     def _apply(self, fn, recurse=True):
-        def keep_fp32(tensor: torch.Tensor) -> torch.Tensor:
-            moved = fn(tensor)
-            if tensor.dtype == torch.float32 and moved.dtype != torch.float32:
-                return tensor.to(device=moved.device)
-            return moved
-
-        return super()._apply(keep_fp32, recurse)
+        return super()._apply(keeping_fp32(fn), recurse)
 
 
 class BeamRouter(Fp32Module):

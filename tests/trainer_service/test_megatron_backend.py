@@ -121,25 +121,9 @@ def test_megatron_non_finite_loss_skips_the_step_and_keeps_weights(model_dir):
 
 
 def test_megatron_resume_from_checkpoint_is_bit_identical_to_continuing(model_dir, tmp_path):
-    batch = _padded_batch()
-    continuing = MegatronBackend(model_dir, CONFIG)
-    continuing.train_step(batch)
-    continuing.save_checkpoint(tmp_path)
-    batch.advantages_B.neg_()
-    expected = [continuing.train_step(batch), continuing.train_step(batch)]
+    from megatron_checks import assert_resume_is_bit_identical
 
-    resumed = MegatronBackend(model_dir, CONFIG)
-    resumed.load_checkpoint(tmp_path)
-    actual = [resumed.train_step(batch), resumed.train_step(batch)]
-
-    # Step 2 depends on the restored weights, step 3 on the restored Adam moments and step counters too.
-    for got, want in zip(actual, expected, strict=True):
-        assert got["loss"] == want["loss"] and got["grad_norm"] == want["grad_norm"]
-    final = dict(continuing.export_hf_weights())
-    assert all(torch.equal(final[name], tensor) for name, tensor in resumed.export_hf_weights())
-
-
-# -- R3 through megatron-core's RouterReplay ------------------------------------------------------------------
+    assert_resume_is_bit_identical(model_dir, CONFIG, _padded_batch(), tmp_path)
 
 
 def _inputs(batch: int, seq: int, seed: int = 0):

@@ -313,21 +313,9 @@ def test_beam_megatron_bias_update_rate_steps_each_expert_bias_by_its_load(beam_
 
 
 def test_beam_megatron_resume_from_checkpoint_is_bit_identical_to_continuing(beam_dir, tmp_path):
-    batch = padded_batch()
-    continuing = MegatronBackend(beam_dir, CONFIG)
-    continuing.train_step(batch)
-    continuing.save_checkpoint(tmp_path)
-    batch.advantages_B.neg_()
-    expected = [continuing.train_step(batch), continuing.train_step(batch)]
+    from megatron_checks import assert_resume_is_bit_identical
 
-    resumed = MegatronBackend(beam_dir, CONFIG)
-    resumed.load_checkpoint(tmp_path)
-    actual = [resumed.train_step(batch), resumed.train_step(batch)]
-
-    for got, want in zip(actual, expected, strict=True):
-        assert got["loss"] == want["loss"] and got["grad_norm"] == want["grad_norm"]
-    final = dict(continuing.export_hf_weights())
-    assert all(torch.equal(final[name], tensor) for name, tensor in resumed.export_hf_weights())
+    assert_resume_is_bit_identical(beam_dir, CONFIG, padded_batch(), tmp_path)
 
 
 def test_beam_megatron_tensor_and_sequence_parallel_run_matches_the_hf_reference(beam_dir, tmp_path):

@@ -30,6 +30,8 @@ from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 
+from modeling.beam.moe_beam import keeping_fp32
+
 
 class BeamRMSNorm(torch.nn.Module):
     """RMSNorm as ``modeling.beam.modeling_beam.BeamRMSNorm`` rounds it: ``weight * (x32 / rms(x32)).to(dtype)``.
@@ -165,13 +167,7 @@ class BeamRouter(TopKRouter):
         self.weight.sequence_parallel = self.config.sequence_parallel
 
     def _apply(self, fn, recurse=True):
-        def keep_fp32(tensor: torch.Tensor) -> torch.Tensor:
-            moved = fn(tensor)
-            if tensor.dtype == torch.float32 and moved.dtype != torch.float32:
-                return tensor.to(device=moved.device)
-            return moved
-
-        return super()._apply(keep_fp32, recurse)
+        return super()._apply(keeping_fp32(fn), recurse)
 
 
 class SoftcappedOutputLayer(torch.nn.Module):
