@@ -51,7 +51,7 @@ class RolloutQueue:
             groups = await self.client.xinfo_groups(self.keys.trajectories)
         except aioredis.ResponseError:
             return 0
-        for group in groups:
-            if group["name"] in (self.keys.trainer_group, self.keys.trainer_group.encode()):
-                return int(group.get("lag") or 0)
-        return await self.client.xlen(self.keys.trajectories)
+        group = self.keys.trainer_group_info(groups)
+        if group is not None:
+            return int(group.get("lag") or 0)
+        return await self.client.xlen(self.keys.trajectories)  # no trainer yet: nothing was delivered

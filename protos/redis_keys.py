@@ -24,6 +24,16 @@ class RedisKeys:
         """Consumer group name of the trainers on the trajectory stream."""
         return "trainers"
 
+    def trainer_group_info(self, xinfo_groups_reply: list[dict]) -> dict | None:
+        """The trainers' entry of an ``XINFO GROUPS <trajectories>`` reply (name as str or bytes), or None.
+
+        Its ``lag`` is the queue depth (entries not yet delivered) that the coordinator and trainer report.
+        """
+        for group in xinfo_groups_reply:
+            if group["name"] in (self.trainer_group, self.trainer_group.encode()):
+                return group
+        return None
+
     @property
     def dead_letters(self) -> str:
         """List of undecodable stream payloads, kept for inspection."""

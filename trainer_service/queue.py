@@ -88,10 +88,8 @@ class TrajectoryQueue:
         Those are acknowledged: keeping them only grows Redis by one group per entry for the whole run. Entries
         not yet delivered are never trimmed, so the group's lag (the queue depth) stays exact.
         """
-        keep_from = None
-        for group in self.client.xinfo_groups(self.keys.trajectories):
-            if group["name"] in (self.keys.trainer_group, self.keys.trainer_group.encode()):
-                keep_from = _id(group["last-delivered-id"])
+        group = self.keys.trainer_group_info(self.client.xinfo_groups(self.keys.trajectories))
+        keep_from = _id(group["last-delivered-id"]) if group else None
         if keep_from is None or keep_from == "0-0":
             return 0
         pending = self.client.xpending(self.keys.trajectories, self.keys.trainer_group)
@@ -101,10 +99,8 @@ class TrajectoryQueue:
 
     def depth(self) -> int:
         """Entries on the stream not yet delivered to the trainers' group (the queue's backlog)."""
-        for group in self.client.xinfo_groups(self.keys.trajectories):
-            if group["name"] in (self.keys.trainer_group, self.keys.trainer_group.encode()):
-                return int(group.get("lag") or 0)
-        return 0
+        group = self.keys.trainer_group_info(self.client.xinfo_groups(self.keys.trajectories))
+        return int(group.get("lag") or 0) if group else 0
 
 
 def _stream_id_key(entry_id: str) -> tuple[int, int]:

@@ -280,3 +280,13 @@ def test_nccl_records_encode_to_golden_bytes_and_back():
     assert decode_nccl_round(bytes.fromhex(NCCL_ROUND_HEX)) == round_
     assert decode_nccl_member(bytes.fromhex(NCCL_MEMBER_HEX)) == member
     assert group.world_size == 3 and group.rank_of("rollout-1") == 2 and group.rank_of("x") is None
+
+
+def test_trainer_group_info_finds_the_trainers_entry_by_str_or_bytes_name():
+    from protos.redis_keys import RedisKeys
+
+    keys = RedisKeys("run")
+    reply = [{"name": b"others", "lag": 9}, {"name": b"trainers", "lag": 3}]
+    assert keys.trainer_group_info(reply)["lag"] == 3
+    assert keys.trainer_group_info([{"name": "trainers", "lag": 1}])["lag"] == 1
+    assert keys.trainer_group_info([{"name": "others", "lag": 1}]) is None
