@@ -115,6 +115,11 @@ def init_tiny(path: str | Path, seed: int = 0, warmup_steps: int = 0, **config_o
     model = AutoModelForCausalLM.from_config(tiny_config(**config_overrides), dtype=torch.float32)
     if warmup_steps:
         warmup_echo(model, warmup_steps, seed=seed)
+    return save_tiny_checkpoint(model, path)
+
+
+def save_tiny_checkpoint(model, path: Path) -> Path:
+    """Write ``model`` with the char tokenizer and a neutral generation config into ``path``."""
     model.save_pretrained(path)
     build_tokenizer().save_pretrained(path)
     # vLLM reads generation_config.json for default sampling; keep it neutral.

@@ -12,6 +12,7 @@ import torch
 
 from protos.records import TrajectoryGroup
 from trainer_service.losses import compute_advantages
+from trainer_service.routing_replay import routes_from_groups
 
 
 @dataclass
@@ -58,8 +59,6 @@ def build_batch(groups: list[TrajectoryGroup], pad_id: int = 0) -> TrainBatch:
         loss_mask[i, : len(mask)] = torch.from_numpy(mask)
         rollout[i, : len(lps)] = torch.from_numpy(lps)
     rewards_B = torch.tensor(rewards, dtype=torch.float32)
-    from trainer_service.routing_replay import routes_from_groups  # here: routing_replay imports torch models
-
     return TrainBatch(
         input_ids_BT=input_ids,
         attention_mask_BT=attention,

@@ -96,6 +96,15 @@ def _chosen_experts(router: torch.nn.Module, output: tuple) -> torch.Tensor:
     return output[1] if _is_sigmoid_router(router) else output[2]
 
 
+def _merge_routes(forced_NK: torch.Tensor, natural_NK: torch.Tensor) -> torch.Tensor:
+    """The forced experts, except where a token has no recorded route (NO_ROUTE): its natural ones there."""
+    if forced_NK.shape != natural_NK.shape:
+        raise ValueError(f"routes give {tuple(forced_NK.shape)} per layer, the router made {tuple(natural_NK.shape)}")
+    forced_NK = forced_NK.to(natural_NK.device)
+    missing_N = (forced_NK < 0).any(dim=-1, keepdim=True)
+    return torch.where(missing_N, natural_NK, forced_NK)
+
+
 def _forced_sigmoid_gate(router: torch.nn.Module, output: tuple, forced_NK: torch.Tensor) -> tuple:
     """Beam's router output ``(weights, ids, logits)`` with the forced experts; weights from its own logits.
 
@@ -104,11 +113,7 @@ def _forced_sigmoid_gate(router: torch.nn.Module, output: tuple, forced_NK: torc
     choice is bit-exact, and the router weight still gets gradients through the logits.
     """
     weights_NK, natural_NK, logits_NE = output[0], output[1], output[2]
-    if forced_NK.shape != natural_NK.shape:
-        raise ValueError(f"routes give {tuple(forced_NK.shape)} per layer, the router made {tuple(natural_NK.shape)}")
-    forced_NK = forced_NK.to(natural_NK.device)
-    missing_N = (forced_NK < 0).any(dim=-1, keepdim=True)
-    ids_NK = torch.where(missing_N, natural_NK, forced_NK)
+    ids_NK = _merge_routes(forced_NK, natural_NK)
     gate_NK = logits_NE.sigmoid().gather(-1, ids_NK)
     if router.norm_topk_prob:
         gate_NK = gate_NK / gate_NK.sum(dim=-1, keepdim=True)
@@ -124,11 +129,7 @@ def _forced_gate(router: torch.nn.Module, output: tuple, forced_NK: torch.Tensor
     bit-exact.
     """
     logits_NE, scores_NK, natural_NK = output[0], output[1], output[2]
-    if forced_NK.shape != natural_NK.shape:
-        raise ValueError(f"routes give {tuple(forced_NK.shape)} per layer, the router made {tuple(natural_NK.shape)}")
-    forced_NK = forced_NK.to(natural_NK.device)
-    missing_N = (forced_NK < 0).any(dim=-1, keepdim=True)
-    indices_NK = torch.where(missing_N, natural_NK, forced_NK)
+    indices_NK = _merge_routes(forced_NK, natural_NK)
     gate_NK = torch.softmax(logits_NE.float(), dim=-1).gather(1, indices_NK)
     if getattr(router, "norm_topk_prob", True):
         gate_NK = gate_NK / gate_NK.sum(dim=-1, keepdim=True)

@@ -108,6 +108,6 @@ class Trainer:
             duplicates_skipped=float(totals.duplicates_skipped),
             samples_step=float(sum(len(g.samples) for g in fresh)),
             stale_dropped_step=float(sum(len(g.samples) for g in groups) - sum(len(g.samples) for g in fresh)),
-            num_tokens=float(sum(len(s.response_token_ids.to_numpy()) for g in fresh for s in g.samples)),
+            num_tokens=float(batch.num_response_tokens if fresh else 0),
         )
         return values

@@ -8,11 +8,10 @@ files are the ones ``modeling.tiny_model`` writes (vocabulary 64).
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from modeling.beam.configuration_beam import BeamConfig
-from modeling.tiny_model import BOS_ID, EOS_ID, PAD_ID, build_tokenizer, warmup_echo
+from modeling.tiny_model import BOS_ID, EOS_ID, PAD_ID, save_tiny_checkpoint, warmup_echo
 
 
 def tiny_beam_config(**overrides) -> BeamConfig:
@@ -91,10 +90,4 @@ def init_tiny_beam(path: str | Path, seed: int = 0, warmup_steps: int = 0, **con
     spread_random_weights(model, seed)
     if warmup_steps:
         warmup_echo(model, warmup_steps, seed=seed)
-    model.save_pretrained(path)
-    build_tokenizer().save_pretrained(path)
-    # vLLM reads generation_config.json for default sampling; keep it neutral.
-    (path / "generation_config.json").write_text(
-        json.dumps({"bos_token_id": BOS_ID, "eos_token_id": EOS_ID, "pad_token_id": PAD_ID})
-    )
-    return path
+    return save_tiny_checkpoint(model, path)

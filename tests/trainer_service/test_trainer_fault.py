@@ -15,6 +15,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import redis
 import redis.asyncio as aioredis
 from synthetic import make_group
@@ -53,15 +54,22 @@ def _latest_state(ckpt_dir: Path) -> dict:
     return json.loads((ckpt_dir / (ckpt_dir / "latest").read_text() / "trainer_state.json").read_text())
 
 
+@pytest.fixture
+def fresh_run(redis_server, tmp_path):
+    """(keys, client, tiny model dir) for a run whose Redis keys start empty."""
+    keys = RedisKeys(RUN_ID)
+    client = redis.Redis.from_url(redis_server.url)
+    client.delete(*client.keys(f"fleetrl:{RUN_ID}:*") or ["-"])
+    yield keys, client, str(init_tiny(tmp_path / "tiny"))
+    client.close()
+
+
 def _pending(client: redis.Redis, keys: RedisKeys) -> int:
     return int(client.xpending(keys.trajectories, keys.trainer_group)["pending"])
 
 
-def test_sigkill_mid_step_then_restart_trains_every_group_exactly_once(redis_server, tmp_path):
-    keys = RedisKeys(RUN_ID)
-    client = redis.Redis.from_url(redis_server.url)
-    client.delete(*client.keys(f"fleetrl:{RUN_ID}:*") or ["-"])
-    model_dir = str(init_tiny(tmp_path / "tiny"))
+def test_sigkill_mid_step_then_restart_trains_every_group_exactly_once(redis_server, tmp_path, fresh_run):
+    keys, client, model_dir = fresh_run
     ckpt_dir, log = tmp_path / "ckpt", tmp_path / "trainer.log"
     _push_groups(redis_server.url, keys, list(range(NUM_GROUPS)))  # the queue holds every group up front
 
@@ -95,14 +103,10 @@ def test_sigkill_mid_step_then_restart_trains_every_group_exactly_once(redis_ser
     assert _pending(client, keys) == 0 and client.llen(keys.dead_letters) == 0
     assert int(client.get(keys.policy_version)) > version_at_kill  # the restart published past the dead lineage
     assert f"{pending_at_kill} entries reclaimed" in log.read_text()  # the restart took them over
-    client.close()
 
 
-def test_a_group_pushed_twice_is_trained_once(redis_server, tmp_path):
-    keys = RedisKeys(RUN_ID)
-    client = redis.Redis.from_url(redis_server.url)
-    client.delete(*client.keys(f"fleetrl:{RUN_ID}:*") or ["-"])
-    model_dir = str(init_tiny(tmp_path / "tiny"))
+def test_a_group_pushed_twice_is_trained_once(redis_server, tmp_path, fresh_run):
+    keys, client, model_dir = fresh_run
     # A coordinator that lost the reply of a push retries it: the same group lands twice on the stream.
     _push_groups(redis_server.url, keys, list(range(10)) + [3] + list(range(10, NUM_GROUPS)))
     trainer = _start_trainer(model_dir, redis_server.url, tmp_path / "ckpt", tmp_path / "trainer.log")
@@ -111,14 +115,10 @@ def test_a_group_pushed_twice_is_trained_once(redis_server, tmp_path):
     assert sorted(final["ledger"]) == sorted(f"g{i}" for i in range(NUM_GROUPS))
     assert final["totals"]["duplicates_skipped"] == 1 and final["totals"]["samples_trained"] == 4 * NUM_GROUPS
     assert _pending(client, keys) == 0 and client.xinfo_groups(keys.trajectories)[0]["lag"] == 0
-    client.close()
 
 
-def test_megatron_backend_runs_in_the_trainer_process_and_publishes(redis_server, tmp_path):
-    keys = RedisKeys(RUN_ID)
-    client = redis.Redis.from_url(redis_server.url)
-    client.delete(*client.keys(f"fleetrl:{RUN_ID}:*") or ["-"])
-    model_dir = str(init_tiny(tmp_path / "tiny"))
+def test_megatron_backend_runs_in_the_trainer_process_and_publishes(redis_server, tmp_path, fresh_run):
+    keys, client, model_dir = fresh_run
     _push_groups(redis_server.url, keys, list(range(4)))
     log = tmp_path / "trainer.log"
     trainer = _start_trainer(model_dir, redis_server.url, tmp_path / "ckpt", log,
@@ -128,4 +128,3 @@ def test_megatron_backend_runs_in_the_trainer_process_and_publishes(redis_server
     assert final["step"] == 2 and sorted(final["ledger"]) == [f"g{i}" for i in range(4)]
     assert int(client.get(keys.policy_version)) == 2 and client.exists(keys.manifest(2))
     assert _pending(client, keys) == 0
-    client.close()
