@@ -27,8 +27,9 @@ from aiohttp import web
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from protos.records import MetricsReport, VersionReport, decode_metrics, decode_report
+from protos.records import MetricsReport, VersionReport, decode_metrics
 from protos.redis_keys import RedisKeys
+from weight_bus import rendezvous
 
 logger = logging.getLogger(__name__)
 
@@ -161,14 +162,7 @@ class DashboardState:
         """Read the reports added since the last refresh, the fleet hash and the trainer's version."""
         for role in self.roles:
             await self._read_role(role)
-        raw_fleet = await self.client.hgetall(self.keys.fleet)
-        servers = {}
-        for server_id, payload in raw_fleet.items():
-            try:
-                servers[server_id.decode()] = decode_report(payload)
-            except msgspec.DecodeError as error:
-                logger.warning("dashboard: undecodable fleet entry %r in %s: %s", server_id, self.keys.fleet, error)
-        self.servers = servers
+        self.servers = await rendezvous.fleet_reports(self.client, self.keys)
         raw_version = await self.client.get(self.keys.policy_version)
         self.trainer_version = int(raw_version) if raw_version is not None else None
         self._last_refresh = time.monotonic()

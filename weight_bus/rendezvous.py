@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import logging
 import time
 
+import msgspec
 import redis.asyncio as aioredis
 import redis as syncredis
 
@@ -16,6 +18,8 @@ from protos.records import (
     encode,
 )
 from protos.redis_keys import RedisKeys
+
+logger = logging.getLogger(__name__)
 
 MANIFEST_TTL_S = 3600
 
@@ -77,5 +81,11 @@ async def report_version(
 
 
 async def fleet_reports(client: aioredis.Redis, keys: RedisKeys) -> dict[str, VersionReport]:
-    raw = await client.hgetall(keys.fleet)
-    return {k.decode(): decode_report(v) for k, v in raw.items()}
+    """Every server's latest VersionReport; an undecodable entry is skipped with a warning, not fatal."""
+    reports = {}
+    for server_id, payload in (await client.hgetall(keys.fleet)).items():
+        try:
+            reports[server_id.decode()] = decode_report(payload)
+        except (msgspec.DecodeError, msgspec.ValidationError) as error:
+            logger.warning("undecodable fleet entry %r in %s: %s", server_id, keys.fleet, error)
+    return reports
