@@ -101,7 +101,9 @@ def _config(**overrides) -> SimpleNamespace:
     values = dict(
         host="127.0.0.1", port=0, bucket_mib=0.01, keep_versions=2, send_timeout_s=2.0, snapshot_dir="",
         keep_snapshots=2, codec="mxfp8", mxfp8_rule="rceil", quantize_embeddings=False, quantize_lm_head=False,
-        group_timeout_s=5.0, heartbeat_timeout_s=1.0,
+        # 1.5 s: a live member's heartbeat can lag a second on a loaded 2-core CI machine (one clean-clone run
+        # dropped the healthy subscriber too at 1.0 s); a member stalled before a 2 s broadcast is still stale.
+        group_timeout_s=5.0, heartbeat_timeout_s=1.5,
     )
     return SimpleNamespace(**{**values, **overrides})
 
