@@ -175,6 +175,30 @@ class MegatronConfig(_Strict):
     )
 
 
+class LoraConfig(_Strict):
+    """Low-rank adapters (LoRA): the base weights stay frozen and only ``A`` [r, in] / ``B`` [out, r] train.
+
+    Module names are megatron-core's, which both backends understand: ``linear_qkv`` (HF q_proj, k_proj, v_proj),
+    ``linear_proj`` (o_proj), ``linear_fc1`` (gate_proj + up_proj, dense MLP and every routed expert),
+    ``linear_fc2`` (down_proj). Routers, norms, embeddings and the LM head are never adapted. The trainer
+    publishes the merged weights ``W + alpha / r * B @ A`` of the adapted modules only: the rest of a rollout
+    server's weights never change from the base checkpoint.
+    """
+
+    rank: int = Field(0, ge=0, description="Adapter rank r; 0 = full fine-tuning (no LoRA).")
+    alpha: float = Field(32.0, gt=0, description="Scale numerator: the update is alpha / rank * B @ A.")
+    dropout: float = Field(0.0, ge=0.0, lt=1.0, description="Dropout on the adapter's input (training only).")
+    target_modules: list[Literal["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]] = Field(
+        default_factory=lambda: ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"],
+        min_length=1,
+        description="Adapted modules (megatron-core names; see the class docstring for the HF ones).",
+    )
+
+    @property
+    def enabled(self) -> bool:
+        return self.rank > 0
+
+
 class TrainerConfig(_Strict):
     """The trainer role: queue consumption, loss, optimizer, weight publishing."""
 
@@ -214,6 +238,31 @@ class TrainerConfig(_Strict):
     megatron: MegatronConfig = Field(
         default_factory=MegatronConfig, description="Megatron backend settings (used when backend = 'megatron')."
     )
+    lora: LoraConfig = Field(default_factory=LoraConfig, description="LoRA adapters; rank 0 = full fine-tuning.")
+    num_processes: int = Field(
+        1, ge=1, description="Trainer ranks per node (torchrun --nproc-per-node); > 1 needs backend 'megatron'.",
+    )
+    num_nodes: int = Field(
+        1, ge=1, description="Trainer nodes. The world size is num_nodes x num_processes; megatron's TP x PP x CP "
+        "must divide it and what is left is data parallel. `fleetrl run` launches one node; deploy/ launches more.",
+    )
+
+    @model_validator(mode="after")
+    def _ranks_fit_backend(self) -> TrainerConfig:
+        world_size = self.num_nodes * self.num_processes
+        if world_size > 1 and self.backend != "megatron":
+            raise ValueError(f"trainer world size {world_size} (num_nodes x num_processes) needs trainer.backend='megatron'")
+        model_parallel = (
+            self.megatron.tensor_model_parallel_size
+            * self.megatron.pipeline_model_parallel_size
+            * self.megatron.context_parallel_size
+        )
+        if self.backend == "megatron" and world_size % model_parallel:
+            raise ValueError(
+                f"trainer world size {world_size} (num_nodes x num_processes) is not a multiple of megatron "
+                f"TP x PP x CP = {model_parallel}"
+            )
+        return self
 
 
 class WeightBusConfig(_Strict):
