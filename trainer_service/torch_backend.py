@@ -1,6 +1,8 @@
 """The torch training backend: a transformers causal LM, AdamW, grad clipping, HF-layout export.
 
-Runs on CPU (the demo's default) and on GPU.
+Runs on CPU (the demo's default) and on GPU. ``trainer.lora.rank > 0`` trains low-rank adapters on a frozen
+base (``trainer_service.lora``): the optimizer holds only the adapters, checkpoints hold only the adapters, and
+the export is the merged weights of the adapted layers.
 """
 
 from __future__ import annotations
@@ -11,8 +13,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
+from torch.nn.utils import parametrize
 
 from protos.config import TrainerConfig
+from trainer_service import lora
 from trainer_service.batch import TrainBatch, split_micro_batches
 from trainer_service.losses import PolicyLossConfig, loss_denominator, policy_loss
 from trainer_service.routing_replay import forced_routing
@@ -54,8 +58,13 @@ class TorchBackend:
         self.device = torch.device(device)
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).to(self.device)
         self.model.train()
+        self.lora = config.lora
+        if self.lora.enabled:
+            adapted = lora.apply_lora(self.model, self.lora)
+            logger.info("LoRA rank %d on %d weights (%s)", self.lora.rank, adapted, ", ".join(self.lora.target_modules))
+        self.trainable = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(
-            self.model.parameters(), lr=config.lr, weight_decay=config.weight_decay, betas=(0.9, 0.99)
+            self.trainable, lr=config.lr, weight_decay=config.weight_decay, betas=(0.9, 0.99)
         )
         warmup = config.lr_warmup_steps
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -72,12 +81,13 @@ class TorchBackend:
         loss_sum, metrics = 0.0, {}
         for micro in micro_batches:
             weight = loss_denominator(micro.loss_mask_BT, agg) / total
-            loss, micro_metrics = self._micro_step(micro)
+            with parametrize.cached():  # merge each adapted weight once per forward, not once per use
+                loss, micro_metrics = self._micro_step(micro)
             (loss * weight).backward()
             loss_sum += loss.item() * weight
             for key, value in micro_metrics.items():  # figures of the step = weighted mean of its parts
                 metrics[key] = metrics.get(key, 0.0) + value * weight
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.grad_clip))
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.trainable, self.config.grad_clip))
         skipped = not (math.isfinite(loss_sum) and math.isfinite(grad_norm))
         if skipped:
             logger.error("non-finite loss %.4g or grad norm %.4g: step skipped", loss_sum, grad_norm)
@@ -108,7 +118,7 @@ class TorchBackend:
         rows = 0
         for micro in split_micro_batches(batch, self.config.micro_batch_tokens):
             routes = None if micro.routed_experts_BTLK is None else micro.routed_experts_BTLK.to(self.device)
-            with forced_routing(self.model, routes):
+            with forced_routing(self.model, routes), parametrize.cached():
                 logprobs = token_logprobs(
                     self.model, micro.input_ids_BT.to(self.device), micro.attention_mask_BT.to(self.device), self.temperature
                 )
@@ -117,17 +127,24 @@ class TorchBackend:
         return out
 
     def export_hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Yield (name, tensor) in the HF checkpoint layout vLLM loads (experts per expert, layer order)."""
+        """Yield (name, tensor) in the HF checkpoint layout vLLM loads (experts per expert, layer order).
+
+        Under LoRA: the merged weights of the adapted layers only (``lora.is_published``).
+        """
         from transformers.core_model_loading import revert_weight_conversion
 
-        state = {name: tensor.detach() for name, tensor in self.model.state_dict().items()}
-        yield from revert_weight_conversion(self.model, state).items()
+        state = lora.merged_state(self.model)
+        yield from lora.published(iter(revert_weight_conversion(self.model, state).items()), self.lora)
 
     def save_checkpoint(self, directory: Path) -> None:
-        """Model as safetensors; optimizer, LR schedule and RNG as a tensors-only torch file."""
-        from safetensors.torch import save_model
+        """Model (LoRA: the adapters) as safetensors; optimizer, LR schedule and RNG as a tensors-only torch file."""
+        from safetensors.torch import save_file, save_model
 
-        save_model(self.model, str(directory / "model.safetensors"))
+        if self.lora.enabled:
+            save_file({k: v.contiguous() for k, v in lora.adapter_state(self.model).items()},
+                      str(directory / "adapters.safetensors"))
+        else:
+            save_model(self.model, str(directory / "model.safetensors"))
         state = {
             "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict(),
@@ -139,7 +156,10 @@ class TorchBackend:
     def load_checkpoint(self, directory: Path) -> None:
         from safetensors.torch import load_model
 
-        load_model(self.model, str(directory / "model.safetensors"), device=str(self.device))
+        if self.lora.enabled:
+            self._load_adapters(directory / "adapters.safetensors")
+        else:
+            load_model(self.model, str(directory / "model.safetensors"), device=str(self.device))
         # weights_only: the file holds tensors, numbers and dicts; nothing executable is unpickled.
         state = torch.load(directory / "optimizer.pt", weights_only=True, map_location=self.device)
         self.optimizer.load_state_dict(state["optimizer"])
@@ -147,3 +167,22 @@ class TorchBackend:
         torch.set_rng_state(state["cpu_rng"])
         if state["cuda_rng"]:
             torch.cuda.set_rng_state_all(state["cuda_rng"])
+
+    def _load_adapters(self, path: Path) -> None:
+        from safetensors.torch import load_file
+
+        if not path.exists():
+            raise FileNotFoundError(f"{path}: no adapters in this checkpoint (was it written with trainer.lora.rank=0?)")
+        saved = load_file(str(path), device=str(self.device))
+        current = lora.adapter_state(self.model)
+        if saved.keys() != current.keys():
+            raise ValueError(
+                f"{path}: adapters {len(saved)} tensors, this model {len(current)}: trainer.lora (rank, target_modules) "
+                "must match the run that wrote the checkpoint"
+            )
+        with torch.no_grad():
+            for name, tensor in current.items():
+                if saved[name].shape != tensor.shape:
+                    raise ValueError(f"{path}: {name} has shape {tuple(saved[name].shape)}, trainer.lora.rank gives "
+                                     f"{tuple(tensor.shape)}")
+                tensor.copy_(saved[name])

@@ -22,7 +22,7 @@ from coordinator.redis_server import free_port
 from modeling.tiny_model import init_tiny
 from protos import rollout_pb2 as pb
 from protos import rollout_pb2_grpc as pb_grpc
-from protos.config import TrainerConfig, WeightBusConfig
+from protos.config import LoraConfig, TrainerConfig, WeightBusConfig
 from protos.redis_keys import RedisKeys
 from trainer_service.publisher import WeightPublisher
 from trainer_service.torch_backend import TorchBackend
@@ -399,6 +399,40 @@ def test_mxfp8_weight_update_is_dequantized_into_the_engine_and_matches_hf(serve
     off_reference = max(abs(a - b) for a, b in zip(engine_lp, reference_lp))
     off_original = max(abs(a - b) for a, b in zip(engine_lp, original_lp))
     assert off_reference < 1e-3 and off_reference < off_original / 10, (off_reference, off_original)
+
+
+def _publish_and_update(stub, redis_server, version: int, weights) -> None:
+    publisher = WeightPublisher(redis.Redis.from_url(redis_server.url), RedisKeys(RUN_ID), WeightBusConfig())
+    try:
+        publisher.publish(version, weights)
+        assert stub.UpdateWeights(pb.UpdateWeightsRequest(version=version), timeout=60).policy_version == version
+    finally:
+        publisher.close()
+
+
+@pytest.mark.parametrize("target_modules", [["linear_qkv", "linear_fc2"], ["linear_proj", "linear_fc1"]])
+def test_lora_update_of_the_adapted_layers_only_matches_the_merged_model(server, model_dir, redis_server,
+                                                                          target_modules):
+    """A LoRA trainer publishes only the adapted layers; the engine keeps the rest and equals HF's merged model."""
+    stub = server.stub
+    version = _info(stub).policy_version + 1
+    full = list(TorchBackend(model_dir, TrainerConfig()).export_hf_weights())
+    _publish_and_update(stub, redis_server, version, full)
+    base_tokens = _generate(stub, max_tokens=8)[1][0]["tokens"]
+    backend = TorchBackend(model_dir, TrainerConfig(lora=LoraConfig(rank=4, alpha=8, target_modules=target_modules)))
+    torch.manual_seed(7)
+    with torch.no_grad():  # adapters as if trained: B away from zero
+        for param in backend.trainable:
+            param.add_(torch.randn_like(param) * 0.5)
+    weights = list(backend.export_hf_weights())
+    assert 0 < len(weights) < len(full)
+    expected = _hf_greedy(backend.model, PROMPT, 8)
+    assert expected != base_tokens
+    _publish_and_update(stub, redis_server, version + 1, weights)
+    _, samples = _generate(stub, max_tokens=8, logprobs=0)
+    assert samples[0]["tokens"] == expected
+    off = max(abs(a - b) for a, b in zip(samples[0]["logprobs"], _hf_token_logprobs(backend.model, PROMPT, expected)))
+    assert off < 1e-3, off
 
 
 # Keep this test last: it stops the module's server.
