@@ -150,6 +150,10 @@ class MegatronConfig(_Strict):
         1, ge=1, description="PP: ranks that split the layer stack (only 1 is implemented in MegatronBackend)."
     )
     expert_model_parallel_size: int = Field(1, ge=1, description="EP: ranks that split the MoE experts.")
+    expert_tensor_parallel_size: int | None = Field(
+        None, ge=1, description="ETP: ranks that split each expert's matrices; None = the TP size (megatron's default). "
+        "EP x ETP must divide the ranks of one pipeline stage.",
+    )
     context_parallel_size: int = Field(
         1, ge=1, description="CP: ranks that split the sequence (only 1 is implemented in MegatronBackend)."
     )
@@ -257,10 +261,25 @@ class TrainerConfig(_Strict):
             * self.megatron.pipeline_model_parallel_size
             * self.megatron.context_parallel_size
         )
+        megatron = self.megatron
         if self.backend == "megatron" and world_size % model_parallel:
             raise ValueError(
                 f"trainer world size {world_size} (num_nodes x num_processes) is not a multiple of megatron "
                 f"TP x PP x CP = {model_parallel}"
+            )
+        expert_parallel = megatron.expert_model_parallel_size * (
+            megatron.expert_tensor_parallel_size or megatron.tensor_model_parallel_size
+        )
+        stage_ranks = world_size // megatron.pipeline_model_parallel_size
+        if self.backend == "megatron" and stage_ranks % expert_parallel:
+            raise ValueError(
+                f"trainer.megatron: EP x ETP = {expert_parallel} does not divide the {stage_ranks} ranks of a pipeline "
+                f"stage (world size {world_size} / PP {megatron.pipeline_model_parallel_size})"
+            )
+        if self.lora.enabled and megatron.moe_router_bias_update_rate > 0:
+            raise ValueError(
+                "trainer.megatron.moe_router_bias_update_rate > 0 moves router biases, which LoRA (trainer.lora.rank "
+                "> 0) keeps frozen with the rest of the base model; set it to 0"
             )
         return self
 

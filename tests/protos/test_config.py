@@ -120,3 +120,30 @@ def test_text_fields_keep_override_values_as_strings():
     assert (config.run_id, config.coordinator.task, config.trainer.resume) == ("42", "2024.jsonl", "none")
     assert config.coordinator.prompt_template == "{problem}?"  # YAML quotes still come off
     assert load_run_config(overrides=["trainer.lr=1e-6"]).trainer.lr == 1e-6  # numbers still parse
+
+
+def test_trainer_ranks_must_fit_the_backend_and_the_megatron_layout():
+    with pytest.raises(ValueError, match="needs trainer.backend='megatron'"):
+        load_run_config(None, ["trainer.num_processes=2"])
+    with pytest.raises(ValueError, match="not a multiple of megatron TP x PP x CP = 4"):
+        load_run_config(None, ["trainer.backend=megatron", "trainer.num_processes=6",
+                               "trainer.megatron.pipeline_model_parallel_size=4"])
+    with pytest.raises(ValueError, match="EP x ETP = 8 does not divide the 4 ranks"):
+        load_run_config(None, ["trainer.backend=megatron", "trainer.num_processes=8",
+                               "trainer.megatron.pipeline_model_parallel_size=2",
+                               "trainer.megatron.expert_model_parallel_size=8"])
+    config = load_run_config(None, ["trainer.backend=megatron", "trainer.num_nodes=2", "trainer.num_processes=8",
+                                    "trainer.megatron.tensor_model_parallel_size=4",
+                                    "trainer.megatron.pipeline_model_parallel_size=2",
+                                    "trainer.megatron.expert_model_parallel_size=8",
+                                    "trainer.megatron.expert_tensor_parallel_size=1"])
+    assert config.trainer.num_nodes * config.trainer.num_processes == 16
+
+
+def test_lora_settings_are_checked():
+    assert not load_run_config(None, []).trainer.lora.enabled
+    assert load_run_config(None, ["trainer.lora.rank=8"]).trainer.lora.enabled
+    with pytest.raises(ValueError, match="target_modules"):
+        load_run_config(None, ["trainer.lora.rank=8", "trainer.lora.target_modules=[q_proj]"])
+    with pytest.raises(ValueError, match="moe_router_bias_update_rate"):
+        load_run_config(None, ["trainer.lora.rank=8", "trainer.megatron.moe_router_bias_update_rate=0.001"])
