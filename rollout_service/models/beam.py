@@ -14,18 +14,26 @@ Mapping from the reference:
   a ``GateLinear`` holding fp32 weight and bias with fp32 logits whatever the model dtype. Its
   ``MoERunner`` carries the layer index, so routed experts are captured on GPU like any vLLM MoE.
 - Final logit soft-capping through ``LogitsProcessor(soft_cap=...)``.
+- Pipeline parallelism (``SupportsPP``): ``make_layers`` builds only this rank's decoder layers
+  (``PPMissingLayer`` elsewhere) under their global prefixes, so the layer type, dense-vs-MoE choice
+  and the ``MoERunner`` layer id all follow the global layer index; the residual scale uses the
+  global layer count. The embedding lives only on the first rank, the final norm and LM head only on
+  the last. Ranks exchange only ``hidden_states``: with sandwich norms each layer finishes its own
+  residual adds, so there is no pending residual to send. ``AutoWeightsLoader`` skips every
+  checkpoint tensor that belongs to a ``PPMissingLayer``, on start-up and on weight reloads.
 
-Not supported: pipeline parallelism, EPLB, LoRA, quantized checkpoints.
+Not supported: EPLB, vLLM LoRA adapters (fleetrl's LoRA trainer publishes merged weights), quantized checkpoints.
 """
 
 # No `from __future__ import annotations`: support_torch_compile reads the real forward annotations.
 from collections.abc import Iterable
+from itertools import islice
 
 import torch
 from torch import nn
 from vllm.compilation.decorators import support_torch_compile
 from vllm.config import VllmConfig
-from vllm.distributed import get_tensor_model_parallel_world_size
+from vllm.distributed import get_pp_group, get_tensor_model_parallel_world_size
 from vllm.model_executor.layers.activation import SiluAndMul
 from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.layers.fused_moe import FusedMoEFactory, GateLinear
@@ -40,8 +48,18 @@ from vllm.model_executor.layers.logits_processor import LogitsProcessor
 from vllm.model_executor.layers.rotary_embedding import get_rope
 from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 from vllm.model_executor.model_loader.weight_utils import sharded_weight_loader
-from vllm.model_executor.models.utils import AutoWeightsLoader, WeightsMapper, extract_layer_index, maybe_prefix
+from vllm.model_executor.models.interfaces import SupportsPP
+from vllm.model_executor.models.utils import (
+    AutoWeightsLoader,
+    PPMissingLayer,
+    WeightsMapper,
+    extract_layer_index,
+    make_empty_intermediate_tensors_factory,
+    make_layers,
+    maybe_prefix,
+)
 from vllm.model_executor.utils import set_weight_attrs
+from vllm.sequence import IntermediateTensors
 
 FULL = "full_attention"
 
@@ -180,6 +198,7 @@ class BeamDecoderLayer(nn.Module):
     def __init__(self, vllm_config: VllmConfig, prefix: str):
         super().__init__()
         config = vllm_config.model_config.hf_text_config
+        # Global layer count (not this pipeline stage's), as in the reference.
         self.residual_scale = config.scale_depth / config.num_hidden_layers**0.5
         self.self_attn = BeamAttention(vllm_config, prefix=f"{prefix}.self_attn")
         if extract_layer_index(prefix) >= config.first_k_dense_replace:
@@ -201,16 +220,32 @@ class BeamDecoderLayer(nn.Module):
 
 @support_torch_compile
 class BeamModel(nn.Module):
+    """Embedding (first pipeline rank), this rank's decoder layers, final norm (last rank)."""
+
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
         super().__init__()
         config = vllm_config.model_config.hf_text_config
-        self.embed_tokens = VocabParallelEmbedding(
-            config.vocab_size, config.hidden_size, prefix=f"{prefix}.embed_tokens"
+        pp_group = get_pp_group()
+        if pp_group.is_first_rank:
+            self.embed_tokens = VocabParallelEmbedding(
+                config.vocab_size, config.hidden_size, prefix=f"{prefix}.embed_tokens"
+            )
+        else:
+            self.embed_tokens = PPMissingLayer()
+        # Layers keep their global prefix ("model.layers.N"): extract_layer_index gives the global N.
+        self.start_layer, self.end_layer, self.layers = make_layers(
+            config.num_hidden_layers,
+            lambda prefix: BeamDecoderLayer(vllm_config, prefix=prefix),
+            prefix=f"{prefix}.layers",
         )
-        self.layers = nn.ModuleList(
-            BeamDecoderLayer(vllm_config, prefix=f"{prefix}.layers.{i}") for i in range(config.num_hidden_layers)
+        if pp_group.is_last_rank:
+            self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        else:
+            self.norm = PPMissingLayer()
+        # Only the residual stream crosses stages: each layer completes its own residual adds.
+        self.make_empty_intermediate_tensors = make_empty_intermediate_tensors_factory(
+            ["hidden_states"], config.hidden_size
         )
-        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids)
@@ -219,12 +254,18 @@ class BeamModel(nn.Module):
         self,
         input_ids: torch.Tensor | None,
         positions: torch.Tensor,
-        intermediate_tensors=None,
+        intermediate_tensors: IntermediateTensors | None = None,
         inputs_embeds: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        hidden_states = inputs_embeds if inputs_embeds is not None else self.embed_input_ids(input_ids)
-        for layer in self.layers:
+    ) -> torch.Tensor | IntermediateTensors:
+        if get_pp_group().is_first_rank:
+            hidden_states = inputs_embeds if inputs_embeds is not None else self.embed_input_ids(input_ids)
+        else:
+            assert intermediate_tensors is not None, "a later pipeline stage needs the previous stage's output"
+            hidden_states = intermediate_tensors["hidden_states"]
+        for layer in islice(self.layers, self.start_layer, self.end_layer):
             hidden_states = layer(positions, hidden_states)
+        if not get_pp_group().is_last_rank:
+            return IntermediateTensors({"hidden_states": hidden_states})
         return self.norm(hidden_states)
 
 
@@ -242,7 +283,7 @@ def split_q_and_gate(weights: Iterable[tuple[str, torch.Tensor]], config) -> Ite
         yield name.replace("q_proj", "output_gate"), per_head[:, head_dim:].reshape(-1, tensor.shape[-1])
 
 
-class BeamForCausalLM(nn.Module):
+class BeamForCausalLM(nn.Module, SupportsPP):
     hf_to_vllm_mapper = WeightsMapper(
         orig_to_new_stacked={
             ".q_proj": (".qkv_proj", "q"),
@@ -260,8 +301,13 @@ class BeamForCausalLM(nn.Module):
         config = vllm_config.model_config.hf_text_config
         self.config = config
         self.model = BeamModel(vllm_config=vllm_config, prefix=maybe_prefix(prefix, "model"))
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, prefix=maybe_prefix(prefix, "lm_head"))
+        # Untied embeddings and LM head: the head is its own tensor, held by the last rank only.
+        if get_pp_group().is_last_rank:
+            self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, prefix=maybe_prefix(prefix, "lm_head"))
+        else:
+            self.lm_head = PPMissingLayer()
         self.logits_processor = LogitsProcessor(config.vocab_size, soft_cap=config.final_logit_softcapping)
+        self.make_empty_intermediate_tensors = self.model.make_empty_intermediate_tensors
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed_input_ids(input_ids)
@@ -270,14 +316,16 @@ class BeamForCausalLM(nn.Module):
         self,
         input_ids: torch.Tensor | None,
         positions: torch.Tensor,
-        intermediate_tensors=None,
+        intermediate_tensors: IntermediateTensors | None = None,
         inputs_embeds: torch.Tensor | None = None,
-    ) -> torch.Tensor:
+    ) -> torch.Tensor | IntermediateTensors:
         return self.model(input_ids, positions, intermediate_tensors, inputs_embeds)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
         return self.logits_processor(self.lm_head, hidden_states)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        # AutoWeightsLoader drops tensors of PPMissingLayer modules (other stages' layers, embedding
+        # or head): the same skip as is_pp_missing_parameter in hand-written loaders.
         loader = AutoWeightsLoader(self)
         return loader.load_weights(split_q_and_gate(weights, self.config), mapper=self.hf_to_vllm_mapper)
