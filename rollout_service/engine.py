@@ -83,6 +83,12 @@ def make_load_tracker():
     return LoadTracker
 
 
+def current_platform_is_cpu() -> bool:
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu()
+
+
 def _version_label(label: str, initial_version: int) -> int:
     # vLLM labels weights "default" until the first update_weight_version call.
     return initial_version if label == "default" else int(label)
@@ -131,6 +137,8 @@ class RolloutEngine:
         self.vocab_size = model_config.get_vocab_size()
         aux_config = getattr(self._llm.vllm_config, "aux_output_config", None)
         self.routed_experts_available = bool(getattr(aux_config, "enable_return_routed_experts", False))
+        if self.config.pipeline_parallel_size > 1 and current_platform_is_cpu():
+            await self._llm.collective_rpc("fleetrl_allocate_pipeline_receive_buffer")
         await self._llm.update_weight_version(str(self.policy_version))
         logger.info("engine %s up in %.1fs (vocab %d)", self.server_id, time.monotonic() - started, self.vocab_size)
 

