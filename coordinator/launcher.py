@@ -1,7 +1,8 @@
 """DemoLauncher: starts every role of a run as its own OS process, shows progress, writes summary.json.
 
 It only starts and supervises: the roles talk through Redis, gRPC and the weight bus. Each child runs
-in its own process group so that a stop (or Ctrl-C) takes down the vLLM engine processes too.
+in its own process group so that a stop (or Ctrl-C) takes down the vLLM engine processes too (and a
+multi-rank trainer's ranks: ``trainer.num_processes`` > 1 starts it under torchrun, see ``trainer_command``).
 """
 
 from __future__ import annotations
@@ -56,6 +57,21 @@ def tiny_model_dir(family: str = "qwen3-moe", warmup_steps: int = WARMUP_STEPS) 
     return cache
 
 
+def trainer_command(config: RunConfig) -> list[str]:
+    """The trainer's module invocation: one process, or ``trainer.num_processes`` ranks under torchrun."""
+    tcfg = config.trainer
+    if tcfg.num_nodes > 1:
+        raise ValueError(
+            f"trainer.num_nodes={tcfg.num_nodes}: this launcher starts one node; launch multi-node trainers with "
+            "deploy/ (torchrun on every node), or set trainer.num_nodes=1"
+        )
+    if tcfg.num_processes == 1:
+        return ["-m", "trainer_service", "train"]
+    # --standalone: a local rendezvous on a free port; torchrun stops every rank when one fails.
+    return ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(tcfg.num_processes),
+            "-m", "trainer_service", "train"]
+
+
 class DemoLauncher:
     def __init__(self, config: RunConfig, out_dir: Path):
         self.config = config
@@ -102,6 +118,7 @@ class DemoLauncher:
 
     # the run -------------------------------------------------------------------------------
     def start(self) -> str:
+        trainer = trainer_command(self.config)  # refuses a layout this launcher cannot start, before any child
         (self.out_dir / "logs").mkdir(parents=True, exist_ok=True)
         redis_url = self.config.redis_url or os.environ.get("REDIS_URL", "")
         if not redis_url:
@@ -124,7 +141,7 @@ class DemoLauncher:
                  "--server-id", f"rollout-{i}", "--redis-url", redis_url, *common],
                 env={"VLLM_CPU_OMP_THREADS_BIND": str(i % (os.cpu_count() or 1)), "OMP_NUM_THREADS": "1"},
             )
-        self.spawn("trainer", ["-m", "trainer_service", "train", "--model", model, "--redis-url", redis_url, *common])
+        self.spawn("trainer", [*trainer, "--model", model, "--redis-url", redis_url, *common])
         self.spawn("coordinator", ["-m", "coordinator", "run", "--servers", ",".join(addresses),
                                    "--redis-url", redis_url, "--model", model, *common])
         return redis_url

@@ -141,13 +141,13 @@ class RolloutConfig(_Strict):
 class MegatronConfig(_Strict):
     """The Megatron backend: parallel layout and model settings (trainer.backend = 'megatron').
 
-    The product tensor x pipeline x context parallel sizes must divide the trainer's world size; what is left
-    is data parallel. On CPU (gloo, world size 1) every size must be 1.
+    The product tensor x pipeline x context parallel sizes must divide the trainer's world size
+    (trainer.num_nodes x trainer.num_processes); what is left is data parallel. On CPU the ranks run on gloo.
     """
 
     tensor_model_parallel_size: int = Field(1, ge=1, description="TP: ranks that split each layer's matrices.")
     pipeline_model_parallel_size: int = Field(
-        1, ge=1, description="PP: ranks that split the layer stack (only 1 is implemented in MegatronBackend)."
+        1, ge=1, description="PP: ranks that split the layer stack (micro-batches padded to one shape)."
     )
     expert_model_parallel_size: int = Field(1, ge=1, description="EP: ranks that split the MoE experts.")
     expert_tensor_parallel_size: int | None = Field(

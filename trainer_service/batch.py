@@ -12,7 +12,7 @@ import torch
 
 from protos.records import TrajectoryGroup
 from trainer_service.losses import compute_advantages
-from trainer_service.routing_replay import routes_from_groups
+from trainer_service.routing_replay import NO_ROUTE, routes_from_groups
 
 
 @dataclass
@@ -72,7 +72,7 @@ def build_batch(groups: list[TrajectoryGroup], pad_id: int = 0) -> TrainBatch:
     )
 
 
-def _rows(batch: TrainBatch, rows: list[int]) -> TrainBatch:
+def select_rows(batch: TrainBatch, rows: list[int]) -> TrainBatch:
     """The sub-batch of ``rows``, trimmed to its longest row (less padding to compute)."""
     index = torch.tensor(rows, dtype=torch.long)
     width = int(batch.attention_mask_BT[index].sum(dim=1).max())
@@ -103,11 +103,11 @@ def split_micro_batches(batch: TrainBatch, max_tokens: int) -> list[TrainBatch]:
     micro, current, longest = [], [], 0
     for row, length in enumerate(lengths):
         if current and max(longest, length) * (len(current) + 1) > max_tokens:
-            micro.append(_rows(batch, current))
+            micro.append(select_rows(batch, current))
             current, longest = [], 0
         current.append(row)
         longest = max(longest, length)
-    micro.append(_rows(batch, current))
+    micro.append(select_rows(batch, current))
     return micro
 
 
@@ -117,4 +117,66 @@ def split_mini_batches(batch: TrainBatch, num_mini: int, group_size: int) -> lis
     if num_mini < 1 or num_groups % num_mini:
         raise ValueError(f"trainer.mini_batches={num_mini} must divide the step's {num_groups} groups")
     rows_per_mini = len(batch.advantages_B) // num_mini
-    return [_rows(batch, list(range(i * rows_per_mini, (i + 1) * rows_per_mini))) for i in range(num_mini)]
+    return [select_rows(batch, list(range(i * rows_per_mini, (i + 1) * rows_per_mini))) for i in range(num_mini)]
+
+
+# -- shapes for parallel layouts (MegatronBackend) ---------------------------------------------------------
+
+
+def data_parallel_shard(batch: TrainBatch, dp_rank: int, dp_size: int) -> TrainBatch:
+    """This data-parallel rank's contiguous share of the batch's rows (sizes differ by at most one row).
+
+    A rank left without rows gets one dummy row (it must still run the step: DDP reduces grads over every rank).
+    """
+    if dp_size == 1:
+        return batch
+    bounds = [len(batch.advantages_B) * i // dp_size for i in range(dp_size + 1)]
+    rows = list(range(bounds[dp_rank], bounds[dp_rank + 1]))
+    if not rows:
+        return pad_rows(select_rows(batch, [0]), num_rows=1, width=2, keep=0)
+    return select_rows(batch, rows)
+
+
+def pad_rows(batch: TrainBatch, num_rows: int, width: int, keep: int | None = None) -> TrainBatch:
+    """``batch`` as [num_rows, width]: real rows right-padded (attention 0, loss 0) and dummy rows appended.
+
+    Dummy rows have loss_mask 0, advantage 0 and attention_mask 1 on every (pad) token, so that softmax always
+    has a key (no NaN) and nothing reaches the loss or a metric. ``keep``: how many real rows to keep (all).
+    """
+    keep = len(batch.advantages_B) if keep is None else keep
+
+    def grow(tensor: torch.Tensor | None, value, columns: int) -> torch.Tensor | None:
+        if tensor is None:
+            return None
+        out = tensor.new_full((num_rows, columns, *tensor.shape[2:]), value)
+        real = tensor[:keep, :columns]
+        out[:keep, : real.shape[1]] = real
+        return out
+
+    def per_row(tensor: torch.Tensor, value) -> torch.Tensor:
+        return torch.cat([tensor[:keep], tensor.new_full((num_rows - keep,), value)])
+
+    attention = grow(batch.attention_mask_BT, 0, width)
+    attention[keep:] = 1
+    return TrainBatch(
+        input_ids_BT=grow(batch.input_ids_BT, 0, width),
+        attention_mask_BT=attention,
+        loss_mask_BT=grow(batch.loss_mask_BT, 0.0, width - 1),
+        rollout_logprobs_BT=grow(batch.rollout_logprobs_BT, 0.0, width - 1),
+        advantages_B=per_row(batch.advantages_B, 0.0),
+        rewards_B=per_row(batch.rewards_B, 0.0),
+        min_versions_B=per_row(batch.min_versions_B, 0),
+        num_response_tokens=int(batch.loss_mask_BT[:keep].sum().item()),
+        routed_experts_BTLK=grow(batch.routed_experts_BTLK, NO_ROUTE, width),
+        old_logprobs_BT=grow(batch.old_logprobs_BT, 0.0, width - 1),
+    )
+
+
+def pad_to_common_shape(micro_batches: list[TrainBatch]) -> list[TrainBatch]:
+    """Pipeline schedules send one activation shape for every micro-batch of a step: pad all to the largest."""
+    num_rows = max(len(micro.advantages_B) for micro in micro_batches)
+    width = max(micro.input_ids_BT.shape[1] for micro in micro_batches)
+    return [
+        micro if tuple(micro.input_ids_BT.shape) == (num_rows, width) else pad_rows(micro, num_rows, width)
+        for micro in micro_batches
+    ]

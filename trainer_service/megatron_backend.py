@@ -5,8 +5,17 @@ per expert, as vLLM loads them), plus ``save_checkpoint`` / ``load_checkpoint`` 
 is bit-exact). The optimizer is megatron-core's (distributed optimizer over the data-parallel ranks) and the step
 runs through megatron-core's ``forward_backward_func``.
 
-On a CPU-only torch it runs on gloo with world size 1 in fp32, with the shims of ``megatron_cpu_shims`` and the
-CPU-safe model settings of ``_configure_provider`` (shared/notes/stack.md, "Megatron on CPU").
+Parallel layout: TP, PP, EP and DP (context parallelism is refused). Every rank calls every method with the same
+arguments and gets the same result back:
+  - DP: ``train_step`` trains this data-parallel rank's contiguous shard of the batch's rows; the loss keeps the
+    whole batch's denominator and is scaled by the DP size, which undoes megatron DDP's grad averaging, so one step
+    with DP=n equals one step with DP=1 on the same batch. ``token_logprobs`` runs the whole batch on every replica.
+  - PP: the schedules need one [B, T] shape for every micro-batch, so micro-batches are padded with dummy rows
+    (loss_mask 0, attention_mask 1 so that softmax always has a key); log-probs and the loss exist only on the last
+    stage and are broadcast from there (``ranks.broadcast_tensor`` / ``ranks.broadcast_json``).
+
+On a CPU-only torch it runs on gloo in fp32, with the shims of ``megatron_cpu_shims`` and the CPU-safe model
+settings of ``_configure_provider`` (shared/notes/stack.md, "Megatron on CPU").
 
 Shape legend: _BT [samples, tokens], _BTV [samples, tokens, vocab], routes_BTLK see ``routing_replay``.
 """
@@ -25,8 +34,8 @@ from pathlib import Path
 import torch
 
 from protos.config import MegatronConfig, TrainerConfig
-from trainer_service import megatron_beam, megatron_checkpoint, megatron_cpu_shims
-from trainer_service.batch import TrainBatch, split_micro_batches
+from trainer_service import lora, megatron_beam, megatron_checkpoint, megatron_cpu_shims, megatron_lora, ranks
+from trainer_service.batch import TrainBatch, data_parallel_shard, pad_to_common_shape, split_micro_batches
 from trainer_service.losses import loss_denominator, policy_loss
 from trainer_service.routing_replay import NO_ROUTE, megatron_forced_routing
 from trainer_service.torch_backend import loss_config
@@ -36,24 +45,32 @@ logger = logging.getLogger(__name__)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
-def init_distributed(device: str) -> None:
-    """Join torch.distributed: torchrun's env when present, else a world of one on a free local port."""
+def init_distributed(device: str, timeout_s: float = 1800.0) -> None:
+    """Join torch.distributed: torchrun's env when present, else a world of one on a free local port.
+
+    ``timeout_s``: how long a collective may wait (ranks > 0 wait in one while rank 0 waits for groups).
+    """
+    import datetime
+
     import torch.distributed as dist
 
     if dist.is_initialized():
         return
     backend = "nccl" if device.startswith("cuda") else "gloo"
+    timeout = datetime.timedelta(seconds=timeout_s)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         if backend == "nccl":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group(backend)
+        dist.init_process_group(backend, timeout=timeout)
         return
     if backend == "nccl":
         torch.cuda.set_device(torch.device(device).index or 0)
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    dist.init_process_group(
+        backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1, timeout=timeout
+    )
 
 
 def init_model_parallel(config: MegatronConfig) -> None:
@@ -81,14 +98,15 @@ def init_model_parallel(config: MegatronConfig) -> None:
         pipeline_model_parallel_size=sizes[1],
         context_parallel_size=sizes[2],
         expert_model_parallel_size=sizes[3],
+        expert_tensor_parallel_size=config.expert_tensor_parallel_size,
     )
 
 
 def _check_supported(config: MegatronConfig) -> None:
-    if config.pipeline_model_parallel_size != 1:
-        raise ValueError("megatron.pipeline_model_parallel_size: only 1 is implemented in MegatronBackend")
     if config.context_parallel_size != 1:
-        raise ValueError("megatron.context_parallel_size: only 1 is implemented in MegatronBackend")
+        raise ValueError(
+            "megatron.context_parallel_size: only 1 is implemented in MegatronBackend (TP, PP, EP and DP are)"
+        )
 
 
 def _configure_provider(provider, config: MegatronConfig, on_cpu: bool) -> None:
@@ -99,6 +117,8 @@ def _configure_provider(provider, config: MegatronConfig, on_cpu: bool) -> None:
     provider.tensor_model_parallel_size = config.tensor_model_parallel_size
     provider.pipeline_model_parallel_size = config.pipeline_model_parallel_size
     provider.expert_model_parallel_size = config.expert_model_parallel_size
+    if config.expert_tensor_parallel_size is not None:  # None: megatron's default, the TP size
+        provider.expert_tensor_parallel_size = config.expert_tensor_parallel_size
     provider.context_parallel_size = config.context_parallel_size
     # MoE with TP > 1 needs sequence parallel in megatron-core.
     provider.sequence_parallel = config.tensor_model_parallel_size > 1
@@ -128,6 +148,8 @@ def _configure_provider(provider, config: MegatronConfig, on_cpu: bool) -> None:
     provider.apply_rope_fusion = False
     provider.cross_entropy_loss_fusion = False
     provider.use_cpu_initialization = on_cpu
+    # The pipeline's p2p step ends with torch.cuda.synchronize(); gloo's send/recv are synchronous already.
+    provider.batch_p2p_sync = not on_cpu
 
 
 def attention_mask_B1TT(attention_mask_BT: torch.Tensor) -> torch.Tensor:
@@ -177,7 +199,7 @@ class MegatronBackend:
         self.temperature = temperature
         self.device = torch.device(device)
         self.loss_config = loss_config(config)
-        init_distributed(device)
+        init_distributed(device, ranks.process_group_timeout_s(config.batch_timeout_s))
         init_model_parallel(config.megatron)
         torch.manual_seed(config.seed)
         model_parallel_cuda_manual_seed(config.seed)
@@ -198,6 +220,8 @@ class MegatronBackend:
         provider = self.bridge.to_megatron_provider(load_weights=load_weights)
         _configure_provider(provider, config.megatron, on_cpu)
         provider.finalize()
+        if config.lora.enabled:  # after the bridge's weight-loading hook, before DDP wraps the chunks
+            provider.register_pre_wrap_hook(megatron_lora.lora_pre_wrap_hook(config.lora))
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True, use_distributed_optimizer=config.megatron.use_distributed_optimizer
         )
@@ -242,20 +266,29 @@ class MegatronBackend:
         routes = None if routes_BTLK is None else pad_sequence_dim(routes_BTLK, multiple, NO_ROUTE)
         return pad_sequence_dim(input_ids_BT, multiple, 0), pad_sequence_dim(attention_mask_BT, multiple, 0), routes
 
-    def _logprobs_BT(self, model, input_ids_BT: torch.Tensor, attention_mask_BT: torch.Tensor) -> torch.Tensor:
-        """Log-probability of every next token, [B, T-1], through the model's (vocab-parallel) logits."""
+    def _stage_output(self, model, input_ids_BT: torch.Tensor, attention_mask_BT: torch.Tensor) -> torch.Tensor:
+        """This pipeline stage's forward: hidden states [T, B, H] (sent on), or log-probs [B, T-1] on the last stage.
+
+        Earlier stages' hidden states arrive through megatron's ``set_input_tensor``; the ids, positions and mask
+        are given to every stage (RoPE and attention need them).
+        """
+        from megatron.core import parallel_state as mpu
         from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
         seq = input_ids_BT.shape[1]
         position_ids_BT = torch.arange(seq, device=input_ids_BT.device).expand_as(input_ids_BT)
-        logits_BTV = model(
+        output = model(
             input_ids=input_ids_BT, position_ids=position_ids_BT, attention_mask=attention_mask_B1TT(attention_mask_BT)
-        )[:, :-1].float()
+        )
+        if not mpu.is_pipeline_last_stage():
+            return output
+        logits_BTV = output[:, :-1].float()
         if self.temperature > 0 and self.temperature != 1.0:
             logits_BTV = logits_BTV / self.temperature
         return -vocab_parallel_cross_entropy(logits_BTV.contiguous(), input_ids_BT[:, 1:].contiguous())
 
     def _forward_backward(self, step_fn, forward_only: bool, shape: tuple[int, int], micro_batches=None) -> list:
+        """megatron's schedule for this layout; returns the loss functions' outputs (last stage only)."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         micro_batches = micro_batches or [None]
@@ -275,15 +308,21 @@ class MegatronBackend:
     def token_logprobs(
         self, input_ids_BT: torch.Tensor, attention_mask_BT: torch.Tensor, routed_experts: torch.Tensor | None = None
     ) -> torch.Tensor:
-        """The torch backend's ``token_logprobs`` (eval mode, no grad): [B, T-1] on the CPU."""
+        """The torch backend's ``token_logprobs`` (eval mode, no grad): [B, T-1] on the CPU, the same on every rank.
+
+        Every data-parallel replica runs the whole batch; the last pipeline stage broadcasts the result.
+        """
+        from megatron.core import parallel_state as mpu
+
         ids, attention, routed_experts = self._padded(
             input_ids_BT.to(self.device), attention_mask_BT.to(self.device), routed_experts
         )
         out: dict[str, torch.Tensor] = {}
 
         def step_fn(data_iterator, model):
-            out["logprobs"] = self._logprobs_BT(model, ids, attention)
-            return out["logprobs"], lambda output: (output.sum(), {})
+            output = self._stage_output(model, ids, attention)
+            out["logprobs"] = output
+            return output, lambda output: (output.sum(), {})
 
         for chunk in self.model:
             chunk.eval()
@@ -293,7 +332,15 @@ class MegatronBackend:
         finally:
             for chunk in self.model:
                 chunk.train()
-        return out["logprobs"][:, : input_ids_BT.shape[1] - 1].cpu()
+        if mpu.is_pipeline_last_stage():
+            logprobs_BT = out["logprobs"].float()
+        else:
+            logprobs_BT = torch.empty(ids.shape[0], ids.shape[1] - 1, device=self.device)
+        if mpu.get_pipeline_model_parallel_world_size() > 1:
+            logprobs_BT = ranks.broadcast_tensor(
+                logprobs_BT, mpu.get_pipeline_model_parallel_last_rank(), mpu.get_pipeline_model_parallel_group()
+            )
+        return logprobs_BT[:, : input_ids_BT.shape[1] - 1].cpu()
 
     def policy_logprobs(self, batch: TrainBatch) -> torch.Tensor:
         """[B, T] logprobs of the current policy for the whole batch (pi_old of a step in mini-batches)."""
@@ -301,7 +348,7 @@ class MegatronBackend:
 
     # -- step ----------------------------------------------------------------------------------------------
 
-    def _loss_fn(self, micro: TrainBatch, weight: float, num_micro: int, logprobs_BT: torch.Tensor):
+    def _loss_fn(self, micro: TrainBatch, weight: float, loss_scale: float, logprobs_BT: torch.Tensor):
         # pi_old: fixed at the training step's start (mini-batches), else the current policy before this update.
         old_BT = logprobs_BT.detach() if micro.old_logprobs_BT is None else micro.old_logprobs_BT.to(self.device)
         loss, metrics = policy_loss(
@@ -314,43 +361,73 @@ class MegatronBackend:
         )
         metrics = {key: value * weight for key, value in metrics.items()}  # summed over micro-batches below
         metrics["loss"] = loss.item() * weight
-        # The schedule divides by the number of micro-batches; the weight makes the sum the whole-step loss.
-        return loss * (weight * num_micro), metrics
+        metrics["micro_batches"] = 1.0  # summed over micro-batches and data-parallel ranks
+        return loss * (weight * loss_scale), metrics
 
     def train_step(self, batch: TrainBatch, routed_experts: torch.Tensor | None = None) -> dict[str, float]:
         """Forward/backward per micro-batch (``trainer.micro_batch_tokens``), clip, step. A non-finite loss or
-        gradient skips the step.
+        gradient skips the step. Every rank returns the same figures.
 
         ``routed_experts``: routes_BTLK from ``routing_replay.routes_from_groups``; by default the batch's own
         (``batch.routed_experts_BTLK``, filled by ``build_batch``); None: natural routing.
         """
+        from megatron.core import parallel_state as mpu
+
         if routed_experts is not None:
             batch = dataclasses.replace(batch, routed_experts_BTLK=routed_experts)
-        micro_batches = split_micro_batches(batch, self.config.micro_batch_tokens)
         agg = self.loss_config.loss_agg
-        total = loss_denominator(batch.loss_mask_BT, agg)
+        total = loss_denominator(batch.loss_mask_BT, agg)  # the whole batch's, over every data-parallel shard
+        shard = data_parallel_shard(batch, mpu.get_data_parallel_rank(), mpu.get_data_parallel_world_size())
+        micro_batches = split_micro_batches(shard, self.config.micro_batch_tokens)
+        if mpu.get_pipeline_model_parallel_world_size() > 1:
+            micro_batches = pad_to_common_shape(micro_batches)
+        # The schedule divides each micro-batch's loss by their number, DDP averages grads over the DP ranks: undo
+        # both, so the summed weighted losses are the whole batch's loss.
+        loss_scale = len(micro_batches) * mpu.get_data_parallel_world_size()
 
         def step_fn(data_iterator, model):
             micro = next(data_iterator)
-            weight = loss_denominator(micro.loss_mask_BT, agg) / total
+            has_tokens = bool(micro.loss_mask_BT.sum() > 0)  # a dummy-only micro-batch counts for nothing
+            weight = loss_denominator(micro.loss_mask_BT, agg) / total if has_tokens else 0.0
             ids, attention, routes = self._padded(
                 micro.input_ids_BT.to(self.device), micro.attention_mask_BT.to(self.device), micro.routed_experts_BTLK
             )
             # Replay targets are set for this micro-batch's forward; backward reuses the saved routing.
             with megatron_forced_routing(self.model, routes, self.num_layers):
-                logprobs_BT = self._logprobs_BT(model, ids, attention)[:, : micro.input_ids_BT.shape[1] - 1]
-            return logprobs_BT, partial(self._loss_fn, micro, weight, len(micro_batches))
+                output = self._stage_output(model, ids, attention)
+            if mpu.is_pipeline_last_stage():
+                output = output[:, : micro.input_ids_BT.shape[1] - 1]
+            return output, partial(self._loss_fn, micro, weight, loss_scale)
 
         for chunk in self.model:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
-        per_micro = self._forward_backward(
-            step_fn, forward_only=False, shape=tuple(batch.input_ids_BT.shape), micro_batches=micro_batches
-        )
-        metrics = {key: sum(m[key] for m in per_micro) for key in per_micro[0]}
+        padded_shape = tuple(micro_batches[0].input_ids_BT.shape)
+        per_micro = self._forward_backward(step_fn, forward_only=False, shape=padded_shape, micro_batches=micro_batches)
+        metrics = self._step_metrics(per_micro)
         with megatron_cpu_shims.cuda_tensors_on_cpu():
             grad_norm, skipped = self._optimizer_step(metrics["loss"])
-        metrics.update(grad_norm=grad_norm, skipped=float(skipped), micro_batches=float(len(micro_batches)))
+        metrics.update(grad_norm=grad_norm, skipped=float(skipped))
+        return metrics
+
+    @staticmethod
+    def _step_metrics(per_micro: list[dict[str, float]]) -> dict[str, float]:
+        """The step's figures on every rank: summed over micro-batches and data-parallel shards on the last
+        pipeline stage (each figure is already weighted by its share of the batch), then broadcast."""
+        import torch.distributed as dist
+        from megatron.core import parallel_state as mpu
+
+        metrics = {key: sum(m[key] for m in per_micro) for key in per_micro[0]} if per_micro else {}
+        if mpu.is_pipeline_last_stage() and mpu.get_data_parallel_world_size() > 1:
+            keys = sorted(metrics)
+            group = mpu.get_data_parallel_group()
+            values = torch.tensor([metrics[key] for key in keys], dtype=torch.float64, device=ranks.collective_device(group))
+            dist.all_reduce(values, group=group)
+            metrics = dict(zip(keys, values.tolist(), strict=True))
+        if mpu.get_pipeline_model_parallel_world_size() > 1:
+            metrics = ranks.broadcast_json(
+                metrics, mpu.get_pipeline_model_parallel_last_rank(), mpu.get_pipeline_model_parallel_group()
+            )
         return metrics
 
     def _optimizer_step(self, loss: float) -> tuple[float, bool]:
@@ -359,8 +436,10 @@ class MegatronBackend:
         from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
 
         found_inf = self.optimizer.prepare_grads()
+        # Reduced over the model-parallel ranks (and the data-parallel ones with the distributed optimizer); the
+        # loss is the broadcast one: the decision below is taken alike everywhere, and checked to be.
         grad_norm = float(self.optimizer.get_grad_norm())
-        skipped = found_inf or not (math.isfinite(loss) and math.isfinite(grad_norm))
+        skipped = ranks.any_rank(bool(found_inf) or not (math.isfinite(loss) and math.isfinite(grad_norm)))
         if skipped:
             logger.error("non-finite loss %.4g or grad norm %.4g: step skipped", loss, grad_norm)
             return grad_norm, True
@@ -376,7 +455,8 @@ class MegatronBackend:
         """Yield (name, tensor) in the HF checkpoint layout (experts per expert); every rank must iterate."""
         # Plain tuples, as TorchBackend yields (the bridge yields its own named tuple type).
         exported = self.bridge.export_hf_weights(self.model, cpu=True, show_progress=False)
-        yield from ((name, tensor) for name, tensor in exported)
+        # LoRA: adapters merged by the bridge; only the adapted layers are published (every rank still iterates).
+        yield from lora.published(((name, tensor) for name, tensor in exported), self.config.lora)
 
     def save_checkpoint(self, directory: str | Path) -> None:
         """Model, optimizer (incl. the distributed optimizer's sharded Adam state) and RNG states, a file per rank."""

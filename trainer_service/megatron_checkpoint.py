@@ -1,5 +1,9 @@
 """Checkpoints of the Megatron backend: model chunks, megatron-core optimizer and RNG states, one file per rank.
 
+Every rank calls ``save`` / ``load`` with the same directory (the multi-rank trainer: ``ranks.save_checkpoint``,
+``ranks.resolve_checkpoint``); ``save`` returns on every rank once all ranks' files are written (a barrier), so
+rank 0 may then publish the checkpoint and acknowledge the queue entries it covers.
+
 Resuming from a checkpoint is bit-identical to continuing (tests/trainer_service/test_megatron_backend.py). The
 layout (tensor/pipeline/expert/data parallel sizes) must be the same at load as at save: this is a per-rank
 snapshot, not megatron-core's reshardable ``dist_checkpointing`` format, whose save path calls CUDA in 0.19.2 and
@@ -49,7 +53,7 @@ def load(model: list, optimizer, directory: str | Path) -> None:
 
     state = torch.load(Path(directory) / f"rank{dist.get_rank():05d}.pt", weights_only=False)
     for chunk, chunk_state in zip(model, state["model"], strict=True):
-        chunk.load_state_dict(chunk_state)
+        chunk.load_state_dict(_adapter_wrapper_keys(chunk, chunk_state))
     # no_grad: the state is copied into views of the parameters.
     with torch.no_grad(), megatron_cpu_shims.cuda_tensors_on_cpu():
         optimizer.load_state_dict(state["optimizer"])
@@ -64,6 +68,22 @@ def load(model: list, optimizer, directory: str | Path) -> None:
     if rng["cuda"] is not None:
         torch.cuda.set_rng_state_all(rng["cuda"])
     get_cuda_rng_tracker().set_states(rng["tracker"])
+
+
+def _adapter_wrapper_keys(chunk, chunk_state: dict) -> dict:
+    """LoRA's ``AdapterWrapper`` writes its wrapped linear under its own prefix (``state_dict`` flattens
+    ``to_wrap``) but ``load_state_dict`` looks for it under ``<prefix>to_wrap.``: rename those keys back."""
+    from megatron.bridge.peft.adapter_wrapper import AdapterWrapper  # imported with the bridge (megatron_cpu_shims)
+
+    module = getattr(chunk, "module", chunk)  # DDP-wrapped chunk; its state_dict keys have no "module."
+    wrapped = [name + "." for name, sub in module.named_modules() if isinstance(sub, AdapterWrapper)]
+    if not wrapped:
+        return chunk_state
+    renamed = {}
+    for key, value in chunk_state.items():
+        prefix = next((p for p in wrapped if key.startswith(p) and not key.startswith(p + "adapter.")), None)
+        renamed[f"{prefix}to_wrap.{key[len(prefix):]}" if prefix else key] = value
+    return renamed
 
 
 def sub_optimizers(optimizer) -> list:

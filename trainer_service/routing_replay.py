@@ -216,12 +216,22 @@ def _megatron_replays(model_chunks: Sequence[torch.nn.Module]) -> list:
     return sorted(replays, key=lambda replay: replay.layer_number)
 
 
-def _layer_index(replay, ordinal: int, num_route_layers: int, num_model_layers: int) -> int:
-    # With every layer MoE (Qwen3-MoE) the route axis is the decoder layer, which also holds across pipeline
-    # stages; otherwise the route axis counts MoE layers, which this stage alone cannot map unless it has them all.
+def _moe_layer_numbers(model_chunks: Sequence[torch.nn.Module]) -> list[int]:
+    """megatron's global (1-based) numbers of the model's MoE layers, over every pipeline stage."""
+    from megatron.core.utils import get_model_config
+
+    config = get_model_config(model_chunks[0])
+    freq = config.moe_layer_freq
+    pattern = [int(i % freq == 0) for i in range(config.num_layers)] if isinstance(freq, int) else list(freq)
+    return [number for number, is_moe in enumerate(pattern, start=1) if is_moe]
+
+
+def _layer_index(replay, num_route_layers: int, num_model_layers: int, moe_layer_numbers: list[int]) -> int:
+    # With every layer MoE (Qwen3-MoE) the route axis is the decoder layer; otherwise it counts MoE layers. Both
+    # are global: a pipeline stage holds only some layers, and its routers carry their global layer numbers.
     if num_route_layers == num_model_layers:
         return replay.layer_number - 1
-    return ordinal
+    return moe_layer_numbers.index(replay.layer_number)
 
 
 @contextlib.contextmanager
@@ -231,7 +241,8 @@ def megatron_forced_routing(
     """Replay ``routes_BTLK`` in every forward inside the block through megatron-core's ``RouterReplay``.
 
     ``num_model_layers`` (the decoder's layer count) lets a route axis that spans every decoder layer be indexed by
-    each router's global layer number; otherwise the routes' layer axis must match this model's routers in order.
+    each router's global layer number; otherwise the routes' layer axis counts the model's MoE layers (all pipeline
+    stages, from ``moe_layer_freq``), and each stage's routers take their own entries.
 
     Megatron's routers see tokens sequence-major (``[T, B]`` flattened), so the routes are transposed. Positions
     without a route get experts ``0..K-1``: they feed no trained log-prob (module docstring).
@@ -242,12 +253,13 @@ def megatron_forced_routing(
     from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
     replays = _megatron_replays(model_chunks)
+    moe_layer_numbers = _moe_layer_numbers(model_chunks)
     batch, seq, num_layers, top_k = routes_BTLK.shape
-    if num_layers not in (len(replays), num_model_layers):
-        raise ValueError(f"routes have {num_layers} layers, the model has {len(replays)} MoE routers")
+    if num_layers not in (len(moe_layer_numbers), num_model_layers):
+        raise ValueError(f"routes have {num_layers} layers, the model has {len(moe_layer_numbers)} MoE routers")
     fill_K = torch.arange(top_k, dtype=torch.long)
-    for ordinal, replay in enumerate(replays):
-        layer = _layer_index(replay, ordinal, num_layers, num_model_layers or len(replays))
+    for replay in replays:
+        layer = _layer_index(replay, num_layers, num_model_layers or len(moe_layer_numbers), moe_layer_numbers)
         indices_NK = routes_BTLK[:, :, layer].transpose(0, 1).reshape(seq * batch, top_k).long()
         missing_N = (indices_NK < 0).any(dim=-1, keepdim=True)
         indices_NK = torch.where(missing_N, fill_K.expand_as(indices_NK), indices_NK)

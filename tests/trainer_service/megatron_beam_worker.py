@@ -8,6 +8,7 @@ and grad norm of one training step.
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 import torch
@@ -33,7 +34,9 @@ def gather_vocab_shards(logits_BTV: torch.Tensor) -> torch.Tensor:
 
 def main(beam_dir: str, tp: int, ep: int, out_path: str) -> None:
     parallel = MegatronConfig(tensor_model_parallel_size=tp, expert_model_parallel_size=ep)
-    backend = MegatronBackend(beam_dir, TrainerConfig(backend="megatron", lr=1e-2, geo_mask=None, megatron=parallel))
+    config = TrainerConfig(backend="megatron", lr=1e-2, geo_mask=None, megatron=parallel,
+                           num_processes=int(os.environ["WORLD_SIZE"]))  # set by torchrun
+    backend = MegatronBackend(beam_dir, config)
     ids, mask = long_rows_BT()
     logits = gather_vocab_shards(megatron_logits(backend, ids, mask))
     # Every rank takes part in the gathers; clones, since unsharded tensors are views of the trained parameters.

@@ -133,3 +133,51 @@ def test_bad_lora_settings_and_mismatched_checkpoints_are_refused_naming_the_fie
         full.mkdir()
         TorchBackend(model_dir, TrainerConfig()).save_checkpoint(full)
         TorchBackend(model_dir, _config()).load_checkpoint(full)
+
+
+# -- Megatron backend (megatron-bridge PEFT LoRA) ---------------------------------------------------------------
+
+
+def _megatron(model_dir: str, **kwargs):
+    from trainer_service.megatron_backend import MegatronBackend
+
+    return MegatronBackend(model_dir, _config(backend="megatron", **kwargs))
+
+
+def test_megatron_lora_trains_adapters_only_and_its_merged_export_reproduces_its_logprobs(model_dir, tmp_path):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM
+
+    backend = _megatron(model_dir)
+    trainable = [name for name, p in backend.model[0].named_parameters() if p.requires_grad]
+    assert trainable and all(".adapter." in name for name in trainable)
+    base_state = load_file(f"{model_dir}/model.safetensors")
+    exported = dict(backend.export_hf_weights())
+    assert exported.keys() == {name for name in base_state if lora.is_published(name, ALL_TARGETS)}
+    assert all(torch.equal(tensor, base_state[name]) for name, tensor in exported.items())  # B = 0: the base
+
+    frozen = {name: p.clone() for name, p in backend.model[0].named_parameters() if not p.requires_grad}
+    for _ in range(3):
+        assert backend.train_step(_batch())["skipped"] == 0.0
+    assert all(torch.equal(p, frozen[name]) for name, p in backend.model[0].named_parameters() if not p.requires_grad)
+
+    merged = {**base_state, **{name: t.contiguous() for name, t in backend.export_hf_weights()}}
+    shutil.copy(f"{model_dir}/config.json", tmp_path / "config.json")
+    save_file(merged, str(tmp_path / "model.safetensors"))
+    plain = AutoModelForCausalLM.from_pretrained(str(tmp_path), dtype=torch.float32).eval()
+    batch = _batch(seed=1)
+    with torch.no_grad():
+        reference = token_logprobs(plain, batch.input_ids_BT, batch.attention_mask_BT, 1.0)
+    adapted = backend.token_logprobs(batch.input_ids_BT, batch.attention_mask_BT)
+    mask = batch.attention_mask_BT[:, 1:].bool()
+    assert (adapted - reference)[mask].abs().max() < 1e-4
+    changed = [name for name, tensor in merged.items() if not torch.equal(tensor, base_state[name])]
+    assert changed and all(lora.target_of(name) for name in changed)  # only adapted weights moved
+
+
+def test_megatron_lora_resumes_bit_exactly(model_dir, tmp_path):
+    from megatron_checks import assert_resume_is_bit_identical
+
+    assert_resume_is_bit_identical(model_dir, _config(backend="megatron"), _batch(), tmp_path)

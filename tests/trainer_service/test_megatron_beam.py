@@ -202,7 +202,8 @@ def shift_expert_biases(backend: MegatronBackend, seed: int = 3) -> None:
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for router in routers(backend):
-            router.expert_bias.add_(torch.randn(router.expert_bias.shape, generator=generator) * 0.5)
+            shift = torch.randn(router.expert_bias.shape, generator=generator) * 0.5
+            router.expert_bias.add_(shift.to(router.expert_bias.device))
 
 
 def test_beam_megatron_replay_reproduces_recorded_logits_after_the_routing_changed(beam_dir, long_rows):

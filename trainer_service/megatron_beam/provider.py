@@ -10,8 +10,8 @@ on CPU and GPU. Per-layer differences are data, read by the modules from the con
 
 Parallelism goes through the stock megatron-core paths: tensor parallel (heads, gate rows, ``ssmax_scale``, MLP
 and expert widths, vocabulary), sequence parallel (every norm marks its weight), expert parallel (``SequentialMLP``
-experts). Checked on CPU/gloo: TP 2, EP 2, TP 2 x EP 2 with the allgather dispatcher. Pipeline parallel:
-``beam_block_spec`` builds only the stage's layers, but ``MegatronBackend`` refuses PP > 1, so that is untested.
+experts). Checked on CPU/gloo: TP 2, EP 2, TP 2 x EP 2 with the allgather dispatcher, and PP 2
+(``beam_block_spec`` builds only the stage's layers; tests/trainer_service/test_megatron_multirank.py).
 """
 
 from __future__ import annotations

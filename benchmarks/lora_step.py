@@ -1,0 +1,169 @@
+"""Full fine-tuning vs LoRA: one MegatronBackend training step of a scaled-down random Beam, side by side.
+
+Builds a Beam ``config.json`` (default: 12 layers with 2 dense, hidden 2048, 64 experts top-8 in 8 groups
+(keep 4), expert FFN 768, GQA 16/4 x 128 with the elementwise output gate, window 512 with a NoPE/SSMax layer
+every 6, soft-cap 30, vocab 32768), random-initialises it twice through megatron-bridge
+(``MegatronBackend(random_init=True)``): once for full fine-tuning, once with LoRA adapters on every
+attention and expert linear. Times ``train_step`` alternately on the same random batch and reports, per mode:
+step time, the memory the backend holds after it is built (weights, gradient buffers, optimizer state), the
+step's peak on top of that, the trainable parameter count and the bytes a weight publish sends.
+
+Prints one line per round and mode, then one JSON object with the LoRA / full ratios. On a CUDA machine:
+    PYTHONPATH=. python3 -u benchmarks/lora_step.py
+CPU smoke run (tiny sizes, fp32):
+    .venv/bin/python benchmarks/lora_step.py --tiny
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+
+import torch
+
+SIZES = {
+    "full": dict(layers=12, dense=2, hidden=2048, experts=64, top_k=8, groups=8, group_topk=4, expert_ffn=768,
+                 dense_ffn=6144, heads=16, kv_heads=4, head_dim=128, vocab=32768, seq=4096, batch=2),
+    "tiny": dict(layers=6, dense=1, hidden=64, experts=16, top_k=4, groups=4, group_topk=2, expert_ffn=64,
+                 dense_ffn=128, heads=4, kv_heads=2, head_dim=32, vocab=256, seq=64, batch=2),
+}
+
+
+def write_config(path: str, size: dict) -> None:
+    from modeling.beam import BeamConfig
+
+    BeamConfig(
+        vocab_size=size["vocab"], hidden_size=size["hidden"], num_hidden_layers=size["layers"],
+        first_k_dense_replace=size["dense"], intermediate_size=size["dense_ffn"],
+        moe_intermediate_size=size["expert_ffn"], n_routed_experts=size["experts"],
+        num_experts_per_tok=size["top_k"], n_group=size["groups"], topk_group=size["group_topk"],
+        num_attention_heads=size["heads"], num_key_value_heads=size["kv_heads"], head_dim=size["head_dim"],
+        sliding_window=min(512, size["seq"] // 4), max_position_embeddings=size["seq"],
+        architectures=["BeamForCausalLM"],
+    ).save_pretrained(path)
+
+
+def make_batch(size: dict):
+    from trainer_service.batch import TrainBatch
+
+    batch, seq = size["batch"], size["seq"]
+    ids = torch.randint(3, size["vocab"], (batch, seq), generator=torch.Generator().manual_seed(0))
+    loss_mask = torch.zeros(batch, seq - 1)
+    loss_mask[:, seq // 2 :] = 1.0
+    return TrainBatch(
+        input_ids_BT=ids, attention_mask_BT=torch.ones_like(ids), loss_mask_BT=loss_mask,
+        rollout_logprobs_BT=torch.full((batch, seq - 1), -10.0) * loss_mask,
+        advantages_B=torch.linspace(-1.0, 1.0, batch), rewards_B=torch.zeros(batch),
+        min_versions_B=torch.zeros(batch, dtype=torch.long), num_response_tokens=int(loss_mask.sum()),
+    )
+
+
+def build(model_dir: str, config, cuda: bool) -> tuple[object, dict]:
+    from trainer_service.megatron_backend import MegatronBackend
+
+    if cuda:
+        torch.cuda.synchronize()
+    allocated = torch.cuda.memory_allocated() if cuda else 0
+    started = time.perf_counter()
+    backend = MegatronBackend(model_dir, config, device="cuda" if cuda else "cpu", random_init=True)
+    parameters = list(backend.model[0].parameters())
+    published = sum(t.numel() * t.element_size() for _, t in backend.export_hf_weights())
+    facts = {
+        "build_s": round(time.perf_counter() - started, 1),
+        "params_b": round(sum(p.numel() for p in parameters) / 1e9, 3),
+        "trainable_m": round(sum(p.numel() for p in parameters if p.requires_grad) / 1e6, 2),
+        "publish_gib": round(published / 2**30, 3),
+        "held_gib": round((torch.cuda.memory_allocated() - allocated) / 2**30, 2) if cuda else None,
+    }
+    return backend, facts
+
+
+def time_steps(backend, batch, warmup: int, steps: int, cuda: bool) -> tuple[list[float], float | None]:
+    times = []
+    if cuda:
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+    for i in range(warmup + steps):
+        if cuda:
+            torch.cuda.synchronize()
+        started = time.perf_counter()
+        metrics = backend.train_step(batch)
+        if cuda:
+            torch.cuda.synchronize()
+        if i >= warmup:
+            times.append(time.perf_counter() - started)
+        assert metrics["skipped"] == 0.0, metrics
+    step_peak = (torch.cuda.max_memory_allocated() - base) / 2**30 if cuda else None
+    return times, step_peak
+
+
+def profile_step(mode: str, backend, batch, cuda: bool) -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as profiler:
+        backend.train_step(batch)
+        if cuda:
+            torch.cuda.synchronize()
+    sort_by = "self_cuda_time_total" if cuda else "self_cpu_time_total"
+    print(f"--- {mode}: top ops by {sort_by}")
+    print(profiler.key_averages().table(sort_by=sort_by, row_limit=18, max_name_column_width=60))
+
+
+def main() -> None:
+    import modeling.beam  # noqa: F401 - registers model_type "beam"
+    from protos.config import LoraConfig, MegatronConfig, TrainerConfig
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--tiny", action="store_true", help="CPU smoke sizes, fp32")
+    parser.add_argument("--lora-rank", type=int, default=32)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--rounds", type=int, default=2, help="alternate full/lora this often (order effects)")
+    parser.add_argument("--profile", action="store_true", help="then profile one step per mode (top ops)")
+    args = parser.parse_args()
+    size = SIZES["tiny" if args.tiny else "full"]
+    cuda = torch.cuda.is_available() and not args.tiny
+    megatron = MegatronConfig(
+        params_dtype="bfloat16" if cuda else "float32", moe_token_dispatcher="alltoall" if cuda else "allgather"
+    )
+    configs = {
+        "full": TrainerConfig(backend="megatron", lr=1e-6, geo_mask=None, megatron=megatron),
+        "lora": TrainerConfig(backend="megatron", lr=1e-5, geo_mask=None, megatron=megatron,
+                              lora=LoraConfig(rank=args.lora_rank, alpha=2 * args.lora_rank)),
+    }
+    result: dict = {"sizes": size, "dtype": megatron.params_dtype, "lora_rank": args.lora_rank}
+    backends = {}
+    with tempfile.TemporaryDirectory() as model_dir:
+        write_config(model_dir, size)
+        for mode, config in configs.items():
+            backends[mode], result[mode] = build(model_dir, config, cuda)
+            print(f"{mode}: built {result[mode]}", flush=True)
+    batch = make_batch(size)
+    times: dict[str, list[float]] = {mode: [] for mode in backends}
+    for round_index in range(args.rounds):
+        for mode, backend in backends.items():
+            round_times, step_peak = time_steps(backend, batch, args.warmup, args.steps, cuda)
+            times[mode] += round_times
+            if step_peak is not None:
+                result[mode]["step_peak_gib"] = round(step_peak, 2)
+            print(f"round {round_index} {mode}: median {statistics.median(round_times):.4f} s/step", flush=True)
+    for mode, mode_times in times.items():
+        result[mode]["step_s"] = round(statistics.median(mode_times), 4)
+        result[mode]["steps_s"] = [round(t, 4) for t in mode_times]
+    if args.profile:
+        for mode, backend in backends.items():
+            profile_step(mode, backend, batch, cuda)
+    ratio_keys = ["step_s", "trainable_m", "publish_gib"] + (["held_gib", "step_peak_gib"] if cuda else [])
+    result["lora_over_full"] = {key: round(result["lora"][key] / result["full"][key], 4) for key in ratio_keys}
+    if cuda:
+        result["device"] = torch.cuda.get_device_name()
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
