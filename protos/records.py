@@ -176,6 +176,24 @@ class NcclMember(msgspec.Struct, array_like=True, gc=False, frozen=True):
         return now - self.time_s <= timeout_s and now - self.progress_s <= timeout_s
 
 
+class OrderKind(enum.IntEnum):
+    TRAIN = 0  # one step's groups
+    CONTROL = 1  # operator commands (sync, set) to apply on every rank at the same point
+    STOP = 2  # rank 0 was asked to stop: every rank leaves at this step boundary
+    ERROR = 3  # rank 0 failed: every rank raises
+
+
+class StepOrder(msgspec.Struct, array_like=True, gc=False, frozen=True):
+    """What a multi-rank trainer does next. Producer: trainer rank 0 -> its other ranks (trainer_service.ranks),
+    over a torch.distributed broadcast, once per step and once per batch of control commands."""
+
+    kind: OrderKind
+    groups: list[TrajectoryGroup] = []
+    sync: bool = False
+    settings: list[tuple[str, str]] = []  # (key, JSON value) of ``set`` commands
+    message: str = ""
+
+
 _encoder = msgspec.msgpack.Encoder()
 _group_decoder = msgspec.msgpack.Decoder(TrajectoryGroup)
 _manifest_decoder = msgspec.msgpack.Decoder(WeightManifest)
@@ -218,3 +236,10 @@ def decode_nccl_round(data: bytes) -> NcclRound:
 
 def decode_nccl_member(data: bytes) -> NcclMember:
     return _nccl_member_decoder.decode(data)
+
+
+_order_decoder = msgspec.msgpack.Decoder(StepOrder)
+
+
+def decode_order(data: bytes) -> StepOrder:
+    return _order_decoder.decode(data)

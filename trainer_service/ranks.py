@@ -3,7 +3,7 @@
 Layout: every rank builds the same backend and ``Trainer`` and runs the same ``Trainer.step`` on the same groups
 (deterministic, so staleness drops, mini-batches and ledgers agree). Only rank 0 talks to Redis: it reads the
 queue, filters by the ledger, reads control commands, publishes weights, writes the trainer state and acknowledges
-entries. It hands the other ranks ``StepOrder`` records, msgspec bytes in a uint8 tensor (length first, no pickle):
+entries. It hands the other ranks ``protos.records.StepOrder`` records, msgspec bytes in a uint8 tensor (length first, no pickle):
 
     TRAIN     one step's groups
     CONTROL   operator commands (``sync``, ``set``) read while waiting for groups; applied on every rank at once,
@@ -17,16 +17,14 @@ The other ranks wait for the next order inside a broadcast, so the process group
 
 from __future__ import annotations
 
-import enum
 import json
 import logging
 import os
 from collections.abc import Callable
 
-import msgspec
 import torch
 
-from protos.records import TrajectoryGroup
+from protos.records import OrderKind, StepOrder, TrajectoryGroup, decode_order, encode
 
 logger = logging.getLogger(__name__)
 
@@ -116,33 +114,12 @@ def barrier() -> None:
 # -- rank 0 -> all ranks: what to do next -----------------------------------------------------------------------
 
 
-class OrderKind(enum.IntEnum):
-    TRAIN = 0
-    CONTROL = 1
-    STOP = 2
-    ERROR = 3
-
-
-class StepOrder(msgspec.Struct, array_like=True, frozen=True):
-    """Rank 0 -> every other trainer rank, once per step and once per control command batch (in-process only)."""
-
-    kind: OrderKind
-    groups: list[TrajectoryGroup] = []
-    sync: bool = False
-    settings: list[tuple[str, str]] = []  # (key, JSON value) of ``set`` commands
-    message: str = ""
-
-
-_ENCODER = msgspec.msgpack.Encoder()
-_DECODER = msgspec.msgpack.Decoder(StepOrder)
-
-
 def send_order(order: StepOrder) -> None:
-    broadcast_bytes(_ENCODER.encode(order), src=0)
+    broadcast_bytes(encode(order), src=0)
 
 
 def receive_order() -> StepOrder:
-    return _DECODER.decode(broadcast_bytes(None, src=0))
+    return decode_order(broadcast_bytes(None, src=0))
 
 
 class OrderFeed:

@@ -290,3 +290,31 @@ def test_trainer_group_info_finds_the_trainers_entry_by_str_or_bytes_name():
     assert keys.trainer_group_info(reply)["lag"] == 3
     assert keys.trainer_group_info([{"name": "trainers", "lag": 1}])["lag"] == 1
     assert keys.trainer_group_info([{"name": "others", "lag": 1}]) is None
+
+
+# The trainer's rank-0 -> other ranks order (trainer_service/ranks.py broadcasts it).
+ORDER_TRAIN_HEX = (
+    "95009198a26731a2703193c4080100000002000000a5696e7433329102919893c40403000000a5696e743332910193c404000000bfa766"
+    "6c6f617433329101919302000101cb3ff0000000000000a0c0a0a46563686f0402cb41d954fc40200000c290a0"
+)
+ORDER_CONTROL_HEX = "950190c39192b9636f6f7264696e61746f722e6d61785f7374616c656e657373a132a0"
+ORDER_ERROR_HEX = "950390c290b754696d656f75744572726f723a206e6f2067726f757073"
+
+
+def test_step_orders_encode_to_golden_bytes_and_back():
+    from protos.records import OrderKind, StepOrder, decode_order
+
+    group = TrajectoryGroup(
+        "g1", "p1", Array.from_numpy(np.array([1, 2], np.int32)),
+        [Sample(Array.from_numpy(np.array([3], np.int32)), Array.from_numpy(np.array([-0.5], np.float32)),
+                [VersionSpan(2, 0, 1)], FinishReason.STOP, 1.0)],
+        "echo", 4, 2, 1700000000.5,
+    )
+    orders = {
+        ORDER_TRAIN_HEX: StepOrder(OrderKind.TRAIN, groups=[group]),
+        ORDER_CONTROL_HEX: StepOrder(OrderKind.CONTROL, sync=True, settings=[("coordinator.max_staleness", "2")]),
+        ORDER_ERROR_HEX: StepOrder(OrderKind.ERROR, message="TimeoutError: no groups"),
+    }
+    for golden, order in orders.items():
+        assert encode(order).hex() == golden
+        assert decode_order(bytes.fromhex(golden)) == order
