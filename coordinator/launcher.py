@@ -227,6 +227,9 @@ class DemoLauncher:
             "trajectories_produced": int(coordinator.get("samples_pushed", 0)),
             "trajectories_trained": int(last.get("samples_trained", 0)),
             "stale_samples_dropped": int(last.get("stale_dropped", 0)),
+            # Trainer vs rollout logprobs of the trained tokens: policy drift within the staleness bound, and
+            # ~0 at max_staleness 0 unless the weights the servers run differ from the trainer's.
+            "max_abs_logprob_diff": max((s.get("mean_abs_logprob_diff", 0.0) for s in steps), default=0.0),
             "eval": {k: v for k, v in coordinator.items() if k.startswith("eval/")},
             "rewards": rewards,
             "wall_s": time.monotonic() - self.started,
