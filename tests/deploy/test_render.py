@@ -64,13 +64,14 @@ def test_beam_recipes_render_the_documented_gpu_counts(tmp_path, capsys, recipe,
     assert pod_gpus(objects[("Job", "coordinator")])[1] == 0
 
 
-@pytest.mark.parametrize("recipe", ["dapo-full-ft.yaml", "dapo-mxfp8.yaml"])
+@pytest.mark.parametrize("recipe", ["dapo-full-ft.yaml", "dapo-mxfp8.yaml", "dapo-lora.yaml"])
 def test_beam_readme_table_matches_the_rendered_layout(tmp_path, recipe):
     objects = render_to(tmp_path, BEAM / recipe)
     trainer = pod_gpus(objects[("Job", "trainer")])
     rollout = pod_gpus(objects[("StatefulSet", "rollout")])
     row = next(line for line in (BEAM / "README.md").read_text().splitlines() if line.startswith(f"| `{recipe}`"))
-    assert row.rstrip(" |").endswith(f"{trainer[0] * trainer[1]} + {rollout[0] * rollout[1]}")
+    trainer_gpus, rollout_gpus = trainer[0] * trainer[1], rollout[0] * rollout[1]
+    assert row.rstrip(" |").endswith(f"{trainer_gpus} + {rollout_gpus} = {trainer_gpus + rollout_gpus}")
 
 
 @pytest.mark.parametrize("recipe", DEMO_RECIPES, ids=lambda path: path.stem)
