@@ -8,6 +8,10 @@ Resuming from a checkpoint is bit-identical to continuing (tests/trainer_service
 layout (tensor/pipeline/expert/data parallel sizes) must be the same at load as at save: this is a per-rank
 snapshot, not megatron-core's reshardable ``dist_checkpointing`` format, whose save path calls CUDA in 0.19.2 and
 was not made to run on CPU here.
+
+LoRA (a frozen base): the model part holds the adapters only. The base is what the backend loads from the HF
+checkpoint at start and never changes, so a Beam-sized LoRA checkpoint is adapters + their Adam state, not the
+whole model again.
 """
 
 from __future__ import annotations
@@ -37,7 +41,8 @@ def save(model: list, optimizer, directory: str | Path) -> None:
     }
     with megatron_cpu_shims.cuda_tensors_on_cpu():
         state = {
-            "model": [chunk.state_dict() for chunk in model],
+            "model": [_model_state(chunk) for chunk in model],
+            "adapters_only": _has_frozen_base(model),
             "optimizer": optimizer.state_dict(),
             "optimizer_params": [_param_state(sub) for sub in sub_optimizers(optimizer)],
             "rng": rng,
@@ -52,8 +57,11 @@ def load(model: list, optimizer, directory: str | Path) -> None:
     from megatron.core.tensor_parallel import get_cuda_rng_tracker
 
     state = torch.load(Path(directory) / f"rank{dist.get_rank():05d}.pt", weights_only=False)
+    if state.get("adapters_only", False) != _has_frozen_base(model):
+        raise ValueError(f"{directory}: checkpoint written with{'' if state.get('adapters_only') else 'out'} LoRA; "
+                         "trainer.lora.rank must match the run that wrote it")
     for chunk, chunk_state in zip(model, state["model"], strict=True):
-        chunk.load_state_dict(_adapter_wrapper_keys(chunk, chunk_state))
+        _load_model_state(chunk, _adapter_wrapper_keys(chunk, chunk_state), state.get("adapters_only", False))
     # no_grad: the state is copied into views of the parameters.
     with torch.no_grad(), megatron_cpu_shims.cuda_tensors_on_cpu():
         optimizer.load_state_dict(state["optimizer"])
@@ -68,6 +76,37 @@ def load(model: list, optimizer, directory: str | Path) -> None:
     if rng["cuda"] is not None:
         torch.cuda.set_rng_state_all(rng["cuda"])
     get_cuda_rng_tracker().set_states(rng["tracker"])
+
+
+def _has_frozen_base(model: list) -> bool:
+    return any(not p.requires_grad for chunk in model for p in chunk.parameters())
+
+
+def _model_state(chunk) -> dict:
+    """What a checkpoint keeps of a model chunk: everything, or under LoRA the adapter tensors alone."""
+    state = chunk.state_dict()
+    if all(p.requires_grad for p in chunk.parameters()):
+        return state
+    return {key: value for key, value in state.items() if ".adapter." in key}
+
+
+def _load_model_state(chunk, chunk_state: dict, adapters_only: bool) -> None:
+    if not adapters_only:
+        chunk.load_state_dict(chunk_state)
+        return
+    module = getattr(chunk, "module", chunk)  # megatron's DDP wrapper returns nothing from load_state_dict
+    current = module.state_dict()
+    resized = [key for key, value in chunk_state.items()
+               if key in current and getattr(value, "shape", None) != getattr(current[key], "shape", None)]
+    if resized:
+        raise ValueError(f"LoRA checkpoint does not fit this model: {resized[0]} has shape "
+                         f"{tuple(chunk_state[resized[0]].shape)}, here {tuple(current[resized[0]].shape)} "
+                         "(trainer.lora.rank must match the run that wrote it)")
+    missing, unexpected = module.load_state_dict(chunk_state, strict=False)
+    missing_adapters = [key for key in missing if ".adapter." in key]
+    if unexpected or missing_adapters:
+        raise ValueError(f"LoRA checkpoint does not fit this model (trainer.lora rank / target_modules): unexpected "
+                         f"{unexpected[:3]}, missing adapters {missing_adapters[:3]}")
 
 
 def _adapter_wrapper_keys(chunk, chunk_state: dict) -> dict:

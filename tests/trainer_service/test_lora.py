@@ -181,3 +181,17 @@ def test_megatron_lora_resumes_bit_exactly(model_dir, tmp_path):
     from megatron_checks import assert_resume_is_bit_identical
 
     assert_resume_is_bit_identical(model_dir, _config(backend="megatron"), _batch(), tmp_path)
+
+
+def test_megatron_lora_checkpoint_holds_adapters_not_the_base(model_dir, tmp_path):
+    backend = _megatron(model_dir)
+    backend.train_step(_batch())  # megatron's optimizer has a state to save once it has stepped
+    backend.save_checkpoint(tmp_path / "lora")
+    state = torch.load(tmp_path / "lora" / "rank00000.pt", weights_only=False)
+    saved = sum(t.numel() for t in state["model"][0].values() if isinstance(t, torch.Tensor))
+    adapters = sum(p.numel() for p in backend.model[0].parameters() if p.requires_grad)
+    assert saved == adapters
+    with pytest.raises(ValueError, match="trainer.lora.rank"):
+        _megatron(model_dir, rank=0).load_checkpoint(tmp_path / "lora")
+    with pytest.raises(ValueError, match="trainer.lora"):
+        _megatron(model_dir, rank=8).load_checkpoint(tmp_path / "lora")
