@@ -23,6 +23,7 @@ import tempfile
 import time
 
 import torch
+from trainer_step import make_batch  # benchmarks/ is on sys.path when a benchmark runs as a script
 
 SIZES = {
     "full": dict(layers=12, dense=2, hidden=2048, experts=64, top_k=8, groups=8, group_topk=4, expert_ffn=768,
@@ -44,21 +45,6 @@ def write_config(path: str, size: dict) -> None:
         sliding_window=min(512, size["seq"] // 4), max_position_embeddings=size["seq"],
         architectures=["BeamForCausalLM"],
     ).save_pretrained(path)
-
-
-def make_batch(size: dict):
-    from trainer_service.batch import TrainBatch
-
-    batch, seq = size["batch"], size["seq"]
-    ids = torch.randint(3, size["vocab"], (batch, seq), generator=torch.Generator().manual_seed(0))
-    loss_mask = torch.zeros(batch, seq - 1)
-    loss_mask[:, seq // 2 :] = 1.0
-    return TrainBatch(
-        input_ids_BT=ids, attention_mask_BT=torch.ones_like(ids), loss_mask_BT=loss_mask,
-        rollout_logprobs_BT=torch.full((batch, seq - 1), -10.0) * loss_mask,
-        advantages_B=torch.linspace(-1.0, 1.0, batch), rewards_B=torch.zeros(batch),
-        min_versions_B=torch.zeros(batch, dtype=torch.long), num_response_tokens=int(loss_mask.sum()),
-    )
 
 
 def build(model_dir: str, config, cuda: bool) -> tuple[object, dict]:
@@ -143,7 +129,7 @@ def main() -> None:
         for mode, config in configs.items():
             backends[mode], result[mode] = build(model_dir, config, cuda)
             print(f"{mode}: built {result[mode]}", flush=True)
-    batch = make_batch(size)
+    batch = make_batch(size)  # trainer_step's: random tokens, loss on the second half
     times: dict[str, list[float]] = {mode: [] for mode in backends}
     for round_index in range(args.rounds):
         for mode, backend in backends.items():

@@ -19,3 +19,22 @@ def make_group(index: int, version: int = 0, group_size: int = 4, seed: int = 0)
         samples.append(Sample(Array.from_numpy(response), Array.from_numpy(logprobs),
                               [VersionSpan(version, 0, length)], FinishReason.LENGTH, float(rng.integers(0, 2))))
     return TrajectoryGroup(f"g{index}", f"p{index}", Array.from_numpy(prompt), samples, "synthetic", index, version, 0.0)
+
+
+def push_groups(url: str, keys, indices: list[int], seed: int = 11) -> None:
+    """Push groups ``g<i>`` for ``indices`` (policy version 0) onto the run's trajectory queue, as the coordinator
+    does (``coordinator.queue_writer.RolloutQueue``)."""
+    import asyncio
+
+    import redis.asyncio as aioredis
+
+    from coordinator.queue_writer import RolloutQueue
+
+    async def push():
+        client = aioredis.Redis.from_url(url)
+        queue = RolloutQueue(client, keys)
+        for index in indices:
+            await queue.push(make_group(index, version=0, seed=seed))
+        await client.aclose()
+
+    asyncio.run(push())

@@ -8,7 +8,6 @@ restarts it from its checkpoint.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import subprocess
@@ -18,13 +17,11 @@ from pathlib import Path
 
 import pytest
 import redis
-import redis.asyncio as aioredis
 import torch
 from safetensors.torch import load_file
 from multirank_worker import GRAD_CLIP, LR, random_routes, step_batch, trainer_config
-from synthetic import make_group
+from synthetic import make_group, push_groups
 
-from coordinator.queue_writer import RolloutQueue
 from modeling.beam.tiny import init_tiny_beam
 from modeling.tiny_model import init_tiny
 from protos.records import decode_manifest, decode_metrics
@@ -124,15 +121,6 @@ RUN_ID = "multirank-test"
 GROUPS_PER_STEP = 2
 
 
-def _push_groups(url: str, keys: RedisKeys, indices: list[int]) -> None:
-    async def push():
-        client = aioredis.Redis.from_url(url)
-        queue = RolloutQueue(client, keys)
-        for index in indices:
-            await queue.push(make_group(index, version=0, seed=11))
-        await client.aclose()
-
-    asyncio.run(push())
 
 
 def _start_trainer(model_dir: str, url: str, ckpt_dir: Path, log: Path, num_steps: int, linger_s: float):
@@ -186,7 +174,7 @@ def test_two_rank_trainer_trains_publishes_checkpoints_and_resumes(redis_server,
     keys, client = RedisKeys(RUN_ID), redis.Redis.from_url(redis_server.url)
     client.delete(*client.keys(f"fleetrl:{RUN_ID}:*") or ["-"])
     ckpt_dir, log = tmp_path / "ckpt", tmp_path / "trainer.log"
-    _push_groups(redis_server.url, keys, list(range(8)))
+    push_groups(redis_server.url, keys, list(range(8)))
 
     first = _start_trainer(model_dirs["qwen"], redis_server.url, ckpt_dir, log, num_steps=2, linger_s=2)
     reference = _reference_weights(model_dirs["qwen"], 2)

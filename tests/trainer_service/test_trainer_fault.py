@@ -6,7 +6,6 @@ the final checkpoint), none lost, none left pending, versions never going backwa
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import signal
@@ -17,10 +16,8 @@ from pathlib import Path
 
 import pytest
 import redis
-import redis.asyncio as aioredis
-from synthetic import make_group
+from synthetic import push_groups
 
-from coordinator.queue_writer import RolloutQueue
 from modeling.tiny_model import init_tiny
 from protos.redis_keys import RedisKeys
 
@@ -28,15 +25,6 @@ RUN_ID = "fault-test"
 NUM_GROUPS, GROUPS_PER_STEP = 24, 2
 
 
-def _push_groups(url: str, keys: RedisKeys, indices: list[int]) -> None:
-    async def push():
-        client = aioredis.Redis.from_url(url)
-        queue = RolloutQueue(client, keys)
-        for index in indices:
-            await queue.push(make_group(index, version=0, seed=11))
-        await client.aclose()
-
-    asyncio.run(push())
 
 
 def _start_trainer(model_dir: str, url: str, ckpt_dir: Path, log: Path, *extra: str) -> subprocess.Popen:
@@ -71,7 +59,7 @@ def _pending(client: redis.Redis, keys: RedisKeys) -> int:
 def test_sigkill_mid_step_then_restart_trains_every_group_exactly_once(redis_server, tmp_path, fresh_run):
     keys, client, model_dir = fresh_run
     ckpt_dir, log = tmp_path / "ckpt", tmp_path / "trainer.log"
-    _push_groups(redis_server.url, keys, list(range(NUM_GROUPS)))  # the queue holds every group up front
+    push_groups(redis_server.url, keys, list(range(NUM_GROUPS)))  # the queue holds every group up front
 
     first = _start_trainer(model_dir, redis_server.url, ckpt_dir, log)
     # Kill once a checkpoint exists and entries are read but not yet acknowledged: mid-step. SIGSTOP
@@ -108,7 +96,7 @@ def test_sigkill_mid_step_then_restart_trains_every_group_exactly_once(redis_ser
 def test_a_group_pushed_twice_is_trained_once(redis_server, tmp_path, fresh_run):
     keys, client, model_dir = fresh_run
     # A coordinator that lost the reply of a push retries it: the same group lands twice on the stream.
-    _push_groups(redis_server.url, keys, list(range(10)) + [3] + list(range(10, NUM_GROUPS)))
+    push_groups(redis_server.url, keys, list(range(10)) + [3] + list(range(10, NUM_GROUPS)))
     trainer = _start_trainer(model_dir, redis_server.url, tmp_path / "ckpt", tmp_path / "trainer.log")
     assert trainer.wait(timeout=300) == 0, (tmp_path / "trainer.log").read_text()[-3000:]
     final = _latest_state(tmp_path / "ckpt")
@@ -119,7 +107,7 @@ def test_a_group_pushed_twice_is_trained_once(redis_server, tmp_path, fresh_run)
 
 def test_megatron_backend_runs_in_the_trainer_process_and_publishes(redis_server, tmp_path, fresh_run):
     keys, client, model_dir = fresh_run
-    _push_groups(redis_server.url, keys, list(range(4)))
+    push_groups(redis_server.url, keys, list(range(4)))
     log = tmp_path / "trainer.log"
     trainer = _start_trainer(model_dir, redis_server.url, tmp_path / "ckpt", log,
                              "trainer.backend=megatron", "trainer.num_steps=2")
