@@ -10,6 +10,7 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 
 logger = logging.getLogger("coordinator")
 
@@ -60,7 +61,8 @@ async def build_pipeline(config, model_path: str, client, keys, fleet) -> Pipeli
     task = build_task(cfg, config.rollout.max_model_len, tokenizer, executor)
     start_version = await rendezvous.latest_version(client, keys)
     total_groups = config.trainer.num_steps * cfg.groups_per_step
-    scheduler = Scheduler(cfg, fleet, RolloutQueue(client, keys), task, total_groups, start_version)
+    version_jumps = await rendezvous.version_jumps(client, keys)
+    scheduler = Scheduler(cfg, fleet, RolloutQueue(client, keys), task, total_groups, start_version, version_jumps)
     evals = None
     if cfg.eval.datasets:
         renderer = PromptRenderer(tokenizer, cfg.chat_template_kwargs)
@@ -71,6 +73,13 @@ async def build_pipeline(config, model_path: str, client, keys, fleet) -> Pipeli
     logger.info("coordinator: task %s, %d groups of %d, start at trainer v%d, eval at %s", cfg.task, total_groups,
                 cfg.group_size, start_version, evals.pending if evals else [])
     return Pipeline(scheduler, evals, executor)
+
+
+def follow_version_jumps(pipeline: Pipeline, total: int) -> None:
+    """A restarted trainer skipped versions: shift the slot arithmetic and the eval schedule alike."""
+    skipped = pipeline.scheduler.set_version_jumps(total)
+    if skipped and pipeline.evals is not None:
+        pipeline.evals.shift(skipped)
 
 
 async def eval_round(evals, reporter, version: int) -> None:
@@ -112,7 +121,9 @@ async def start_operators(config, pipeline: Pipeline, client, keys, fleet, runne
         runners.append(metrics_runner)
         logger.info("Prometheus metrics on http://%s:%d/metrics", cfg.admin_host, metrics_port)
     background = [
-        asyncio.create_task(FleetWatcher(fleet, scheduler.set_trainer_version, client, keys).run(stop), name="fleet"),
+        asyncio.create_task(FleetWatcher(fleet, scheduler.set_trainer_version, client, keys,
+                                         on_version_jumps=partial(follow_version_jumps, pipeline)).run(stop),
+                            name="fleet"),
         asyncio.create_task(reporter.run(stop), name="metrics"),
     ]
     return Operators(reporter, admin, runners, background)

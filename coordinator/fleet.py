@@ -126,14 +126,17 @@ class FleetWatcher:
     """Polls Redis for the trainer's version and the servers' reports, and health-checks the servers."""
 
     def __init__(self, fleet: Fleet, on_version: Callable[[int], None], client: aioredis.Redis, keys: RedisKeys,
-                 interval_s: float = 0.2):
+                 interval_s: float = 0.2, on_version_jumps: Callable[[int], None] | None = None):
         self.fleet = fleet
         self.on_version = on_version
+        self.on_version_jumps = on_version_jumps  # (total skipped versions) -> None
         self.client = client
         self.keys = keys
         self.interval_s = interval_s
 
     async def refresh(self) -> None:
+        if self.on_version_jumps is not None:  # before the version: a trainer counts a jump before it publishes
+            self.on_version_jumps(await rendezvous.version_jumps(self.client, self.keys))
         self.on_version(await rendezvous.latest_version(self.client, self.keys))
         reports = await rendezvous.fleet_reports(self.client, self.keys)
         by_address = {report.address: report for report in reports.values()}

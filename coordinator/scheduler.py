@@ -10,6 +10,9 @@ Dynamic sampling: a group whose rewards are all equal carries no GRPO signal. It
 and a new prompt is drawn *for the same slot*, so the admission arithmetic above is unchanged: the
 replacement is trained at the same step and dispatched under the same version floor.
 
+A restarted trainer that publishes its restored weights as latest + 1 skips versions; it counts them in
+Redis (``version_jumps``) and ``shift_versions`` moves v_0 by as many, so the arithmetic above stays true.
+
 Eval holds: when an eval round is due at version v_e, admission stops at slot (v_e - v_0) * B. The
 trainer then reaches exactly v_e and waits; the round runs pinned to v_e, then admission resumes.
 """
@@ -66,7 +69,7 @@ class Scheduler:
     """Plain core of the coordinator; the ``run()`` loop in ``__main__`` drives it."""
 
     def __init__(self, config: CoordinatorConfig, fleet: Fleet, queue: RolloutQueue, task: Task,
-                 total_groups: int, start_version: int = 0):
+                 total_groups: int, start_version: int = 0, version_jumps: int = 0):
         self.config = config  # shared and live: the admin API changes it in place
         self.fleet = fleet
         self.queue = queue
@@ -74,6 +77,7 @@ class Scheduler:
         self.total_groups = total_groups
         self.start_version = start_version
         self.trainer_version = start_version
+        self.version_jumps = version_jumps  # the trainer's skipped-version count when this coordinator started
         self.eval_hold_version: int | None = None
         self.state = RunState.RUNNING
         self.stats = SchedulerStats()
@@ -87,6 +91,23 @@ class Scheduler:
 
     def set_trainer_version(self, version: int) -> None:
         self.trainer_version = max(self.trainer_version, version)
+
+    def set_version_jumps(self, total: int) -> int:
+        """Take the trainer's count of skipped versions (RedisKeys.version_jumps); returns how many are new.
+
+        After a restarted trainer skipped versions, every slot is trained that many versions later than the slot
+        arithmetic assumed, so its origin moves with it (admission limit, dispatch floors, eval hold).
+        """
+        skipped = total - self.version_jumps
+        if skipped <= 0:
+            return 0
+        self.version_jumps = total
+        self.start_version += skipped
+        if self.eval_hold_version is not None:
+            self.eval_hold_version += skipped
+        logger.warning("the trainer skipped %d versions (restart): slot i now trains at v%d + i // %d", skipped,
+                       self.start_version, self.config.groups_per_step)
+        return skipped
 
     # admission -----------------------------------------------------------------------------
     def admission_limit(self) -> int:

@@ -44,6 +44,13 @@ class RedisKeys:
         """Latest policy version the trainer has published (int as string)."""
         return self._key("version")
 
+    @property
+    def version_jumps(self) -> str:
+        """Versions skipped by trainer restarts, in total (int as string; INCRBY). A trainer restored from a
+        checkpoint older than the latest published version publishes it as latest + 1, so versions stop being
+        'start version + steps trained'; the coordinator shifts its slot -> version map by each increase."""
+        return self._key("version_jumps")
+
     def manifest(self, version: int) -> str:
         """Encoded WeightManifest of ``version``."""
         return self._key(f"weights:{version}")

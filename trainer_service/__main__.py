@@ -150,6 +150,8 @@ def catch_up_published(side, trainer, publish_current, restored, step: int) -> N
                     "ledger %d groups, %d ranks", step, trainer.policy_version, restored, published, side.reclaimed,
                     len(trainer.ledger), ranks.world_size())
     if published > trainer.policy_version:
+        if side:  # before the publish: the coordinator must not see the new version without the jump
+            side.client.incrby(side.keys.version_jumps, published + 1 - trainer.policy_version)
         trainer.policy_version = published + 1
         publish_current()
     if side:

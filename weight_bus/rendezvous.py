@@ -39,6 +39,12 @@ async def latest_version(client: aioredis.Redis, keys: RedisKeys) -> int:
     return int(raw) if raw is not None else 0
 
 
+async def version_jumps(client: aioredis.Redis, keys: RedisKeys) -> int:
+    """Versions skipped by trainer restarts so far (``RedisKeys.version_jumps``), 0 when none."""
+    raw = await client.get(keys.version_jumps)
+    return int(raw) if raw is not None else 0
+
+
 async def get_manifest(client: aioredis.Redis, keys: RedisKeys, version: int) -> WeightManifest | None:
     raw = await client.get(keys.manifest(version))
     return decode_manifest(raw) if raw is not None else None

@@ -51,6 +51,27 @@ def test_admission_allows_k_plus_one_steps_of_slots_counted_from_the_start_versi
     assert scheduler.trainer_version == 6 and not scheduler.can_admit()
 
 
+def test_versions_skipped_by_a_restarted_trainer_shift_the_slot_arithmetic_and_the_eval_schedule():
+    from coordinator.__main__ import Pipeline, follow_version_jumps
+
+    scheduler = make_scheduler(start_version=0, overrides=("coordinator.eval.datasets=[a.jsonl]",))
+    evals = EvalRunner(scheduler.config, scheduler.fleet, [], scorer=None)
+    evals.schedule([4])
+    pipeline = Pipeline(scheduler, evals, executor=None)
+    scheduler.set_trainer_version(2)
+    assert admit_all(scheduler) == (2 + 1 + 1) * 4
+    # The trainer dies after publishing v3, restarts from its step-1 checkpoint and publishes that as v4:
+    # 3 versions skipped; the groups of steps 2.. are trained again, each 3 versions later than planned.
+    follow_version_jumps(pipeline, 3)
+    scheduler.set_trainer_version(4)
+    assert scheduler.train_version(4) == 3 + 1  # slot 4 (step 2) now trains at v4, as the restarted trainer does
+    assert scheduler.version_floor(8) == 3 + 2 - 1
+    assert scheduler.admission_limit() == (4 - 3 + 1 + 1) * 4  # counted in steps, not in raw versions
+    assert evals.pending == [7]  # the round after 4 steps
+    follow_version_jumps(pipeline, 3)  # the same total again changes nothing
+    assert scheduler.start_version == 3 and evals.pending == [7]
+
+
 def test_admission_stops_at_the_run_total():
     scheduler = make_scheduler(total_groups=6)
     scheduler.set_trainer_version(10)

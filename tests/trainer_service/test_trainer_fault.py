@@ -90,6 +90,11 @@ def test_sigkill_mid_step_then_restart_trains_every_group_exactly_once(redis_ser
     assert set(final["ledger"].values()) == {"trained"}
     assert _pending(client, keys) == 0 and client.llen(keys.dead_letters) == 0
     assert int(client.get(keys.policy_version)) > version_at_kill  # the restart published past the dead lineage
+    # Versions it skipped are counted for the coordinator: version = steps trained + versions skipped.
+    lost = version_at_kill - killed_at["policy_version"]
+    skipped = int(client.get(keys.version_jumps) or 0)
+    assert skipped == (lost + 1 if lost > 0 else 0)
+    assert int(client.get(keys.policy_version)) == final["step"] + skipped
     assert f"{pending_at_kill} entries reclaimed" in log.read_text()  # the restart took them over
 
 
