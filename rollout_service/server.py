@@ -210,6 +210,9 @@ async def start_grpc_server(
     return server, bound, health_servicer
 
 
+_REFUSAL_WINDOW_S = 1.0
+
+
 async def drain_and_stop(
     server: grpc.aio.Server, servicer: RolloutServicer, health_servicer, grace_s: float
 ) -> None:
@@ -221,8 +224,13 @@ async def drain_and_stop(
     """
     servicer.draining = True
     await health_servicer.enter_graceful_shutdown()
-    deadline = time.monotonic() + grace_s
-    while servicer.inflight and time.monotonic() < deadline:
+    started = time.monotonic()
+    deadline = started + grace_s
+    # Listen at least a moment even with nothing in flight: a call racing the signal then meets our UNAVAILABLE
+    # refusal instead of the transport's shutdown, which cancels it (the client sees CANCELLED, which reads as its
+    # own cancel rather than "go elsewhere").
+    refuse_until = started + min(grace_s, _REFUSAL_WINDOW_S)
+    while (servicer.inflight and time.monotonic() < deadline) or time.monotonic() < refuse_until:
         await asyncio.sleep(0.05)
     if servicer.inflight:
         logger.warning("grace period over: cancelling %d calls still in flight", servicer.inflight)

@@ -439,7 +439,8 @@ def test_lora_update_of_the_adapted_layers_only_matches_the_merged_model(server,
 def test_sigterm_refuses_new_calls_finishes_in_flight_ones_then_exits(server):
     stub = server.stub
     in_flight = stub.Generate(
-        pb.GenerateRequest(prompt_token_ids=PROMPT, sampling=pb.SamplingParams(n=2, temperature=1.0, max_tokens=200, ignore_eos=True)),
+        # 4 x 200 tokens: long enough to be still running when the signal lands, also on a loaded machine
+        pb.GenerateRequest(prompt_token_ids=PROMPT, sampling=pb.SamplingParams(n=4, temperature=1.0, max_tokens=200, ignore_eos=True)),
         timeout=120,
     )
     chunks = [next(in_flight)]  # admitted and streaming
@@ -455,7 +456,7 @@ def test_sigterm_refuses_new_calls_finishes_in_flight_ones_then_exits(server):
         time.sleep(0.05)
     chunks += list(in_flight)
     finals = [c for c in chunks if c.finished]
-    assert len(finals) == 2 and all(c.finish_reason == pb.FINISH_REASON_LENGTH for c in finals)
-    assert sum(len(c.token_ids) for c in chunks) == 400
+    assert len(finals) == 4 and all(c.finish_reason == pb.FINISH_REASON_LENGTH for c in finals)
+    assert sum(len(c.token_ids) for c in chunks) == 800
     assert server.process.wait(timeout=GRACE_S + 60) == 0
     assert "draining" in open(server.log_path).read()
