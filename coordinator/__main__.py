@@ -60,9 +60,10 @@ async def build_pipeline(config, model_path: str, client, keys, fleet) -> Pipeli
     executor = ThreadPoolExecutor(cfg.reward_threads, thread_name_prefix="reward")
     task = build_task(cfg, config.rollout.max_model_len, tokenizer, executor)
     start_version = await rendezvous.latest_version(client, keys)
-    total_groups = config.trainer.num_steps * cfg.groups_per_step
     version_jumps = await rendezvous.version_jumps(client, keys)
-    scheduler = Scheduler(cfg, fleet, RolloutQueue(client, keys), task, total_groups, start_version, version_jumps)
+    queue = RolloutQueue(client, keys)
+    total_groups, queued = await remaining_groups(config, queue, start_version - version_jumps)
+    scheduler = Scheduler(cfg, fleet, queue, task, total_groups, start_version, version_jumps, queued)
     evals = None
     if cfg.eval.datasets:
         renderer = PromptRenderer(tokenizer, cfg.chat_template_kwargs)
@@ -80,6 +81,23 @@ def follow_version_jumps(pipeline: Pipeline, total: int) -> None:
     skipped = pipeline.scheduler.set_version_jumps(total)
     if skipped and pipeline.evals is not None:
         pipeline.evals.shift(skipped)
+
+
+async def remaining_groups(config, queue, steps_trained: int) -> tuple[int, int]:
+    """(groups this coordinator still produces, groups already queued ahead of them).
+
+    A fresh run: (num_steps x B, 0). A coordinator restarted mid-run: earlier coordinators pushed some groups;
+    the trainer has trained ``steps_trained`` steps (its version minus the versions restarts skipped), so the
+    rest of what was pushed is still ahead in the queue, and only the remainder of the run is produced.
+    """
+    B = config.coordinator.groups_per_step
+    pushed = await queue.pushed_total()
+    queued = max(0, pushed - steps_trained * B)
+    total = max(0, config.trainer.num_steps * B - pushed)
+    if pushed:
+        logger.warning("coordinator restart: %d groups pushed before (trainer at step %d, %d still queued); "
+                       "producing the remaining %d", pushed, steps_trained, queued, total)
+    return total, queued
 
 
 async def eval_round(evals, reporter, version: int) -> None:

@@ -137,7 +137,7 @@ class EvalRunner:
         """Every slot before the next eval version is pushed: only the trainer can move the run on."""
         if not self.pending:
             return False
-        hold_slots = (self.pending[0] - scheduler.start_version) * self.config.groups_per_step
+        hold_slots = scheduler.slots_before(self.pending[0])
         return not scheduler.in_flight and scheduler.stats.slots_admitted >= min(hold_slots, scheduler.total_groups)
 
     @property

@@ -45,6 +45,14 @@ class RolloutQueue:
                 await asyncio.sleep(delay_s)
                 delay_s = min(2.0, delay_s * 2)
 
+    async def pushed_total(self) -> int:
+        """Groups ever pushed onto the run's stream, by any coordinator (the stream's entries-added counter)."""
+        try:
+            info = await self.client.xinfo_stream(self.keys.trajectories)
+        except aioredis.ResponseError:  # no stream yet: a fresh run
+            return 0
+        return int(info.get("entries-added", info.get("length", 0)))
+
     async def depth(self) -> int:
         """Entries not yet delivered to the trainers (lag of their consumer group)."""
         try:

@@ -1,9 +1,10 @@
 """Scheduler: admission control, dispatch to rollout servers, scoring and in-order push.
 
 The staleness bound (docs/architecture.md): with B groups per step, trainer version v_t and v_0 the
-trainer's version when this coordinator started, at most (v_t - v_0 + k + 1) * B group *slots* are
-admitted. Groups are pushed in slot order, so slot i is trained at version v_0 + i // B; it is
-dispatched only to a server whose version is >= v_0 + i // B - k. Together these make
+trainer's version when this coordinator started, at most (v_t - v_0 + k + 1) * B - q group *slots* are
+admitted, q being the groups an earlier coordinator of the run left queued (0 on a fresh run). Groups are
+pushed in slot order, so slot i is trained at version v_0 + (q + i) // B; it is dispatched only to a server
+whose version is >= v_0 + (q + i) // B - k. Together these make
 ``v_trainer - min token version <= k`` hold for every sample, with nothing thrown away.
 
 Dynamic sampling: a group whose rewards are all equal carries no GRPO signal. It is skipped (counted)
@@ -69,7 +70,7 @@ class Scheduler:
     """Plain core of the coordinator; the ``run()`` loop in ``__main__`` drives it."""
 
     def __init__(self, config: CoordinatorConfig, fleet: Fleet, queue: RolloutQueue, task: Task,
-                 total_groups: int, start_version: int = 0, version_jumps: int = 0):
+                 total_groups: int, start_version: int = 0, version_jumps: int = 0, queued_at_start: int = 0):
         self.config = config  # shared and live: the admin API changes it in place
         self.fleet = fleet
         self.queue = queue
@@ -78,6 +79,9 @@ class Scheduler:
         self.start_version = start_version
         self.trainer_version = start_version
         self.version_jumps = version_jumps  # the trainer's skipped-version count when this coordinator started
+        # Groups an earlier coordinator pushed that the trainer has not trained yet: they go first, so slot i is
+        # the (queued + i)-th group the trainer takes from now on.
+        self.queued_at_start = queued_at_start
         self.eval_hold_version: int | None = None
         self.state = RunState.RUNNING
         self.stats = SchedulerStats()
@@ -112,10 +116,14 @@ class Scheduler:
     # admission -----------------------------------------------------------------------------
     def admission_limit(self) -> int:
         B = self.config.groups_per_step
-        limit = min((self.trainer_version - self.start_version + self.config.max_staleness + 1) * B, self.total_groups)
+        limit = min(self.slots_before(self.trainer_version + self.config.max_staleness + 1), self.total_groups)
         if self.eval_hold_version is not None:
-            limit = min(limit, (self.eval_hold_version - self.start_version) * B)
-        return limit
+            limit = min(limit, self.slots_before(self.eval_hold_version))
+        return max(0, limit)
+
+    def slots_before(self, version: int) -> int:
+        """How many of this coordinator's slots are trained by versions below ``version``."""
+        return (version - self.start_version) * self.config.groups_per_step - self.queued_at_start
 
     def can_admit(self) -> bool:
         return self.state == RunState.RUNNING and self.stats.slots_admitted < self.admission_limit()
@@ -129,7 +137,7 @@ class Scheduler:
 
     def train_version(self, slot: int) -> int:
         """The trainer version that will train slot ``slot``."""
-        return self.start_version + slot // self.config.groups_per_step
+        return self.start_version + (slot + self.queued_at_start) // self.config.groups_per_step
 
     def version_floor(self, slot: int) -> int:
         return self.train_version(slot) - self.config.max_staleness

@@ -7,6 +7,7 @@ import asyncio
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import redis.asyncio as aioredis
 
@@ -70,6 +71,34 @@ def test_versions_skipped_by_a_restarted_trainer_shift_the_slot_arithmetic_and_t
     assert evals.pending == [7]  # the round after 4 steps
     follow_version_jumps(pipeline, 3)  # the same total again changes nothing
     assert scheduler.start_version == 3 and evals.pending == [7]
+
+
+def test_a_restarted_coordinator_counts_the_groups_still_queued_and_produces_only_the_rest(redis_server):
+    from coordinator.__main__ import remaining_groups
+    from protos.records import Array, TrajectoryGroup
+
+    config = load_run_config(overrides=["coordinator.groups_per_step=4", "coordinator.max_staleness=1",
+                                        "trainer.num_steps=10"])
+    keys = RedisKeys("restart-unit")
+
+    async def scenario():
+        client = aioredis.Redis.from_url(redis_server.url)
+        queue = RolloutQueue(client, keys)
+        assert await remaining_groups(config, queue, steps_trained=0) == (40, 0)  # a fresh run
+        empty = Array.from_numpy(np.zeros(1, np.int32))
+        for index in range(14):  # the first coordinator pushed 14 groups, then died
+            await queue.push(TrajectoryGroup(f"g{index}", "p", empty, [], "unit", index, 0, 0.0))
+        found = await remaining_groups(config, queue, steps_trained=2)  # the trainer has trained 2 steps (8 groups)
+        await client.aclose()
+        return found
+
+    total, queued = asyncio.run(scenario())
+    assert (total, queued) == (40 - 14, 14 - 8)
+    scheduler = Scheduler(make_scheduler().config, Fleet([]), make_scheduler().queue, EchoTask(), total,
+                          start_version=2, queued_at_start=queued)
+    # 6 queued groups: steps 3 and (half of) 4 are theirs; this coordinator's slot 0 completes step 4's batch
+    assert scheduler.train_version(0) == 2 + (0 + 6) // 4 and scheduler.train_version(2) == 2 + (2 + 6) // 4
+    assert admit_all(scheduler) == (0 + 1 + 1) * 4 - 6  # the bound counts the queued groups too
 
 
 def test_admission_stops_at_the_run_total():
