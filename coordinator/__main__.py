@@ -62,7 +62,9 @@ async def build_pipeline(config, model_path: str, client, keys, fleet) -> Pipeli
     start_version = await rendezvous.latest_version(client, keys)
     version_jumps = await rendezvous.version_jumps(client, keys)
     queue = RolloutQueue(client, keys)
-    total_groups, queued = await remaining_groups(config, queue, start_version - version_jumps)
+    # version = steps + skipped holds along one checkpoint lineage; a trainer started afresh (trainer.resume=none)
+    # on a reused run id counts its jump from 0, so the difference can go negative: then assume no steps.
+    total_groups, queued = await remaining_groups(config, queue, max(0, start_version - version_jumps))
     scheduler = Scheduler(cfg, fleet, queue, task, total_groups, start_version, version_jumps, queued)
     evals = None
     if cfg.eval.datasets:

@@ -355,7 +355,8 @@ def test_a_server_killed_mid_run_loses_no_prompt_and_its_requests_are_redispatch
 
         deadline = time.monotonic() + 120
         while True:  # catch the victim generating for the coordinator, and freeze those calls there
-            assert time.monotonic() < deadline, f"{victim.address} never busy"
+            assert time.monotonic() < deadline, (
+                f"{victim.address} never busy: {stub.GetStatus(admin_pb2.GetStatusRequest(), timeout=10)}")
             if busy_on_victim():
                 engine.Pause(rollout_pb2.PauseRequest(mode=rollout_pb2.PAUSE_MODE_KEEP), timeout=10)
                 if busy_on_victim():
