@@ -135,9 +135,10 @@ class FleetWatcher:
         self.interval_s = interval_s
 
     async def refresh(self) -> None:
-        if self.on_version_jumps is not None:  # before the version: a trainer counts a jump before it publishes
-            self.on_version_jumps(await rendezvous.version_jumps(self.client, self.keys))
-        self.on_version(await rendezvous.latest_version(self.client, self.keys))
+        version, jumps = await rendezvous.version_and_jumps(self.client, self.keys)
+        if self.on_version_jumps is not None:  # first: the shift must be in place before the new version counts
+            self.on_version_jumps(jumps)
+        self.on_version(version)
         reports = await rendezvous.fleet_reports(self.client, self.keys)
         by_address = {report.address: report for report in reports.values()}
         for client in self.fleet.clients:

@@ -276,7 +276,11 @@ class TrainerConfig(_Strict):
                 f"trainer.megatron: EP x ETP = {expert_parallel} does not divide the {stage_ranks} ranks of a pipeline "
                 f"stage (world size {world_size} / PP {megatron.pipeline_model_parallel_size})"
             )
-        if self.lora.enabled and megatron.moe_router_bias_update_rate > 0:
+        return self
+
+    @model_validator(mode="after")
+    def _lora_keeps_the_base_frozen(self) -> TrainerConfig:
+        if self.lora.enabled and self.megatron.moe_router_bias_update_rate > 0:
             raise ValueError(
                 "trainer.megatron.moe_router_bias_update_rate > 0 moves router biases, which LoRA (trainer.lora.rank "
                 "> 0) keeps frozen with the rest of the base model; set it to 0"

@@ -39,10 +39,11 @@ def save(model: list, optimizer, directory: str | Path) -> None:
         "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
         "tracker": get_cuda_rng_tracker().get_states(),
     }
+    adapters_only = _has_frozen_base(model)
     with megatron_cpu_shims.cuda_tensors_on_cpu():
         state = {
-            "model": [_model_state(chunk) for chunk in model],
-            "adapters_only": _has_frozen_base(model),
+            "model": [_model_state(chunk, adapters_only) for chunk in model],
+            "adapters_only": adapters_only,
             "optimizer": optimizer.state_dict(),
             "optimizer_params": [_param_state(sub) for sub in sub_optimizers(optimizer)],
             "rng": rng,
@@ -82,12 +83,10 @@ def _has_frozen_base(model: list) -> bool:
     return any(not p.requires_grad for chunk in model for p in chunk.parameters())
 
 
-def _model_state(chunk) -> dict:
+def _model_state(chunk, adapters_only: bool) -> dict:
     """What a checkpoint keeps of a model chunk: everything, or under LoRA the adapter tensors alone."""
     state = chunk.state_dict()
-    if all(p.requires_grad for p in chunk.parameters()):
-        return state
-    return {key: value for key, value in state.items() if ".adapter." in key}
+    return {key: value for key, value in state.items() if ".adapter." in key} if adapters_only else state
 
 
 def _load_model_state(chunk, chunk_state: dict, adapters_only: bool) -> None:

@@ -104,13 +104,6 @@ def any_rank(flag: bool, group=None) -> bool:
     return bool(value.item())
 
 
-def barrier() -> None:
-    import torch.distributed as dist
-
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.barrier()
-
-
 # -- rank 0 -> all ranks: what to do next -----------------------------------------------------------------------
 
 

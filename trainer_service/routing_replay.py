@@ -257,7 +257,7 @@ def megatron_forced_routing(
     batch, seq, num_layers, top_k = routes_BTLK.shape
     if num_layers not in (len(moe_layer_numbers), num_model_layers):
         raise ValueError(f"routes have {num_layers} layers, the model has {len(moe_layer_numbers)} MoE routers")
-    fill_K = torch.arange(top_k, dtype=torch.long)
+    fill_K = torch.arange(top_k, dtype=torch.long, device=routes_BTLK.device)
     for replay in replays:
         layer = _layer_index(replay, num_layers, num_model_layers or len(moe_layer_numbers), moe_layer_numbers)
         indices_NK = routes_BTLK[:, :, layer].transpose(0, 1).reshape(seq * batch, top_k).long()

@@ -58,10 +58,9 @@ class TorchBackend:
         self.device = torch.device(device)
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).to(self.device)
         self.model.train()
-        self.lora = config.lora
-        if self.lora.enabled:
-            adapted = lora.apply_lora(self.model, self.lora)
-            logger.info("LoRA rank %d on %d weights (%s)", self.lora.rank, adapted, ", ".join(self.lora.target_modules))
+        if config.lora.enabled:
+            adapted = lora.apply_lora(self.model, config.lora)
+            logger.info("LoRA rank %d on %d weights (%s)", config.lora.rank, adapted, ", ".join(config.lora.target_modules))
         self.trainable = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(
             self.trainable, lr=config.lr, weight_decay=config.weight_decay, betas=(0.9, 0.99)
@@ -134,13 +133,13 @@ class TorchBackend:
         from transformers.core_model_loading import revert_weight_conversion
 
         state = lora.merged_state(self.model)
-        yield from lora.published(iter(revert_weight_conversion(self.model, state).items()), self.lora)
+        yield from lora.published(iter(revert_weight_conversion(self.model, state).items()), self.config.lora)
 
     def save_checkpoint(self, directory: Path) -> None:
         """Model (LoRA: the adapters) as safetensors; optimizer, LR schedule and RNG as a tensors-only torch file."""
         from safetensors.torch import save_file, save_model
 
-        if self.lora.enabled:
+        if self.config.lora.enabled:
             save_file({k: v.contiguous() for k, v in lora.adapter_state(self.model).items()},
                       str(directory / "adapters.safetensors"))
         else:
@@ -156,7 +155,7 @@ class TorchBackend:
     def load_checkpoint(self, directory: Path) -> None:
         from safetensors.torch import load_model
 
-        if self.lora.enabled:
+        if self.config.lora.enabled:
             self._load_adapters(directory / "adapters.safetensors")
         else:
             load_model(self.model, str(directory / "model.safetensors"), device=str(self.device))

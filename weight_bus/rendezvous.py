@@ -45,6 +45,13 @@ async def version_jumps(client: aioredis.Redis, keys: RedisKeys) -> int:
     return int(raw) if raw is not None else 0
 
 
+async def version_and_jumps(client: aioredis.Redis, keys: RedisKeys) -> tuple[int, int]:
+    """``latest_version`` and ``version_jumps`` in one round trip, read together (a trainer counts a jump before
+    it publishes the version that makes it)."""
+    raw_version, raw_jumps = await client.mget(keys.policy_version, keys.version_jumps)
+    return int(raw_version or 0), int(raw_jumps or 0)
+
+
 async def get_manifest(client: aioredis.Redis, keys: RedisKeys, version: int) -> WeightManifest | None:
     raw = await client.get(keys.manifest(version))
     return decode_manifest(raw) if raw is not None else None
