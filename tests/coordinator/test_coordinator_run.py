@@ -353,14 +353,23 @@ def test_a_server_killed_mid_run_loses_no_prompt_and_its_requests_are_redispatch
             assert now.groups_pushed < now.total_groups, f"{victim.address} never busy mid-run"
             return now.groups_pushed >= 1 and any(s.address == victim.address and s.inflight for s in now.servers)
 
+        def frozen_on_victim() -> bool:
+            # The coordinator's count alone can include a call whose samples all finished before the pause
+            # and whose stream is still closing: a request the paused engine still holds is frozen.
+            for _ in range(2):
+                if not engine.ServerInfo(rollout_pb2.ServerInfoRequest(), timeout=10).num_engine_requests:
+                    return False
+                time.sleep(0.2)
+            return True
+
         deadline = time.monotonic() + 120
         while True:  # catch the victim generating for the coordinator, and freeze those calls there
             assert time.monotonic() < deadline, (
                 f"{victim.address} never busy: {stub.GetStatus(admin_pb2.GetStatusRequest(), timeout=10)}")
             if busy_on_victim():
                 engine.Pause(rollout_pb2.PauseRequest(mode=rollout_pb2.PAUSE_MODE_KEEP), timeout=10)
-                if busy_on_victim():
-                    break  # its calls are frozen: only the kill can end them
+                if frozen_on_victim() and busy_on_victim():
+                    break  # only the kill can end its calls now
                 engine.Resume(rollout_pb2.ResumeRequest(), timeout=10)
             time.sleep(0.01)
         os.killpg(victim.process.pid, signal.SIGKILL)
