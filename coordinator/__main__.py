@@ -64,8 +64,11 @@ async def build_pipeline(config, model_path: str, client, keys, fleet) -> Pipeli
     queue = RolloutQueue(client, keys)
     # version = steps + skipped holds along one checkpoint lineage; a trainer started afresh (trainer.resume=none)
     # on a reused run id counts its jump from 0, so the difference can go negative: then assume no steps.
-    total_groups, queued = await remaining_groups(config, queue, max(0, start_version - version_jumps))
-    scheduler = Scheduler(cfg, fleet, queue, task, total_groups, start_version, version_jumps, queued)
+    pushed = await queue.pushed_total()
+    total_groups, queued = remaining_groups(config, pushed, max(0, start_version - version_jumps))
+    if pushed:
+        await resume_prompts(task, queue)
+    scheduler = Scheduler(cfg, fleet, queue, task, total_groups, start_version, version_jumps, queued, pushed)
     evals = None
     if cfg.eval.datasets:
         renderer = PromptRenderer(tokenizer, cfg.chat_template_kwargs)
@@ -85,21 +88,41 @@ def follow_version_jumps(pipeline: Pipeline, total: int) -> None:
         pipeline.evals.shift(skipped)
 
 
-async def remaining_groups(config, queue, steps_trained: int) -> tuple[int, int]:
+def remaining_groups(config, pushed: int, steps_trained: int) -> tuple[int, int]:
     """(groups this coordinator still produces, groups already queued ahead of them).
 
-    A fresh run: (num_steps x B, 0). A coordinator restarted mid-run: earlier coordinators pushed some groups;
+    A fresh run: (num_steps x B, 0). A coordinator restarted mid-run: earlier coordinators ``pushed`` some groups;
     the trainer has trained ``steps_trained`` steps (its version minus the versions restarts skipped), so the
     rest of what was pushed is still ahead in the queue, and only the remainder of the run is produced.
     """
     B = config.coordinator.groups_per_step
-    pushed = await queue.pushed_total()
     queued = max(0, pushed - steps_trained * B)
     total = max(0, config.trainer.num_steps * B - pushed)
     if pushed:
         logger.warning("coordinator restart: %d groups pushed before (trainer at step %d, %d still queued); "
                        "producing the remaining %d", pushed, steps_trained, queued, total)
     return total, queued
+
+
+async def resume_prompts(task, queue) -> None:
+    """A restarted coordinator continues the prompt stream after the groups already pushed (the prompt cursor).
+
+    A cursor of another task, seed or dataset size cannot be continued: that task starts from its top, said loudly.
+    """
+    cursor = await queue.prompt_cursor()
+    if cursor is None:
+        logger.warning("coordinator restart: no prompt cursor in Redis; task %s starts from its first prompt", task.name)
+        return
+    try:
+        if cursor.task != task.name:
+            raise ValueError(f"the cursor is for task {cursor.task!r}, this run's task is {task.name!r}")
+        task.restore(dict(cursor.position))
+    except (ValueError, KeyError) as error:
+        logger.warning("coordinator restart: cannot continue the prompt stream (%s); task %s starts from its first "
+                       "prompt", error, task.name)
+        return
+    logger.warning("coordinator restart: task %s continues at %s (after %d groups of the previous coordinator)",
+                   task.name, cursor.position, cursor.slot)
 
 
 async def eval_round(evals, reporter, version: int) -> None:

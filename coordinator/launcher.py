@@ -20,7 +20,7 @@ from pathlib import Path
 
 import redis
 
-from coordinator.redis_server import EmbeddedRedis, free_port
+from coordinator.redis_server import EmbeddedRedis
 from protos.config import RunConfig
 from protos.records import decode_metrics
 from protos.redis_keys import RedisKeys
@@ -131,20 +131,36 @@ class DemoLauncher:
         config_path.write_text(self.config.model_dump_json(indent=2))
         common = ["--config", str(config_path)]
         rollout = self.config.rollout
-        addresses = []
+        address_files = {}
         for i in range(rollout.num_servers):
-            port = rollout.base_port + i if rollout.base_port else free_port()
-            addresses.append(f"{rollout.host}:{port}")
+            # Port 0 unless fixed: the server binds a free port itself and writes it to its address file
+            # (a port picked here could be taken by another process during the engine's start).
+            address_files[f"rollout-{i}"] = path = self.out_dir / f"rollout-{i}.address"
+            path.unlink(missing_ok=True)
             self.spawn(
                 f"rollout-{i}",
-                ["-m", "rollout_service", "serve", "--model", model, "--host", rollout.host, "--port", str(port),
+                ["-m", "rollout_service", "serve", "--model", model, "--host", rollout.host,
+                 "--port", str(rollout.base_port + i if rollout.base_port else 0), "--address-file", str(path),
                  "--server-id", f"rollout-{i}", "--redis-url", redis_url, *common],
                 env={"VLLM_CPU_OMP_THREADS_BIND": str(i % (os.cpu_count() or 1)), "OMP_NUM_THREADS": "1"},
             )
         self.spawn("trainer", [*trainer, "--model", model, "--redis-url", redis_url, *common])
+        addresses = self.wait_for_addresses(address_files)
         self.spawn("coordinator", ["-m", "coordinator", "run", "--servers", ",".join(addresses),
                                    "--redis-url", redis_url, "--model", model, *common])
         return redis_url
+
+    def wait_for_addresses(self, address_files: dict[str, Path], timeout_s: float = 900.0) -> list[str]:
+        """The rollout servers' host:port, once each is serving (engine start takes ~30 s each on CPU)."""
+        deadline = time.monotonic() + timeout_s
+        while not all(path.exists() for path in address_files.values()):
+            self.check_children()
+            if time.monotonic() > deadline:
+                missing = [name for name, path in address_files.items() if not path.exists()]
+                logs = self.out_dir / "logs"
+                raise RoleFailed(f"{missing} not serving within {timeout_s:.0f}s (their logs are in {logs})")
+            time.sleep(0.2)
+        return [path.read_text().strip() for path in address_files.values()]
 
     def monitor(self, redis_url: str) -> dict:
         """Print a line per training step until the trainer reports done; returns the summary."""

@@ -1,5 +1,8 @@
 """RolloutQueue: the coordinator's side of the trajectory stream (XADD of encoded groups).
 
+Each push also sets the run's prompt cursor in the same MULTI, so a restarted coordinator resumes the
+prompt stream exactly after the groups that reached the queue.
+
 A push that fails because Redis is down or restarting is retried until ``timeout_s``: a finished
 group is never dropped silently.
 """
@@ -14,7 +17,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from protos.records import TrajectoryGroup, encode
+from protos.records import PromptCursor, TrajectoryGroup, decode_cursor, encode
 from protos.redis_keys import RedisKeys
 
 logger = logging.getLogger(__name__)
@@ -26,14 +29,18 @@ class RolloutQueue:
         self.keys = keys
         self.timeout_s = timeout_s
 
-    async def push(self, group: TrajectoryGroup) -> str:
-        """Append one group; returns its stream entry id."""
+    async def push(self, group: TrajectoryGroup, cursor: PromptCursor | None = None) -> str:
+        """Append one group, and set the prompt cursor in the same transaction; returns its stream entry id."""
         payload = encode(group)
         deadline = time.monotonic() + self.timeout_s
         delay_s = 0.1
         while True:
             try:
-                entry_id = await self.client.xadd(self.keys.trajectories, {"g": payload})
+                async with self.client.pipeline(transaction=True) as pipe:
+                    pipe.xadd(self.keys.trajectories, {"g": payload})
+                    if cursor is not None:
+                        pipe.set(self.keys.prompt_cursor, encode(cursor))
+                    entry_id = (await pipe.execute())[0]
                 return entry_id.decode() if isinstance(entry_id, bytes) else entry_id
             except (RedisConnectionError, RedisTimeoutError, OSError) as error:
                 if time.monotonic() > deadline:
@@ -44,6 +51,11 @@ class RolloutQueue:
                 logger.warning("Redis unreachable while pushing %s, retrying: %s", group.group_id, error)
                 await asyncio.sleep(delay_s)
                 delay_s = min(2.0, delay_s * 2)
+
+    async def prompt_cursor(self) -> PromptCursor | None:
+        """The cursor the last push set (None: no coordinator pushed on this run yet)."""
+        data = await self.client.get(self.keys.prompt_cursor)
+        return None if data is None else decode_cursor(data)
 
     async def pushed_total(self) -> int:
         """Groups ever pushed onto the run's stream, by any coordinator (the stream's entries-added counter)."""

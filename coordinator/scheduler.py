@@ -35,7 +35,7 @@ from coordinator.rewards import RewardResult
 from coordinator.rollout_client import RolloutClient, SampleResult
 from coordinator.tasks import Task, TaskPrompt
 from protos.config import CoordinatorConfig
-from protos.records import Array, FinishReason, Sample, TrajectoryGroup, VersionSpan
+from protos.records import Array, FinishReason, PromptCursor, Sample, TrajectoryGroup, VersionSpan
 
 logger = logging.getLogger(__name__)
 
@@ -70,7 +70,8 @@ class Scheduler:
     """Plain core of the coordinator; the ``run()`` loop in ``__main__`` drives it."""
 
     def __init__(self, config: CoordinatorConfig, fleet: Fleet, queue: RolloutQueue, task: Task,
-                 total_groups: int, start_version: int = 0, version_jumps: int = 0, queued_at_start: int = 0):
+                 total_groups: int, start_version: int = 0, version_jumps: int = 0, queued_at_start: int = 0,
+                 pushed_before: int = 0):
         self.config = config  # shared and live: the admin API changes it in place
         self.fleet = fleet
         self.queue = queue
@@ -82,11 +83,15 @@ class Scheduler:
         # Groups an earlier coordinator pushed that the trainer has not trained yet: they go first, so slot i is
         # the (queued + i)-th group the trainer takes from now on.
         self.queued_at_start = queued_at_start
+        # Groups earlier coordinators of the run pushed: group ids number slots after them, so no id repeats across
+        # restarts (the trainer drops a group whose id it has seen as a duplicate).
+        self.pushed_before = pushed_before
         self.eval_hold_version: int | None = None
         self.state = RunState.RUNNING
         self.stats = SchedulerStats()
         self.in_flight: set[int] = set()
         self._done: dict[int, TrajectoryGroup] = {}
+        self._cursor_at_admit: dict[int, dict[str, int]] = {}  # slot -> task position before its first draw
         self._push_lock = asyncio.Lock()
 
     @property
@@ -133,7 +138,15 @@ class Scheduler:
         self.stats.slots_admitted += 1
         self.stats.groups_admitted += 1
         self.in_flight.add(slot)
+        self._cursor_at_admit[slot] = self.task.cursor()
         return slot, self.task.next_prompt()
+
+    def resume_cursor(self, pushed: int) -> PromptCursor:
+        """Where a coordinator restarted after ``pushed`` groups resumes the prompts: before the first draw of the
+        earliest slot not pushed. Re-draws of pushed slots (dynamic sampling) made after that point are drawn
+        again after a restart; no prompt of an unpushed slot is lost."""
+        position = self._cursor_at_admit.get(pushed) or self.task.cursor()
+        return PromptCursor(self.task.name, pushed, position)
 
     def train_version(self, slot: int) -> int:
         """The trainer version that will train slot ``slot``."""
@@ -216,7 +229,7 @@ class Scheduler:
             self.stats.tokens_generated += len(result.token_ids)
             self.stats.reward_errors += score.error is not None
         return TrajectoryGroup(
-            group_id=f"{prompt.prompt_id}-{slot}",
+            group_id=f"{prompt.prompt_id}-{self.pushed_before + slot}",
             prompt_id=prompt.prompt_id,
             prompt_token_ids=Array.from_numpy(np.asarray(prompt.prompt_token_ids, dtype=np.int32)),
             samples=samples,
@@ -233,7 +246,8 @@ class Scheduler:
         async with self._push_lock:
             while self.stats.groups_pushed in self._done:
                 ready = self._done.pop(self.stats.groups_pushed)
-                await self.queue.push(ready)
+                self._cursor_at_admit.pop(self.stats.groups_pushed, None)
+                await self.queue.push(ready, self.resume_cursor(self.stats.groups_pushed + 1))
                 oldest = min(s.min_version for s in ready.samples)
                 staleness = self.train_version(ready.admission_index) - oldest
                 self.stats.max_staleness_at_push = max(self.stats.max_staleness_at_push, staleness)

@@ -44,6 +44,14 @@ class Task(Protocol):
 
     def next_prompt(self) -> TaskPrompt: ...
 
+    def cursor(self) -> dict[str, int]:
+        """The stream position: ``restore`` of it makes ``next_prompt`` continue from here."""
+        ...
+
+    def restore(self, cursor: dict[str, int]) -> None:
+        """Continue from a ``cursor()``; ValueError when it belongs to another seed or dataset."""
+        ...
+
     async def score(self, prompt: TaskPrompt, responses: list[list[int]]) -> list[RewardResult]: ...
 
 
@@ -53,10 +61,21 @@ class EchoTask:
     name = "echo"
 
     def __init__(self, seed: int = 0, num_digits: int = 3, max_tokens: int = 8):
+        self.seed = seed
         self._rng = random.Random(seed)
         self.num_digits = num_digits
         self.max_tokens = max_tokens
         self._count = 0
+
+    def cursor(self) -> dict[str, int]:
+        return {"seed": self.seed, "draws": self._count}
+
+    def restore(self, cursor: dict[str, int]) -> None:
+        if cursor.get("seed") != self.seed:
+            raise ValueError(f"the cursor is for echo seed {cursor.get('seed')}, this task has seed {self.seed}")
+        self._rng, self._count = random.Random(self.seed), 0
+        for _ in range(cursor["draws"]):  # replaying the draws is the only way to the generator's state
+            self.next_prompt()
 
     def next_prompt(self) -> TaskPrompt:
         digits = [self._rng.choice(DIGIT_IDS) for _ in range(self.num_digits)]
@@ -127,6 +146,12 @@ class DatasetTask:
         self.max_model_len = max_model_len
         self.prompts_too_long = 0
         self._rendered: dict[int, list[int]] = {}
+
+    def cursor(self) -> dict[str, int]:
+        return self.source.state()
+
+    def restore(self, cursor: dict[str, int]) -> None:
+        self.source.load_state(cursor)
 
     def max_prompt_tokens(self) -> int:
         return self.max_model_len - self.config.sampling.max_tokens

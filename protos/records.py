@@ -194,6 +194,15 @@ class StepOrder(msgspec.Struct, array_like=True, gc=False, frozen=True):
     message: str = ""
 
 
+class PromptCursor(msgspec.Struct, array_like=True, gc=False, frozen=True):
+    """Where a restarted coordinator resumes its prompt stream. Producer: the coordinator, with each group it pushes
+    (one transaction with the XADD, RedisKeys.prompt_cursor); consumer: the next coordinator of the run."""
+
+    task: str  # the task's name: "echo" or the dataset's
+    slot: int  # groups pushed so far by this coordinator (the slot the position belongs to)
+    position: dict[str, int]  # the task's stream position before the first draw of that slot (Task.cursor())
+
+
 _encoder = msgspec.msgpack.Encoder()
 _group_decoder = msgspec.msgpack.Decoder(TrajectoryGroup)
 _manifest_decoder = msgspec.msgpack.Decoder(WeightManifest)
@@ -243,3 +252,10 @@ _order_decoder = msgspec.msgpack.Decoder(StepOrder)
 
 def decode_order(data: bytes) -> StepOrder:
     return _order_decoder.decode(data)
+
+
+_cursor_decoder = msgspec.msgpack.Decoder(PromptCursor)
+
+
+def decode_cursor(data: bytes) -> PromptCursor:
+    return _cursor_decoder.decode(data)

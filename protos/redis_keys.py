@@ -51,6 +51,11 @@ class RedisKeys:
         'start version + steps trained'; the coordinator shifts its slot -> version map by each increase."""
         return self._key("version_jumps")
 
+    @property
+    def prompt_cursor(self) -> str:
+        """Encoded PromptCursor: the prompt stream position of the earliest group not yet pushed (set with each push)."""
+        return self._key("prompt_cursor")
+
     def manifest(self, version: int) -> str:
         """Encoded WeightManifest of ``version``."""
         return self._key(f"weights:{version}")

@@ -7,6 +7,7 @@ import asyncio
 import logging
 import signal
 import sys
+from pathlib import Path
 
 from protos.config import RolloutConfig, WeightBusConfig, load_run_config
 from protos.redis_keys import RedisKeys
@@ -19,7 +20,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("command", choices=["serve"])
     parser.add_argument("--model", required=True, help="HF checkpoint directory")
     parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=50051)
+    parser.add_argument("--port", type=int, default=50051, help="gRPC port; 0 = a free one (see --address-file)")
+    parser.add_argument("--address-file", default="",
+                        help="write host:port here once serving (how a launcher learns the port of --port 0)")
     parser.add_argument("--config", default=None, help="run config (YAML/JSON); its rollout/weight_bus sections apply")
     parser.add_argument("--server-id", default="")
     parser.add_argument("--redis-url", default="", help="follow weight announcements of this Redis")
@@ -28,6 +31,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--grace-s", type=float, default=5.0, help="shutdown grace period for in-flight calls")
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. rollout.max_model_len=512")
     return parser.parse_intermixed_args(argv)
+
+
+def write_address_file(path: str, address: str) -> None:
+    """Atomically (write, then rename): a reader never sees a half-written address."""
+    partial = Path(f"{path}.partial")
+    partial.write_text(address)
+    partial.rename(path)
 
 
 async def watch_engine(engine, stop: asyncio.Event, interval_s: float = 1.0) -> None:
@@ -73,6 +83,8 @@ async def run(args: argparse.Namespace) -> None:
 
         start_http_server(args.metrics_port, addr=args.host)
     logger.info("rollout server %s serving on %s:%d", engine.server_id, args.host, port)
+    if args.address_file:  # after the bind: a port chosen by a launcher ahead of time could be taken meanwhile
+        write_address_file(args.address_file, f"{args.host}:{port}")
     if follower is not None:
         follower.address = f"{args.host}:{port}"
         await follower.report()

@@ -84,11 +84,12 @@ def test_a_restarted_coordinator_counts_the_groups_still_queued_and_produces_onl
     async def scenario():
         client = aioredis.Redis.from_url(redis_server.url)
         queue = RolloutQueue(client, keys)
-        assert await remaining_groups(config, queue, steps_trained=0) == (40, 0)  # a fresh run
+        assert remaining_groups(config, await queue.pushed_total(), steps_trained=0) == (40, 0)  # a fresh run
         empty = Array.from_numpy(np.zeros(1, np.int32))
         for index in range(14):  # the first coordinator pushed 14 groups, then died
             await queue.push(TrajectoryGroup(f"g{index}", "p", empty, [], "unit", index, 0, 0.0))
-        found = await remaining_groups(config, queue, steps_trained=2)  # the trainer has trained 2 steps (8 groups)
+        # the trainer has trained 2 steps (8 groups)
+        found = remaining_groups(config, await queue.pushed_total(), steps_trained=2)
         await client.aclose()
         return found
 
@@ -99,6 +100,47 @@ def test_a_restarted_coordinator_counts_the_groups_still_queued_and_produces_onl
     # 6 queued groups: steps 3 and (half of) 4 are theirs; this coordinator's slot 0 completes step 4's batch
     assert scheduler.train_version(0) == 2 + (0 + 6) // 4 and scheduler.train_version(2) == 2 + (2 + 6) // 4
     assert admit_all(scheduler) == (0 + 1 + 1) * 4 - 6  # the bound counts the queued groups too
+
+
+@pytest.mark.parametrize("kind", ["echo", "dataset"])
+def test_a_restarted_coordinator_continues_the_prompts_after_the_groups_it_pushed(kind, redis_server, tiny_tokenizer,
+                                                                                  tmp_path):
+    from coordinator.__main__ import resume_prompts
+    from protos.records import Array, FinishReason, Sample, TrajectoryGroup, VersionSpan
+
+    keys = RedisKeys(f"cursor-{kind}")
+    overrides = ["coordinator.groups_per_step=4", "coordinator.max_staleness=1", "coordinator.seed=7"]
+    if kind == "dataset":
+        path = write_plain(tmp_path / "d.jsonl", [(f"q{i}", str(i)) for i in range(5)])  # 5: draws cross epochs
+        overrides += [f"coordinator.task={path}", "coordinator.prompt_template='{problem}'"]
+    config = load_run_config(overrides=overrides).coordinator
+
+    def group(slot: int) -> TrajectoryGroup:
+        sample = Sample(Array.from_numpy(np.zeros(1, np.int32)), Array.from_numpy(np.zeros(1, np.float32)),
+                        [VersionSpan(0, 0, 1)], FinishReason.STOP, 1.0)
+        return TrajectoryGroup(f"g{slot}", "p", Array.from_numpy(np.zeros(1, np.int32)), [sample], "unit", slot, 0, 0.0)
+
+    async def scenario():
+        client = aioredis.Redis.from_url(redis_server.url)
+        await client.delete(keys.trajectories, keys.prompt_cursor)
+        queue = RolloutQueue(client, keys)
+        first = Scheduler(config, Fleet([]), queue, build_task(config, 256, tiny_tokenizer, None), 40)
+        drawn = [first.admit()[1].prompt_id for _ in range(7)]  # slots 0-6 admitted
+        for slot in (2, 0, 1, 5, 4):  # finished out of order: 0, 1, 2 pushed; 4 and 5 wait for 3
+            await first.complete(slot, group(slot))
+        assert first.stats.groups_pushed == 3
+        restarted = build_task(config, 256, tiny_tokenizer, None)  # the first coordinator died here
+        await resume_prompts(restarted, queue)
+        fresh = build_task(config, 256, tiny_tokenizer, None)
+        await client.delete(keys.prompt_cursor)  # no cursor (a run of an older coordinator): from the top
+        await resume_prompts(fresh, queue)
+        await client.aclose()
+        return drawn, [restarted.next_prompt().prompt_id for _ in range(6)], fresh.next_prompt().prompt_id
+
+    drawn, resumed, from_the_top = asyncio.run(scenario())
+    # Slots 3-6 were admitted but not pushed: their prompts come again, in order, then new ones.
+    assert resumed[:4] == drawn[3:7] and len(set(resumed)) == 6 and not set(resumed) & set(drawn[:3])
+    assert from_the_top == drawn[0]
 
 
 def test_admission_stops_at_the_run_total():

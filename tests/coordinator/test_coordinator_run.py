@@ -24,12 +24,12 @@ import grpc
 import pytest
 import redis
 import yaml
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from coordinator.redis_server import free_port
 from modeling.tiny_model import init_tiny
 from protos.records import decode_group, decode_metrics
 from protos.redis_keys import RedisKeys
+from tests.rollout_service.server_process import ServerProcess, spawn_rollout_server
 
 RUN_ID = "coord-run"
 KEYS = RedisKeys(RUN_ID)
@@ -41,30 +41,19 @@ def model_dir(tmp_path_factory) -> str:
     return str(init_tiny(tmp_path_factory.mktemp("tiny")))
 
 
-@dataclass
-class Server:
-    address: str
-    process: subprocess.Popen
-
-
 @pytest.fixture(scope="module")
-def servers(model_dir, redis_server, tmp_path_factory):
+def servers(model_dir, redis_server, tmp_path_factory) -> list[ServerProcess]:
     """Two rollout server processes following RUN_ID's weight announcements."""
     logs = tmp_path_factory.mktemp("rollout-logs")
-    started = []
-    for i in range(2):
-        port = free_port()
-        log = open(logs / f"rollout-{i}.log", "wb")
-        process = subprocess.Popen(
-            [sys.executable, "-m", "rollout_service", "serve", "--model", model_dir, "--port", str(port),
-             "--server-id", f"rollout-{i}", "--redis-url", redis_server.url, "--run-id", RUN_ID],
-            stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-            env={**os.environ, "OMP_NUM_THREADS": "1", "VLLM_CPU_OMP_THREADS_BIND": str(i % (os.cpu_count() or 1))},
-        )
-        started.append(Server(f"127.0.0.1:{port}", process))
+    started = [
+        spawn_rollout_server(model_dir, logs / f"rollout-{i}.log", "--server-id", f"rollout-{i}",
+                             "--redis-url", redis_server.url, "--run-id", RUN_ID,
+                             env={"OMP_NUM_THREADS": "1", "VLLM_CPU_OMP_THREADS_BIND": str(i % (os.cpu_count() or 1))})
+        for i in range(2)
+    ]
     try:
-        for i, server in enumerate(started):
-            _wait_healthy(server, logs / f"rollout-{i}.log")
+        for server in started:
+            server.wait_serving(timeout_s=300)
         yield started
     finally:
         for server in started:
@@ -76,23 +65,6 @@ def servers(model_dir, redis_server, tmp_path_factory):
             except subprocess.TimeoutExpired:
                 os.killpg(server.process.pid, signal.SIGKILL)
                 server.process.wait()
-
-
-def _wait_healthy(server: Server, log: Path, timeout_s: float = 300) -> None:
-    channel = grpc.insecure_channel(server.address)
-    health = health_pb2_grpc.HealthStub(channel)
-    deadline = time.monotonic() + timeout_s
-    while True:
-        assert server.process.poll() is None, log.read_text()[-3000:]
-        try:
-            reply = health.Check(health_pb2.HealthCheckRequest(), timeout=1)
-            if reply.status == health_pb2.HealthCheckResponse.SERVING:
-                channel.close()
-                return
-        except grpc.RpcError:
-            pass
-        assert time.monotonic() < deadline, f"rollout server {server.address} not healthy in {timeout_s}s"
-        time.sleep(0.5)
 
 
 @dataclass
@@ -130,11 +102,11 @@ class Run:
                     process.wait()
 
 
-def start_run(tmp_path: Path, model_dir: str, servers: list[Server], redis_url: str, coordinator: dict,
+def start_run(tmp_path: Path, model_dir: str, servers: list[ServerProcess], redis_url: str, coordinator: dict,
               num_steps: int) -> Run:
     """Clear the previous run's streams, start the trainer, wait for its start version, start the coordinator."""
     client = redis.Redis.from_url(redis_url)
-    client.delete(KEYS.trajectories, KEYS.control, KEYS.dead_letters, KEYS.metrics("trainer"),
+    client.delete(KEYS.trajectories, KEYS.prompt_cursor, KEYS.control, KEYS.dead_letters, KEYS.metrics("trainer"),
                   KEYS.metrics("coordinator"))
     before = client.get(KEYS.policy_version)
     admin, metrics_port = f"127.0.0.1:{free_port()}", free_port()
@@ -333,6 +305,46 @@ def test_eval_requests_go_only_to_servers_at_the_pinned_version(tmp_path, model_
 
 
 # Keep this test last: it kills one of the module's servers.
+def test_a_coordinator_killed_mid_run_is_restarted_and_every_prompt_is_pushed_once_in_order(
+        tmp_path, model_dir, servers, redis_server):
+    from coordinator.tasks import EchoTask
+    from protos.config import load_run_config
+
+    b, steps = 4, 8
+    run = start_run(tmp_path, model_dir, servers, redis_server.url,
+                    {"group_size": 4, "groups_per_step": b, "sampling": {"max_tokens": 8}}, steps)
+    try:
+        wait_for_admin(run)
+        deadline = time.monotonic() + 120
+        while int(status(run).get("groupsPushed", 0)) < b + 2:  # mid-step, with later slots in flight
+            assert time.monotonic() < deadline, f"nothing pushed:\n{run.log('coordinator')}"
+            time.sleep(0.1)
+        os.kill(run.coordinator.pid, signal.SIGKILL)
+        run.coordinator.wait()
+        pushed_before = len(pushed_groups(redis_server.url))
+        run.coordinator = _spawn(
+            tmp_path / "coordinator.log", "coordinator", "run", "--servers", ",".join(s.address for s in servers),
+            "--redis-url", redis_server.url, "--model", model_dir, "--config", str(tmp_path / "run.yaml"),
+        )
+        run.wait()
+        restarted_log = run.log("coordinator")
+    finally:
+        run.stop()
+    groups = pushed_groups(redis_server.url)
+    assert "coordinator restart: task echo continues at" in restarted_log, restarted_log
+    assert b + 2 <= pushed_before < len(groups) == steps * b
+    assert len({g.group_id for g in groups}) == len(groups)  # a repeated id is dropped by the trainer as a duplicate
+    # The restarted coordinator produced only the rest of the run and continued the seeded prompt stream where the
+    # pushed groups left it: prompts admitted but lost with the killed coordinator come again, none twice or skipped.
+    task = EchoTask(seed=load_run_config().coordinator.seed)
+    expected = [task.next_prompt() for _ in range(steps * b)]
+    assert [g.prompt_id for g in groups] == [p.prompt_id for p in expected]
+    assert all(g.prompt_token_ids.to_numpy().tolist() == p.prompt_token_ids for g, p in zip(groups, expected))
+    for position, group in enumerate(groups):  # the bound holds across the restart (stream order = train order)
+        oldest = min(span.version for sample in group.samples for span in sample.version_spans)
+        assert 0 <= run.start_version + position // b - oldest <= 1, (position, oldest, run.start_version)
+
+
 def test_a_server_killed_mid_run_loses_no_prompt_and_its_requests_are_redispatched(
         tmp_path, model_dir, servers, redis_server):
     from protos import admin_pb2, admin_pb2_grpc

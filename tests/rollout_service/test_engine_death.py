@@ -9,45 +9,24 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
-import time
 
 import grpc
 import psutil
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from coordinator.redis_server import free_port
 from modeling.tiny_model import init_tiny
 from protos import rollout_pb2 as pb
 from protos import rollout_pb2_grpc as pb_grpc
-
-
-def _wait_serving(channel, process, log_path, timeout_s: float = 240) -> None:
-    health = health_pb2_grpc.HealthStub(channel)
-    deadline = time.monotonic() + timeout_s
-    while True:
-        assert process.poll() is None, open(log_path).read()[-3000:]
-        try:
-            if health.Check(health_pb2.HealthCheckRequest(), timeout=1).status == health_pb2.HealthCheckResponse.SERVING:
-                return
-        except grpc.RpcError:
-            pass
-        assert time.monotonic() < deadline, f"rollout server not SERVING after {timeout_s}s"
-        time.sleep(0.5)
+from tests.rollout_service.server_process import spawn_rollout_server
 
 
 def test_dead_engine_core_turns_calls_unavailable_and_stops_the_server(tmp_path):
     model = init_tiny(tmp_path / "tiny")
-    port, log_path = free_port(), tmp_path / "rollout.log"
-    process = subprocess.Popen(
-        [sys.executable, "-m", "rollout_service", "serve", "--model", str(model), "--port", str(port),
-         "--server-id", "doomed"],
-        stdout=open(log_path, "wb"), stderr=subprocess.STDOUT, start_new_session=True,
-    )
-    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+    log_path = tmp_path / "rollout.log"
+    server = spawn_rollout_server(str(model), log_path, "--server-id", "doomed")
+    process = server.process
+    channel = None
     try:
-        _wait_serving(channel, process, log_path)
+        channel = grpc.insecure_channel(server.wait_serving(timeout_s=240).address)
         stub = pb_grpc.RolloutServiceStub(channel)
         stub.Pause(pb.PauseRequest(mode=pb.PAUSE_MODE_KEEP), timeout=30)  # the call below stays in flight
         call = stub.Generate(pb.GenerateRequest(prompt_token_ids=[1, 4, 5],
@@ -66,7 +45,8 @@ def test_dead_engine_core_turns_calls_unavailable_and_stops_the_server(tmp_path)
         assert process.wait(timeout=60) != 0  # the watchdog stopped it with an error
         assert "engine core died" in open(log_path).read()
     finally:
-        channel.close()
+        if channel is not None:
+            channel.close()
         if process.poll() is None:
             os.killpg(process.pid, signal.SIGKILL)
             process.wait(timeout=30)

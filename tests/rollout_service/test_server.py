@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import time
 import urllib.request
 from dataclasses import dataclass
@@ -14,7 +13,6 @@ import grpc
 import pytest
 import redis
 import torch
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -24,6 +22,7 @@ from protos import rollout_pb2 as pb
 from protos import rollout_pb2_grpc as pb_grpc
 from protos.config import LoraConfig, TrainerConfig, WeightBusConfig
 from protos.redis_keys import RedisKeys
+from tests.rollout_service.server_process import spawn_rollout_server
 from trainer_service.publisher import WeightPublisher
 from trainer_service.torch_backend import TorchBackend
 
@@ -50,29 +49,17 @@ class ServerHandle:
 @pytest.fixture(scope="module")
 def server(model_dir, redis_server, tmp_path_factory):
     """One rollout server process for the whole module (engine start is the slow part)."""
-    port, metrics_port = free_port(), free_port()
-    log = open(tmp_path_factory.mktemp("logs") / "rollout.log", "wb")
+    metrics_port = free_port()
+    log_path = tmp_path_factory.mktemp("logs") / "rollout.log"
     # manual: weights change only through the gRPC calls the tests make, never on an announcement
-    process = subprocess.Popen(
-        [sys.executable, "-m", "rollout_service", "serve", "--model", model_dir, "--port", str(port),
-         "--server-id", "test-0", "--redis-url", redis_server.url, "--run-id", RUN_ID,
-         "--metrics-port", str(metrics_port), "--grace-s", str(GRACE_S),
-         f"rollout.max_inflight_requests={MAX_INFLIGHT}", "rollout.weight_updates=manual"],
-        stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+    spawned = spawn_rollout_server(
+        model_dir, log_path, "--server-id", "test-0", "--redis-url", redis_server.url, "--run-id", RUN_ID,
+        "--metrics-port", str(metrics_port), "--grace-s", str(GRACE_S),
+        f"rollout.max_inflight_requests={MAX_INFLIGHT}", "rollout.weight_updates=manual",
     )
-    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
-    health = health_pb2_grpc.HealthStub(channel)
-    deadline = time.monotonic() + 240
-    while True:
-        assert process.poll() is None, open(log.name).read()[-3000:]
-        try:
-            if health.Check(health_pb2.HealthCheckRequest(), timeout=1).status == health_pb2.HealthCheckResponse.SERVING:
-                break
-        except grpc.RpcError:
-            pass
-        assert time.monotonic() < deadline, "rollout server did not become healthy in 240 s"
-        time.sleep(0.5)
-    server_handle = ServerHandle(channel, pb_grpc.RolloutServiceStub(channel), process, metrics_port, log.name)
+    process = spawned.process
+    channel = grpc.insecure_channel(spawned.wait_serving(timeout_s=240).address)
+    server_handle = ServerHandle(channel, pb_grpc.RolloutServiceStub(channel), process, metrics_port, str(log_path))
     yield server_handle
     channel.close()
     if process.poll() is None:  # the shutdown test normally stops it

@@ -1,0 +1,66 @@
+"""A rollout server process for tests: started on port 0, its address read from --address-file.
+
+A port picked by the test before the ~30 s engine start could be taken meanwhile (seen in CI as a
+bind failure); the server binds a free port itself and writes host:port once it is serving.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+
+@dataclass
+class ServerProcess:
+    process: subprocess.Popen
+    log_path: Path
+    address: str = ""  # host:port, known once the server is serving (wait_serving)
+
+    @property
+    def address_file(self) -> Path:
+        return self.log_path.with_suffix(".address")
+
+    def wait_serving(self, timeout_s: float = 300) -> ServerProcess:
+        """Until the server wrote its address and its gRPC health check says SERVING (it must stay alive)."""
+        deadline = time.monotonic() + timeout_s
+        while not self.address_file.exists():
+            self._assert_alive()
+            assert time.monotonic() < deadline, f"rollout server wrote no address in {timeout_s}s ({self.log_path})"
+            time.sleep(0.2)
+        self.address = self.address_file.read_text().strip()
+        with grpc.insecure_channel(self.address) as channel:
+            health = health_pb2_grpc.HealthStub(channel)
+            while True:
+                self._assert_alive()
+                try:
+                    reply = health.Check(health_pb2.HealthCheckRequest(), timeout=1)
+                    if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                        return self
+                except grpc.RpcError:
+                    pass
+                assert time.monotonic() < deadline, f"rollout server {self.address} not SERVING in {timeout_s}s"
+                time.sleep(0.5)
+
+    def _assert_alive(self) -> None:
+        assert self.process.poll() is None, (
+            f"rollout server exited ({self.process.returncode}): {self.log_path.read_text(errors='replace')[-3000:]}")
+
+
+def spawn_rollout_server(model: str, log_path: Path, *args: str, env: dict[str, str] | None = None) -> ServerProcess:
+    """``python -m rollout_service serve --model MODEL --port 0 ARGS`` in its own session (not waited for)."""
+    address_file = log_path.with_suffix(".address")  # ServerProcess.address_file
+    address_file.unlink(missing_ok=True)
+    process = subprocess.Popen(
+        [sys.executable, "-m", "rollout_service", "serve", "--model", str(model), "--port", "0",
+         "--address-file", str(address_file), *args],
+        stdout=open(log_path, "wb"), stderr=subprocess.STDOUT, start_new_session=True,
+        env={**os.environ, **(env or {})},
+    )
+    return ServerProcess(process, log_path)
