@@ -121,8 +121,8 @@ async def resume_prompts(task, queue) -> None:
         logger.warning("coordinator restart: cannot continue the prompt stream (%s); task %s starts from its first "
                        "prompt", error, task.name)
         return
-    logger.warning("coordinator restart: task %s continues at %s (after %d groups of the previous coordinator)",
-                   task.name, cursor.position, cursor.slot)
+    logger.warning("coordinator restart: task %s continues at %s (after group %s)", task.name, cursor.position,
+                   cursor.group_id)
 
 
 async def eval_round(evals, reporter, version: int) -> None:

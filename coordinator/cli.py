@@ -51,11 +51,10 @@ def _cmd_rollout(args: argparse.Namespace) -> int:
 
 
 def _cmd_model_init_tiny(args: argparse.Namespace) -> int:
-    from modeling.tiny_model import init_tiny
-
     if args.family == "beam":
         from modeling.beam.tiny import init_tiny_beam as init_tiny
-
+    else:
+        from modeling.tiny_model import init_tiny
     path = init_tiny(args.path, seed=args.seed, warmup_steps=args.warmup_steps)
     print(f"tiny MoE checkpoint and tokenizer written to {path}")
     return 0

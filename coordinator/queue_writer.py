@@ -1,7 +1,8 @@
 """RolloutQueue: the coordinator's side of the trajectory stream (XADD of encoded groups).
 
-Each push also sets the run's prompt cursor in the same MULTI, so a restarted coordinator resumes the
-prompt stream exactly after the groups that reached the queue.
+Each push also sets the run's prompt cursor in the same server-side step (a Lua script), so a restarted
+coordinator resumes the prompt stream exactly after the groups that reached the queue, and a retried push
+is not added twice.
 
 A push that fails because Redis is down or restarting is retried until ``timeout_s``: a finished
 group is never dropped silently.
@@ -23,25 +24,42 @@ from protos.redis_keys import RedisKeys
 logger = logging.getLogger(__name__)
 
 
+# One server-side step: a cursor equal to the one being set means this very push ran already (cursors name their
+# group, and group ids are unique in a run), so a retried push adds no second stream entry.
+_PUSH_ONCE = """
+if redis.call('GET', KEYS[2]) == ARGV[2] then return 0 end
+redis.call('XADD', KEYS[1], '*', 'g', ARGV[1])
+redis.call('SET', KEYS[2], ARGV[2])
+return 1
+"""
+
+
 class RolloutQueue:
     def __init__(self, client: aioredis.Redis, keys: RedisKeys, timeout_s: float = 120.0):
         self.client = client
         self.keys = keys
         self.timeout_s = timeout_s
+        self._push_once = client.register_script(_PUSH_ONCE)  # EVALSHA, re-loaded if Redis lost it
 
-    async def push(self, group: TrajectoryGroup, cursor: PromptCursor | None = None) -> str:
-        """Append one group, and set the prompt cursor in the same transaction; returns its stream entry id."""
+    async def push(self, group: TrajectoryGroup, cursor: PromptCursor | None = None) -> bool:
+        """Append one group and set the prompt cursor, atomically; False when this push had landed already.
+
+        With a cursor the push is idempotent: a retry (ours, or the Redis client's own after a lost reply) finds the
+        cursor it set and adds no second entry. Without one it is a plain XADD.
+        """
         payload = encode(group)
         deadline = time.monotonic() + self.timeout_s
         delay_s = 0.1
         while True:
             try:
-                async with self.client.pipeline(transaction=True) as pipe:
-                    pipe.xadd(self.keys.trajectories, {"g": payload})
-                    if cursor is not None:
-                        pipe.set(self.keys.prompt_cursor, encode(cursor))
-                    entry_id = (await pipe.execute())[0]
-                return entry_id.decode() if isinstance(entry_id, bytes) else entry_id
+                if cursor is None:
+                    await self.client.xadd(self.keys.trajectories, {"g": payload})
+                    return True
+                keys = [self.keys.trajectories, self.keys.prompt_cursor]
+                if await self._push_once(keys=keys, args=[payload, encode(cursor)]):
+                    return True
+                logger.warning("group %s had been pushed before its reply was lost; not pushed again", group.group_id)
+                return False
             except (RedisConnectionError, RedisTimeoutError, OSError) as error:
                 if time.monotonic() > deadline:
                     raise TimeoutError(

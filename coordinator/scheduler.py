@@ -120,7 +120,6 @@ class Scheduler:
 
     # admission -----------------------------------------------------------------------------
     def admission_limit(self) -> int:
-        B = self.config.groups_per_step
         limit = min(self.slots_before(self.trainer_version + self.config.max_staleness + 1), self.total_groups)
         if self.eval_hold_version is not None:
             limit = min(limit, self.slots_before(self.eval_hold_version))
@@ -141,12 +140,12 @@ class Scheduler:
         self._cursor_at_admit[slot] = self.task.cursor()
         return slot, self.task.next_prompt()
 
-    def resume_cursor(self, pushed: int) -> PromptCursor:
-        """Where a coordinator restarted after ``pushed`` groups resumes the prompts: before the first draw of the
-        earliest slot not pushed. Re-draws of pushed slots (dynamic sampling) made after that point are drawn
-        again after a restart; no prompt of an unpushed slot is lost."""
-        position = self._cursor_at_admit.get(pushed) or self.task.cursor()
-        return PromptCursor(self.task.name, pushed, position)
+    def resume_cursor(self, group: TrajectoryGroup) -> PromptCursor:
+        """Where a coordinator restarted after pushing ``group`` resumes the prompts: before the first draw of the
+        next slot. Re-draws of pushed slots (dynamic sampling) made after that point are drawn again after a
+        restart; no prompt of an unpushed slot is lost."""
+        position = self._cursor_at_admit.get(group.admission_index + 1) or self.task.cursor()
+        return PromptCursor(self.task.name, group.group_id, position)
 
     def train_version(self, slot: int) -> int:
         """The trainer version that will train slot ``slot``."""
@@ -247,7 +246,7 @@ class Scheduler:
             while self.stats.groups_pushed in self._done:
                 ready = self._done.pop(self.stats.groups_pushed)
                 self._cursor_at_admit.pop(self.stats.groups_pushed, None)
-                await self.queue.push(ready, self.resume_cursor(self.stats.groups_pushed + 1))
+                await self.queue.push(ready, self.resume_cursor(ready))
                 oldest = min(s.min_version for s in ready.samples)
                 staleness = self.train_version(ready.admission_index) - oldest
                 self.stats.max_staleness_at_push = max(self.stats.max_staleness_at_push, staleness)

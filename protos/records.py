@@ -199,8 +199,8 @@ class PromptCursor(msgspec.Struct, array_like=True, gc=False, frozen=True):
     (one transaction with the XADD, RedisKeys.prompt_cursor); consumer: the next coordinator of the run."""
 
     task: str  # the task's name: "echo" or the dataset's
-    slot: int  # groups pushed so far by this coordinator (the slot the position belongs to)
-    position: dict[str, int]  # the task's stream position before the first draw of that slot (Task.cursor())
+    group_id: str  # the group pushed with it: a push retried after a lost reply finds here that it landed
+    position: dict[str, int]  # the task's position before the first draw of the earliest unpushed slot
 
 
 _encoder = msgspec.msgpack.Encoder()

@@ -320,12 +320,12 @@ def test_step_orders_encode_to_golden_bytes_and_back():
         assert decode_order(bytes.fromhex(golden)) == order
 
 
-CURSOR_HEX = "93a461696d650c84a47365656407a565706f636801a8706f736974696f6e03ac6e756d5f70726f626c656d731e"
+CURSOR_HEX = "93a461696d65a870332d65312d313284a47365656407a565706f636801a8706f736974696f6e03ac6e756d5f70726f626c656d731e"
 
 
 def test_prompt_cursor_encodes_to_golden_bytes_and_back():
     from protos.records import PromptCursor, decode_cursor
 
-    cursor = PromptCursor("aime", 12, {"seed": 7, "epoch": 1, "position": 3, "num_problems": 30})
+    cursor = PromptCursor("aime", "p3-e1-12", {"seed": 7, "epoch": 1, "position": 3, "num_problems": 30})
     assert encode(cursor).hex() == CURSOR_HEX
     assert decode_cursor(bytes.fromhex(CURSOR_HEX)) == cursor
