@@ -27,10 +27,10 @@ logger = logging.getLogger(__name__)
 # One server-side step: a cursor equal to the one being set means this very push ran already (cursors name their
 # group, and group ids are unique in a run), so a retried push adds no second stream entry.
 _PUSH_ONCE = """
-if redis.call('GET', KEYS[2]) == ARGV[2] then return 0 end
-redis.call('XADD', KEYS[1], '*', 'g', ARGV[1])
+if redis.call('GET', KEYS[2]) == ARGV[2] then return '' end
+local entry_id = redis.call('XADD', KEYS[1], '*', 'g', ARGV[1])
 redis.call('SET', KEYS[2], ARGV[2])
-return 1
+return entry_id
 """
 
 
@@ -41,8 +41,9 @@ class RolloutQueue:
         self.timeout_s = timeout_s
         self._push_once = client.register_script(_PUSH_ONCE)  # EVALSHA, re-loaded if Redis lost it
 
-    async def push(self, group: TrajectoryGroup, cursor: PromptCursor | None = None) -> bool:
-        """Append one group and set the prompt cursor, atomically; False when this push had landed already.
+    async def push(self, group: TrajectoryGroup, cursor: PromptCursor | None = None) -> str:
+        """Append one group and set the prompt cursor, atomically; returns the stream entry id ("" when this push
+        had landed already).
 
         With a cursor the push is idempotent: a retry (ours, or the Redis client's own after a lost reply) finds the
         cursor it set and adds no second entry. Without one it is a plain XADD.
@@ -53,13 +54,13 @@ class RolloutQueue:
         while True:
             try:
                 if cursor is None:
-                    await self.client.xadd(self.keys.trajectories, {"g": payload})
-                    return True
+                    return _text(await self.client.xadd(self.keys.trajectories, {"g": payload}))
                 keys = [self.keys.trajectories, self.keys.prompt_cursor]
-                if await self._push_once(keys=keys, args=[payload, encode(cursor)]):
-                    return True
-                logger.warning("group %s had been pushed before its reply was lost; not pushed again", group.group_id)
-                return False
+                entry_id = _text(await self._push_once(keys=keys, args=[payload, encode(cursor)]))
+                if not entry_id:
+                    logger.warning("group %s had been pushed before its reply was lost; not pushed again",
+                                   group.group_id)
+                return entry_id
             except (RedisConnectionError, RedisTimeoutError, OSError) as error:
                 if time.monotonic() > deadline:
                     raise TimeoutError(
@@ -93,3 +94,7 @@ class RolloutQueue:
         if group is not None:
             return int(group.get("lag") or 0)
         return await self.client.xlen(self.keys.trajectories)  # no trainer yet: nothing was delivered
+
+
+def _text(entry_id: bytes | str) -> str:
+    return entry_id.decode() if isinstance(entry_id, bytes) else entry_id

@@ -12,6 +12,8 @@ import time
 
 import msgspec
 import redis
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from protos.records import TrajectoryGroup, decode_group
 from protos.redis_keys import RedisKeys
@@ -29,6 +31,7 @@ class TrajectoryQueue:
         self.trim = trim
         self.num_dead_letters = 0
         self._reclaimed: list[tuple[str, bytes]] = []
+        self._in_hand: set[str] = set()  # read by this consumer, not yet acknowledged
         try:
             client.xgroup_create(keys.trajectories, keys.trainer_group, id="0", mkstream=True)
         except redis.ResponseError as error:
@@ -48,27 +51,56 @@ class TrajectoryQueue:
                 return len(self._reclaimed)
 
     def read(self, num_groups: int, timeout_s: float) -> list[tuple[str, TrajectoryGroup]]:
-        """Return up to ``num_groups`` (entry id, group) pairs, waiting at most ``timeout_s`` in total."""
+        """Return up to ``num_groups`` (entry id, group) pairs, waiting at most ``timeout_s`` in total.
+
+        A read whose connection breaks is retried until the timeout. Entries it delivered without the reply reaching
+        us stay in this consumer's pending list; the next attempt takes them from there (``_take_orphans``).
+        """
         batch: list[tuple[str, TrajectoryGroup]] = []
         while self._reclaimed and len(batch) < num_groups:
             self._decode_into(batch, *self._reclaimed.pop(0))
         deadline = time.monotonic() + timeout_s
+        orphans_checked = False
         while len(batch) < num_groups:
             remaining_ms = int((deadline - time.monotonic()) * 1000)
             if remaining_ms <= 0:
                 break
-            reply = self.client.xreadgroup(
-                self.keys.trainer_group, self.consumer, {self.keys.trajectories: ">"},
-                count=num_groups - len(batch), block=min(remaining_ms, 1000),
-            )
+            try:
+                if not orphans_checked:
+                    self._take_orphans(batch, num_groups)
+                    orphans_checked = True
+                    continue
+                reply = self.client.xreadgroup(
+                    self.keys.trainer_group, self.consumer, {self.keys.trajectories: ">"},
+                    count=num_groups - len(batch), block=min(remaining_ms, 1000),
+                )
+            except (RedisConnectionError, RedisTimeoutError) as error:
+                logger.warning("reading %s failed, retrying for %.1fs more: %s", self.keys.trajectories,
+                               remaining_ms / 1000, error)
+                orphans_checked = False  # the broken read may have delivered entries
+                time.sleep(min(0.2, remaining_ms / 1000))
+                continue
             for _stream, entries in reply or []:
                 for entry_id, fields in entries:
                     self._decode_into(batch, _id(entry_id), fields.get(b"g", b""))
         return batch
 
+    def _take_orphans(self, batch: list, num_groups: int) -> None:
+        """Entries delivered to this consumer whose reply never arrived (a read that broke after the server ran it):
+        they sit in our pending list but not in hand, and no ``>`` read returns them again; take them now."""
+        known = self._in_hand | {entry_id for entry_id, _ in self._reclaimed}
+        reply = self.client.xreadgroup(self.keys.trainer_group, self.consumer, {self.keys.trajectories: "0"})
+        for _stream, entries in reply or []:
+            for entry_id, fields in entries:
+                entry_id = _id(entry_id)
+                if len(batch) < num_groups and fields is not None and entry_id not in known:
+                    logger.warning("taking entry %s delivered to %s earlier but never received", entry_id, self.consumer)
+                    self._decode_into(batch, entry_id, fields.get(b"g", b""))
+
     def _decode_into(self, batch: list, entry_id: str, payload: bytes) -> None:
         try:
             batch.append((entry_id, decode_group(payload)))
+            self._in_hand.add(entry_id)
         except (msgspec.DecodeError, msgspec.ValidationError) as error:
             logger.error("dead-lettering undecodable trajectory entry %s: %s", entry_id, error)
             self.client.rpush(self.keys.dead_letters, payload)
@@ -79,6 +111,7 @@ class TrajectoryQueue:
         """Acknowledge entries whose step is committed, then drop what no consumer can need any more."""
         if entry_ids:
             self.client.xack(self.keys.trajectories, self.keys.trainer_group, *entry_ids)
+            self._in_hand.difference_update(entry_ids)
             if self.trim:
                 self.trim_acknowledged()
 

@@ -120,6 +120,27 @@ def test_read_waits_for_a_group_pushed_during_the_wait(redis_url, client):
     assert [g.group_id for _, g in batch] == ["g-9"]
 
 
+def test_entries_whose_read_reply_was_lost_are_still_read_once(redis_url, client):
+    from tests.redis_faults import reply_dropping_proxy
+
+    groups = [_group(i) for i in range(4)]
+    ids = _push(redis_url, groups)
+    # COUNT: only the reads of new entries carry it (not the pending-list check)
+    with reply_dropping_proxy(redis_url, marker=b"COUNT") as (proxy_url, proxy):
+        through_proxy = redis.Redis.from_url(proxy_url, socket_timeout=5)
+        queue = TrajectoryQueue(through_proxy, KEYS)
+        # The first read's reply is lost (whatever it delivered stays pending, not in hand); the read retries.
+        first = queue.read(2, timeout_s=2)
+        rest = queue.read(4, timeout_s=0.5)
+        queue.ack([entry_id for entry_id, _ in first + rest])
+        again = queue.read(4, timeout_s=0.3)
+        through_proxy.close()
+    assert proxy.dropped == 1
+    assert sorted(entry_id for entry_id, _ in first + rest) == sorted(ids)  # each entry once, none stuck pending
+    assert sorted(g.group_id for _, g in first + rest) == [g.group_id for g in groups]
+    assert again == [] and _pending(client) == 0
+
+
 def test_ack_removes_entries_from_the_pending_list(redis_url, client):
     queue = TrajectoryQueue(client, KEYS)
     _push(redis_url, [_group(i) for i in range(3)])
