@@ -56,6 +56,12 @@ class RedisKeys:
         """Encoded PromptCursor: the prompt stream position of the earliest group not yet pushed (set with each push)."""
         return self._key("prompt_cursor")
 
+    @property
+    def version_jump_target(self) -> str:
+        """The version the last counted jump led to (int as string): a trainer that dies between counting a jump
+        and publishing, and counts the same jump again after its restart, finds it here and does not add it twice."""
+        return self._key("version_jump_target")
+
     def manifest(self, version: int) -> str:
         """Encoded WeightManifest of ``version``."""
         return self._key(f"weights:{version}")

@@ -137,6 +137,19 @@ def run(args: argparse.Namespace, stop: threading.Event) -> None:
         side.finish(args.linger_s, stop)
 
 
+# Counted once per target version: a restart between this and the publish computes the same jump to the same target.
+_COUNT_JUMP = """
+if redis.call('GET', KEYS[2]) == ARGV[2] then return tonumber(redis.call('GET', KEYS[1]) or '0') end
+redis.call('SET', KEYS[2], ARGV[2])
+return redis.call('INCRBY', KEYS[1], ARGV[1])
+"""
+
+
+def count_version_jump(client, keys, skipped: int, target_version: int) -> int:
+    """Add ``skipped`` to the run's version jumps unless the jump to ``target_version`` was counted; returns the total."""
+    return int(client.eval(_COUNT_JUMP, 2, keys.version_jumps, keys.version_jump_target, skipped, target_version))
+
+
 def catch_up_published(side, trainer, publish_current, restored, step: int) -> None:
     """Versions past the checkpoint died with the previous trainer; versions only go up, so the restored weights
     go out as the next one and the fleet moves onto them (every rank takes part in the export)."""
@@ -151,7 +164,7 @@ def catch_up_published(side, trainer, publish_current, restored, step: int) -> N
                     len(trainer.ledger), ranks.world_size())
     if published > trainer.policy_version:
         if side:  # before the publish: the coordinator must not see the new version without the jump
-            side.client.incrby(side.keys.version_jumps, published + 1 - trainer.policy_version)
+            count_version_jump(side.client, side.keys, published + 1 - trainer.policy_version, published + 1)
         trainer.policy_version = published + 1
         publish_current()
     if side:

@@ -121,3 +121,14 @@ def test_megatron_backend_runs_in_the_trainer_process_and_publishes(redis_server
     assert final["step"] == 2 and sorted(final["ledger"]) == [f"g{i}" for i in range(4)]
     assert int(client.get(keys.policy_version)) == 2 and client.exists(keys.manifest(2))
     assert _pending(client, keys) == 0
+
+
+def test_a_version_jump_counted_twice_by_restarts_before_the_publish_is_added_once(fresh_run):
+    from trainer_service.__main__ import count_version_jump
+
+    keys, client, _ = fresh_run
+    assert count_version_jump(client, keys, skipped=3, target_version=8) == 3
+    # The trainer died after counting and before publishing v8; its restart counts the same jump again.
+    assert count_version_jump(client, keys, skipped=3, target_version=8) == 3
+    assert count_version_jump(client, keys, skipped=2, target_version=11) == 5  # a later restart: a new jump
+    assert int(client.get(keys.version_jumps)) == 5
