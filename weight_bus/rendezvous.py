@@ -21,13 +21,19 @@ from protos.redis_keys import RedisKeys
 
 logger = logging.getLogger(__name__)
 
+# How long a superseded manifest stays readable (a server that began fetching it finishes). The latest one never
+# expires: a server that (re)starts after a long step still finds the weights it must load.
 MANIFEST_TTL_S = 3600
 
 
 def publish_manifest(client: syncredis.Redis, keys: RedisKeys, manifest: WeightManifest) -> None:
-    """Trainer side: store the manifest, then move the version pointer and announce it (one transaction)."""
+    """Trainer side: store the manifest, then move the version pointer and announce it (one transaction); the
+    manifest it supersedes starts to expire. The trainer's rank 0 is the only writer of the version pointer."""
+    previous = client.get(keys.policy_version)
     pipe = client.pipeline(transaction=True)
-    pipe.set(keys.manifest(manifest.version), encode(manifest), ex=MANIFEST_TTL_S)
+    pipe.set(keys.manifest(manifest.version), encode(manifest))
+    if previous is not None and int(previous) != manifest.version:
+        pipe.expire(keys.manifest(int(previous)), MANIFEST_TTL_S)
     pipe.set(keys.policy_version, manifest.version)
     pipe.xadd(keys.weight_announcements, {"v": manifest.version}, maxlen=1000, approximate=True)
     pipe.execute()

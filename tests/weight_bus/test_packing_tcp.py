@@ -347,7 +347,7 @@ def _stream_id(entry_id: str) -> tuple[int, int]:
     return int(millis), int(seq)
 
 
-def test_publish_manifest_sets_version_stores_manifest_and_announces(redis_url):
+def test_publish_manifest_sets_version_stores_manifest_and_announces_and_only_the_latest_never_expires(redis_url):
     keys = RedisKeys("rdv")
     manifest, _ = pack(_named_tensors(), 3, 512, publisher_address="127.0.0.1:4242")
     sync_client = redis.Redis.from_url(redis_url)
@@ -385,7 +385,8 @@ def test_publish_manifest_sets_version_stores_manifest_and_announces(redis_url):
 
     try:
         asyncio.run(scenario())
-        assert 0 < sync_client.ttl(keys.manifest(3)) <= rendezvous.MANIFEST_TTL_S
+        assert 0 < sync_client.ttl(keys.manifest(3)) <= rendezvous.MANIFEST_TTL_S  # superseded: expires
+        assert sync_client.ttl(keys.manifest(4)) == -1  # the latest never does, however long the next step takes
     finally:
         sync_client.close()
 
