@@ -138,16 +138,24 @@ def run(args: argparse.Namespace, stop: threading.Event) -> None:
 
 
 # Counted once per target version: a restart between this and the publish computes the same jump to the same target.
+# A trainer that restored no checkpoint starts a lineage of its own: its versions so far are all jumps (SET, not add),
+# so "version - jumps = steps trained" holds for it even on a run id whose earlier trainers counted jumps.
 _COUNT_JUMP = """
 if redis.call('GET', KEYS[2]) == ARGV[2] then return tonumber(redis.call('GET', KEYS[1]) or '0') end
 redis.call('SET', KEYS[2], ARGV[2])
+if ARGV[3] == '1' then
+  redis.call('SET', KEYS[1], ARGV[1])
+  return tonumber(ARGV[1])
+end
 return redis.call('INCRBY', KEYS[1], ARGV[1])
 """
 
 
-def count_version_jump(client, keys, skipped: int, target_version: int) -> int:
-    """Add ``skipped`` to the run's version jumps unless the jump to ``target_version`` was counted; returns the total."""
-    return int(client.eval(_COUNT_JUMP, 2, keys.version_jumps, keys.version_jump_target, skipped, target_version))
+def count_version_jump(client, keys, skipped: int, target_version: int, new_lineage: bool = False) -> int:
+    """Add ``skipped`` to the run's version jumps (set it, for a ``new_lineage``) unless the jump to
+    ``target_version`` was counted; returns the total."""
+    return int(client.eval(_COUNT_JUMP, 2, keys.version_jumps, keys.version_jump_target, skipped, target_version,
+                           int(new_lineage)))
 
 
 def catch_up_published(side, trainer, publish_current, restored, step: int) -> None:
@@ -164,7 +172,8 @@ def catch_up_published(side, trainer, publish_current, restored, step: int) -> N
                     len(trainer.ledger), ranks.world_size())
     if published > trainer.policy_version:
         if side:  # before the publish: the coordinator must not see the new version without the jump
-            count_version_jump(side.client, side.keys, published + 1 - trainer.policy_version, published + 1)
+            count_version_jump(side.client, side.keys, published + 1 - trainer.policy_version, published + 1,
+                               new_lineage=restored is None)
         trainer.policy_version = published + 1
         publish_current()
     if side:

@@ -132,3 +132,6 @@ def test_a_version_jump_counted_twice_by_restarts_before_the_publish_is_added_on
     assert count_version_jump(client, keys, skipped=3, target_version=8) == 3
     assert count_version_jump(client, keys, skipped=2, target_version=11) == 5  # a later restart: a new jump
     assert int(client.get(keys.version_jumps)) == 5
+    # A trainer with no checkpoint on this run id (trainer.resume=none) starts at 13 having trained nothing: all 13
+    # versions are jumps of its lineage, whatever earlier trainers counted.
+    assert count_version_jump(client, keys, skipped=13, target_version=13, new_lineage=True) == 13
