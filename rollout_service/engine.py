@@ -107,6 +107,7 @@ class RolloutEngine:
         self._llm = None
         self._load_tracker = None
         self._update_lock = asyncio.Lock()
+        self.held_by_operator = False  # paused through the API: a weight update must not resume it
 
     async def start(self) -> None:
         """Start the engine (tens of seconds on CPU)."""
@@ -234,10 +235,18 @@ class RolloutEngine:
         return chunk
 
     async def pause(self, mode: str = "keep") -> None:
-        await self.llm.pause_generation(mode=mode, clear_cache=mode != "keep" or self.config.recompute_kv_on_update)
+        """An operator's pause: it holds until ``resume``, across weight updates (which wait for it, and it for them)."""
+        async with self._update_lock:
+            self.held_by_operator = True
+            await self._pause_engine(mode)
 
     async def resume(self) -> None:
-        await self.llm.resume_generation()
+        async with self._update_lock:  # never in the middle of a weight load
+            self.held_by_operator = False
+            await self.llm.resume_generation()
+
+    async def _pause_engine(self, mode: str) -> None:
+        await self.llm.pause_generation(mode=mode, clear_cache=mode != "keep" or self.config.recompute_kv_on_update)
 
     async def abort(self, request_ids: list[str]) -> None:
         await self.llm.abort(request_ids)
@@ -245,12 +254,12 @@ class RolloutEngine:
     async def commit_weights(self, version: int, staging_path: str, manifest_bytes: bytes) -> float:
         """Load staged weights between pause(keep) and resume and label them ``version``.
 
-        In-flight requests survive; tokens sampled after this call carry the new version. Returns the
-        time the engine was paused, in seconds.
+        In-flight requests survive; tokens sampled after this call carry the new version. An engine an operator
+        paused stays paused. Returns the time the engine was paused, in seconds.
         """
         async with self._update_lock:
             started = time.monotonic()
-            await self.pause("keep")
+            await self._pause_engine("keep")
             try:
                 await self.llm.collective_rpc(
                     "fleetrl_load_staged_weights", args=(staging_path, manifest_bytes)
@@ -258,7 +267,8 @@ class RolloutEngine:
                 await self.llm.update_weight_version(str(version))
                 self.policy_version = version
             finally:
-                await self.resume()
+                if not self.held_by_operator:  # an operator's pause outlasts the update
+                    await self.llm.resume_generation()
             return time.monotonic() - started
 
     @property
