@@ -310,15 +310,18 @@ def test_a_coordinator_killed_mid_run_is_restarted_and_every_prompt_is_pushed_on
     from coordinator.tasks import EchoTask
     from protos.config import load_run_config
 
-    b, steps = 4, 8
+    from protos import admin_pb2, admin_pb2_grpc
+
+    b, steps = 4, 10
     run = start_run(tmp_path, model_dir, servers, redis_server.url,
-                    {"group_size": 4, "groups_per_step": b, "sampling": {"max_tokens": 8}}, steps)
+                    {"group_size": 4, "groups_per_step": b, "sampling": {"max_tokens": 32}}, steps)
     try:
         wait_for_admin(run)
+        stub = admin_pb2_grpc.CoordinatorAdminStub(grpc.insecure_channel(run.admin))
         deadline = time.monotonic() + 120
-        while int(status(run).get("groupsPushed", 0)) < b + 2:  # mid-step, with later slots in flight
+        while stub.GetStatus(admin_pb2.GetStatusRequest(), timeout=10).groups_pushed < b + 2:  # mid-step
             assert time.monotonic() < deadline, f"nothing pushed:\n{run.log('coordinator')}"
-            time.sleep(0.1)
+            time.sleep(0.02)
         os.kill(run.coordinator.pid, signal.SIGKILL)
         run.coordinator.wait()
         pushed_before = len(pushed_groups(redis_server.url))
