@@ -59,11 +59,9 @@ async def build_pipeline(config, model_path: str, client, keys, fleet) -> Pipeli
     tokenizer = load_tokenizer(model_path or config.model_path) if needs_tokenizer else None
     executor = ThreadPoolExecutor(cfg.reward_threads, thread_name_prefix="reward")
     task = build_task(cfg, config.rollout.max_model_len, tokenizer, executor)
-    start_version = await rendezvous.latest_version(client, keys)
-    version_jumps = await rendezvous.version_jumps(client, keys)
+    start_version, version_jumps = await rendezvous.version_and_jumps(client, keys)  # read together
     queue = RolloutQueue(client, keys)
-    # version = steps + skipped holds along one checkpoint lineage; a trainer started afresh (trainer.resume=none)
-    # on a reused run id counts its jump from 0, so the difference can go negative: then assume no steps.
+    # version - jumps = the steps the trainer has taken (RedisKeys.version_jumps)
     pushed = await queue.pushed_total()
     total_groups, queued = remaining_groups(config, pushed, max(0, start_version - version_jumps))
     if pushed:
@@ -82,10 +80,11 @@ async def build_pipeline(config, model_path: str, client, keys, fleet) -> Pipeli
 
 
 def follow_version_jumps(pipeline: Pipeline, total: int) -> None:
-    """A restarted trainer skipped versions: shift the slot arithmetic and the eval schedule alike."""
-    skipped = pipeline.scheduler.set_version_jumps(total)
-    if skipped and pipeline.evals is not None:
-        pipeline.evals.shift(skipped)
+    """The trainer's version - steps changed (a restart, a step that published nothing): shift the slot arithmetic
+    and the eval schedule alike."""
+    shift = pipeline.scheduler.set_version_jumps(total)
+    if shift and pipeline.evals is not None:
+        pipeline.evals.shift(shift)
 
 
 def remaining_groups(config, pushed: int, steps_trained: int) -> tuple[int, int]:

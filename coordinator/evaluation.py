@@ -106,10 +106,10 @@ class EvalRunner:
     def schedule(self, versions: list[int]) -> None:
         self.pending = sorted(set(versions))
 
-    def shift(self, skipped: int) -> None:
-        """The trainer skipped versions (a restart, ``Scheduler.set_version_jumps``): the rounds due after N steps
-        come that many versions later."""
-        self.pending = [version + skipped for version in self.pending]
+    def shift(self, versions: int) -> None:
+        """The trainer's version - steps changed by ``versions`` (``Scheduler.set_version_jumps``): the rounds due
+        after N steps come that many versions later (or earlier)."""
+        self.pending = [version + versions for version in self.pending]
 
     def due(self, scheduler) -> int | None:
         """Hold the scheduler's admission at the next pending version; return it once the trainer is there.

@@ -11,8 +11,10 @@ Dynamic sampling: a group whose rewards are all equal carries no GRPO signal. It
 and a new prompt is drawn *for the same slot*, so the admission arithmetic above is unchanged: the
 replacement is trained at the same step and dispatched under the same version floor.
 
-A restarted trainer that publishes its restored weights as latest + 1 skips versions; it counts them in
-Redis (``version_jumps``) and ``shift_versions`` moves v_0 by as many, so the arithmetic above stays true.
+The trainer keeps ``version_jumps = version - steps taken`` in Redis: a restarted trainer that publishes its
+restored weights as latest + 1 raises it (versions skipped), a step that published nothing (a non-finite
+update) lowers it by one. ``set_version_jumps`` moves v_0 by each change, so the arithmetic above stays true
+(without the lowering, k + 1 non-finite steps would leave no slot admissible: a stalled run).
 
 Eval holds: when an eval round is due at version v_e, admission stops at slot (v_e - v_0) * B. The
 trainer then reaches exactly v_e and waits; the round runs pinned to v_e, then admission resumes.
@@ -102,21 +104,23 @@ class Scheduler:
         self.trainer_version = max(self.trainer_version, version)
 
     def set_version_jumps(self, total: int) -> int:
-        """Take the trainer's count of skipped versions (RedisKeys.version_jumps); returns how many are new.
+        """Take the trainer's ``version - steps`` (RedisKeys.version_jumps); returns its change since the last call.
 
-        After a restarted trainer skipped versions, every slot is trained that many versions later than the slot
-        arithmetic assumed, so its origin moves with it (admission limit, dispatch floors, eval hold).
+        Every slot is then trained that many versions later (a restart skipped versions: positive) or earlier (a
+        step published nothing: negative) than the slot arithmetic assumed, so its origin moves with it (admission
+        limit, dispatch floors, eval hold).
         """
-        skipped = total - self.version_jumps
-        if skipped <= 0:
+        shift = total - self.version_jumps
+        if shift == 0:
             return 0
         self.version_jumps = total
-        self.start_version += skipped
+        self.start_version += shift
         if self.eval_hold_version is not None:
-            self.eval_hold_version += skipped
-        logger.warning("the trainer skipped %d versions (restart): slot i now trains at v%d + i // %d", skipped,
+            self.eval_hold_version += shift
+        why = "skipped versions (restart)" if shift > 0 else "took steps that published nothing"
+        logger.warning("the trainer %s: slots move by %+d versions; slot i now trains at v%d + i // %d", why, shift,
                        self.start_version, self.config.groups_per_step)
-        return skipped
+        return shift
 
     # admission -----------------------------------------------------------------------------
     def admission_limit(self) -> int:

@@ -46,21 +46,16 @@ class RedisKeys:
 
     @property
     def version_jumps(self) -> str:
-        """Versions skipped by trainer restarts, in total (int as string; INCRBY). A trainer restored from a
-        checkpoint older than the latest published version publishes it as latest + 1, so versions stop being
-        'start version + steps trained'; the coordinator shifts its slot -> version map by each increase."""
+        """The trainer's policy version minus the steps it has taken (int as string; SET by the trainer at start and
+        after a step that published nothing). A trainer restored from a checkpoint older than the latest published
+        version publishes it as latest + 1 (raising it); a non-finite step takes a step without a version (lowering
+        it). The coordinator maps slots to versions by 'version - jumps = steps' and follows every change."""
         return self._key("version_jumps")
 
     @property
     def prompt_cursor(self) -> str:
         """Encoded PromptCursor: the prompt stream position of the earliest group not yet pushed (set with each push)."""
         return self._key("prompt_cursor")
-
-    @property
-    def version_jump_target(self) -> str:
-        """The version the last counted jump led to (int as string): a trainer that dies between counting a jump
-        and publishing, and counts the same jump again after its restart, finds it here and does not add it twice."""
-        return self._key("version_jump_target")
 
     def manifest(self, version: int) -> str:
         """Encoded WeightManifest of ``version``."""

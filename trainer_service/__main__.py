@@ -118,8 +118,10 @@ def run(args: argparse.Namespace, stop: threading.Event) -> None:
         # 2) check policy lag and 3) take the optimizer step (inside Trainer.step, alike on every rank)
         previous_version = trainer.policy_version
         values = trainer.step(groups)
-        # 4) publish weights v+1 if the step was taken
+        # 4) publish weights v+1 if the step was taken; a step that was not moves the coordinator's slot map back
         publish_s = publish_current() if trainer.policy_version != previous_version else 0.0
+        if side and trainer.policy_version == previous_version:
+            record_version_offset(side, trainer.policy_version, step)
         # 5) checkpoint (every rank its shard, rank 0 the ledger), then rank 0 acknowledges what it holds
         ckpt_s = 0.0
         if step % tcfg.ckpt_interval == 0 or step == tcfg.num_steps:
@@ -137,25 +139,10 @@ def run(args: argparse.Namespace, stop: threading.Event) -> None:
         side.finish(args.linger_s, stop)
 
 
-# Counted once per target version: a restart between this and the publish computes the same jump to the same target.
-# A trainer that restored no checkpoint starts a lineage of its own: its versions so far are all jumps (SET, not add),
-# so "version - jumps = steps trained" holds for it even on a run id whose earlier trainers counted jumps.
-_COUNT_JUMP = """
-if redis.call('GET', KEYS[2]) == ARGV[2] then return tonumber(redis.call('GET', KEYS[1]) or '0') end
-redis.call('SET', KEYS[2], ARGV[2])
-if ARGV[3] == '1' then
-  redis.call('SET', KEYS[1], ARGV[1])
-  return tonumber(ARGV[1])
-end
-return redis.call('INCRBY', KEYS[1], ARGV[1])
-"""
-
-
-def count_version_jump(client, keys, skipped: int, target_version: int, new_lineage: bool = False) -> int:
-    """Add ``skipped`` to the run's version jumps (set it, for a ``new_lineage``) unless the jump to
-    ``target_version`` was counted; returns the total."""
-    return int(client.eval(_COUNT_JUMP, 2, keys.version_jumps, keys.version_jump_target, skipped, target_version,
-                           int(new_lineage)))
+def record_version_offset(side, policy_version: int, step: int) -> None:
+    """Set the run's ``version_jumps`` to ``policy_version - step`` (RedisKeys.version_jumps), the coordinator's key to
+    which version trains which slot. A SET of the value: repeating it (a restart before the publish) changes nothing."""
+    side.client.set(side.keys.version_jumps, policy_version - step)
 
 
 def catch_up_published(side, trainer, publish_current, restored, step: int) -> None:
@@ -172,10 +159,11 @@ def catch_up_published(side, trainer, publish_current, restored, step: int) -> N
                     len(trainer.ledger), ranks.world_size())
     if published > trainer.policy_version:
         if side:  # before the publish: the coordinator must not see the new version without the jump
-            count_version_jump(side.client, side.keys, published + 1 - trainer.policy_version, published + 1,
-                               new_lineage=restored is None)
+            record_version_offset(side, published + 1, step)
         trainer.policy_version = published + 1
         publish_current()
+    elif side:
+        record_version_offset(side, trainer.policy_version, step)
     if side:
         side.client.setnx(side.keys.policy_version, trainer.policy_version)
         metrics.POLICY_VERSION.set(trainer.policy_version)

@@ -45,15 +45,9 @@ async def latest_version(client: aioredis.Redis, keys: RedisKeys) -> int:
     return int(raw) if raw is not None else 0
 
 
-async def version_jumps(client: aioredis.Redis, keys: RedisKeys) -> int:
-    """Versions skipped by trainer restarts so far (``RedisKeys.version_jumps``), 0 when none."""
-    raw = await client.get(keys.version_jumps)
-    return int(raw) if raw is not None else 0
-
-
 async def version_and_jumps(client: aioredis.Redis, keys: RedisKeys) -> tuple[int, int]:
-    """``latest_version`` and ``version_jumps`` in one round trip, read together (a trainer counts a jump before
-    it publishes the version that makes it)."""
+    """``latest_version`` and ``RedisKeys.version_jumps`` (version - steps) in one round trip, read together (a
+    restarted trainer sets the jumps before it publishes the version that makes them)."""
     raw_version, raw_jumps = await client.mget(keys.policy_version, keys.version_jumps)
     return int(raw_version or 0), int(raw_jumps or 0)
 

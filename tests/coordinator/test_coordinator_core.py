@@ -73,6 +73,24 @@ def test_versions_skipped_by_a_restarted_trainer_shift_the_slot_arithmetic_and_t
     assert scheduler.start_version == 3 and evals.pending == [7]
 
 
+def test_on_policy_admission_goes_on_after_steps_that_published_nothing():
+    from coordinator.__main__ import Pipeline, follow_version_jumps
+
+    scheduler = make_scheduler(start_version=5, overrides=("coordinator.max_staleness=0",
+                                                             "coordinator.eval.datasets=[a.jsonl]"))
+    evals = EvalRunner(scheduler.config, scheduler.fleet, [], scorer=None)
+    evals.schedule([7])  # the round after 2 steps
+    pipeline = Pipeline(scheduler, evals, executor=None)
+    assert admit_all(scheduler) == 4  # k = 0: one step's slots
+    # The trainer takes step 1 on those 4 groups, its update is not finite: no version, version - steps = -1.
+    follow_version_jumps(pipeline, -1)
+    assert admit_all(scheduler) == 4  # step 2's slots, trained at v5 as well
+    assert scheduler.train_version(4) == 5 and scheduler.version_floor(4) == 5  # dispatched to servers at v5
+    assert evals.pending == [6]  # after 2 steps the trainer is at v6
+    follow_version_jumps(pipeline, -2)  # step 2 published nothing either
+    assert admit_all(scheduler) == 4 and scheduler.train_version(8) == 5
+
+
 def test_a_restarted_coordinator_counts_the_groups_still_queued_and_produces_only_the_rest(redis_server):
     from coordinator.__main__ import remaining_groups
     from protos.records import Array, TrajectoryGroup

@@ -21,9 +21,18 @@ def make_group(index: int, version: int = 0, group_size: int = 4, seed: int = 0)
     return TrajectoryGroup(f"g{index}", f"p{index}", Array.from_numpy(prompt), samples, "synthetic", index, version, 0.0)
 
 
-def push_groups(url: str, keys, indices: list[int], seed: int = 11) -> None:
+def with_nonfinite_rewards(group: TrajectoryGroup) -> TrajectoryGroup:
+    """``group`` with NaN rewards (a broken reward function): the step that trains it has a non-finite loss and is
+    skipped."""
+    import msgspec
+
+    return msgspec.structs.replace(group, samples=[msgspec.structs.replace(s, reward=float("nan"))
+                                                   for s in group.samples])
+
+
+def push_groups(url: str, keys, indices: list[int], seed: int = 11, nonfinite: tuple[int, ...] = ()) -> None:
     """Push groups ``g<i>`` for ``indices`` (policy version 0) onto the run's trajectory queue, as the coordinator
-    does (``coordinator.queue_writer.RolloutQueue``)."""
+    does (``coordinator.queue_writer.RolloutQueue``); those in ``nonfinite`` carry NaN rewards."""
     import asyncio
 
     import redis.asyncio as aioredis
@@ -34,7 +43,8 @@ def push_groups(url: str, keys, indices: list[int], seed: int = 11) -> None:
         client = aioredis.Redis.from_url(url)
         queue = RolloutQueue(client, keys)
         for index in indices:
-            await queue.push(make_group(index, version=0, seed=seed))
+            group = make_group(index, version=0, seed=seed)
+            await queue.push(with_nonfinite_rewards(group) if index in nonfinite else group)
         await client.aclose()
 
     asyncio.run(push())

@@ -123,15 +123,17 @@ def test_megatron_backend_runs_in_the_trainer_process_and_publishes(redis_server
     assert _pending(client, keys) == 0
 
 
-def test_a_version_jump_counted_twice_by_restarts_before_the_publish_is_added_once(fresh_run):
-    from trainer_service.__main__ import count_version_jump
-
-    keys, client, _ = fresh_run
-    assert count_version_jump(client, keys, skipped=3, target_version=8) == 3
-    # The trainer died after counting and before publishing v8; its restart counts the same jump again.
-    assert count_version_jump(client, keys, skipped=3, target_version=8) == 3
-    assert count_version_jump(client, keys, skipped=2, target_version=11) == 5  # a later restart: a new jump
-    assert int(client.get(keys.version_jumps)) == 5
-    # A trainer with no checkpoint on this run id (trainer.resume=none) starts at 13 having trained nothing: all 13
-    # versions are jumps of its lineage, whatever earlier trainers counted.
-    assert count_version_jump(client, keys, skipped=13, target_version=13, new_lineage=True) == 13
+def test_a_step_that_publishes_nothing_lowers_version_minus_steps_for_the_coordinator(redis_server, tmp_path,
+                                                                                     fresh_run):
+    keys, client, model_dir = fresh_run
+    # g5 has NaN rewards: step 3 (g4, g5) has a non-finite loss and is skipped, no version published.
+    push_groups(redis_server.url, keys, list(range(NUM_GROUPS)), nonfinite=(5,))
+    log = tmp_path / "trainer.log"
+    trainer = _start_trainer(model_dir, redis_server.url, tmp_path / "ckpt", log)
+    assert trainer.wait(timeout=300) == 0, log.read_text()[-3000:]
+    final = _latest_state(tmp_path / "ckpt")
+    steps = NUM_GROUPS // GROUPS_PER_STEP
+    assert final["step"] == steps and final["ledger"]["g4"] == final["ledger"]["g5"] == "nonfinite"
+    assert int(client.get(keys.policy_version)) == steps - 1 == final["policy_version"]
+    # The coordinator's slot map: version - jumps = steps taken, so slot i still maps to the version that trains it.
+    assert int(client.get(keys.version_jumps)) == -1
