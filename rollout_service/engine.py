@@ -130,6 +130,9 @@ class RolloutEngine:
             pipeline_parallel_size=self.config.pipeline_parallel_size,
             enable_expert_parallel=self.config.enable_expert_parallel,
             max_num_seqs=self.config.max_num_seqs,
+            # Logprobs of the distribution each token was drawn from (after temperature, top-p, top-k); vLLM's
+            # default is those of the raw logits, which at temperature != 1 is not the rollout policy.
+            logprobs_mode="processed_logprobs",
         )
         started = time.monotonic()
         self._load_tracker = make_load_tracker()

@@ -95,6 +95,24 @@ def test_generate_streams_tokens_logprobs_and_version_spans(server):
         assert not final.HasField("routed_experts")  # vLLM on CPU cannot return routes
 
 
+def test_logprobs_are_of_the_distribution_the_tokens_were_sampled_from(server, model_dir):
+    """At temperature T the sampler draws from softmax(logits / T): the logprobs must be of that distribution
+    (vLLM's default returns those of the raw logits), or every off-policy ratio at T != 1 is off."""
+    from transformers import AutoModelForCausalLM
+
+    reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()  # the weights served now
+    _, samples = _generate(server.stub, n=2, temperature=0.5, max_tokens=6)
+    for sample in samples.values():
+        ids = torch.tensor([PROMPT + sample["tokens"]])
+        with torch.no_grad():
+            logits = reference(input_ids=ids).logits[0, len(PROMPT) - 1 : -1].float()
+        tokens = torch.tensor(sample["tokens"])[:, None]
+        at_temperature = torch.log_softmax(logits / 0.5, dim=-1).gather(1, tokens)[:, 0]
+        raw = torch.log_softmax(logits, dim=-1).gather(1, tokens)[:, 0]
+        served = torch.tensor(sample["logprobs"])
+        assert (served - at_temperature).abs().max() < 1e-3 < (raw - at_temperature).abs().max(), (served, raw)
+
+
 def test_stream_interval_sends_fewer_larger_chunks_with_every_token(server):
     chunks, samples = _generate(server.stub, n=2, temperature=1.0, max_tokens=12, stream_interval=4)
     for index, sample in samples.items():
