@@ -55,6 +55,10 @@ async def build_pipeline(config, model_path: str, client, keys, fleet) -> Pipeli
     from weight_bus import rendezvous
 
     cfg = config.coordinator
+    if cfg.sampling.top_p < 1.0 or cfg.sampling.top_k > 0:
+        logger.warning("coordinator.sampling top_p=%s top_k=%s: rollout logprobs are of the truncated distribution, "
+                       "which the trainer does not model, so off-policy ratios are biased (train with top_p=1, "
+                       "top_k=-1)", cfg.sampling.top_p, cfg.sampling.top_k)
     needs_tokenizer = cfg.task != "echo" or bool(cfg.eval.datasets)
     tokenizer = load_tokenizer(model_path or config.model_path) if needs_tokenizer else None
     executor = ThreadPoolExecutor(cfg.reward_threads, thread_name_prefix="reward")

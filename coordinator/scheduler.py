@@ -204,17 +204,19 @@ class Scheduler:
     async def _generate_group(self, slot: int, prompt: TaskPrompt,
                               admitted_at: int) -> tuple[TrajectoryGroup, list[float]]:
         floor = self.version_floor(slot)
+        sampling = self.config.sampling.model_copy()  # this request's settings; a live change applies to later ones
         results, client = await self.fleet.generate(
-            prompt.prompt_token_ids, self.config.group_size, self.config.sampling,
+            prompt.prompt_token_ids, self.config.group_size, sampling,
             accept=lambda c: c.policy_version >= floor, what=f"at policy version >= {floor}",
             request_id=f"g{slot}-{uuid.uuid4().hex[:6]}", timeout_s=self.config.request_timeout_s,
             max_attempts=self.config.max_attempts,
         )
         scores = await self.task.score(prompt, [r.token_ids for r in results])
-        return self._build_group(slot, prompt, results, scores, client, admitted_at), [s.reward for s in scores]
+        group = self._build_group(slot, prompt, results, scores, client, admitted_at, sampling.temperature)
+        return group, [s.reward for s in scores]
 
     def _build_group(self, slot: int, prompt: TaskPrompt, results: list[SampleResult], scores: list[RewardResult],
-                     client: RolloutClient, admitted_at: int) -> TrajectoryGroup:
+                     client: RolloutClient, admitted_at: int, temperature: float) -> TrajectoryGroup:
         samples = []
         for result, score in zip(results, scores, strict=True):
             samples.append(
@@ -240,6 +242,7 @@ class Scheduler:
             admission_index=slot,
             admitted_at_version=admitted_at,
             created_s=time.time(),
+            sampling_temperature=temperature,
         )
 
     # in-order push -------------------------------------------------------------------------

@@ -84,6 +84,8 @@ class TrajectoryGroup(msgspec.Struct, array_like=True, gc=False, frozen=True):
     admission_index: int  # 0-based order in which the coordinator admitted the prompt
     admitted_at_version: int  # trainer policy version when admitted
     created_s: float  # wall time the group was completed
+    # The temperature its samples were drawn at (it can change live); < 0: not recorded, the trainer's own applies.
+    sampling_temperature: float = -1.0
 
 
 class TensorEntry(msgspec.Struct, array_like=True, gc=False, frozen=True):

@@ -27,12 +27,13 @@ class TrainBatch:
     num_response_tokens: int
     routed_experts_BTLK: torch.Tensor | None = None  # rollout routes for R3 (routing_replay); None = natural
     old_logprobs_BT: torch.Tensor | None = None  # pi_old when fixed before the step (mini-batches); None = detach
+    temperatures_B: torch.Tensor | None = None  # sampling temperature of each row's group; NaN/None = not recorded
 
 
 def build_batch(groups: list[TrajectoryGroup], pad_id: int = 0) -> TrainBatch:
     """Flatten groups (equal group sizes) into one padded batch with GRPO advantages."""
     group_size = len(groups[0].samples)
-    rows, masks, rollout_lps, rewards, versions = [], [], [], [], []
+    rows, masks, rollout_lps, rewards, versions, temperatures = [], [], [], [], [], []
     for group in groups:
         if len(group.samples) != group_size:
             raise ValueError(f"group {group.group_id} has {len(group.samples)} samples, expected {group_size}")
@@ -48,6 +49,7 @@ def build_batch(groups: list[TrajectoryGroup], pad_id: int = 0) -> TrainBatch:
             rollout_lps.append(lps)
             rewards.append(sample.reward)
             versions.append(sample.min_version)
+            temperatures.append(group.sampling_temperature if group.sampling_temperature >= 0 else float("nan"))
     width = max(len(r) for r in rows)
     input_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
     attention = torch.zeros((len(rows), width), dtype=torch.long)
@@ -69,7 +71,19 @@ def build_batch(groups: list[TrajectoryGroup], pad_id: int = 0) -> TrainBatch:
         min_versions_B=torch.tensor(versions),
         num_response_tokens=int(loss_mask.sum().item()),
         routed_experts_BTLK=routes_from_groups(groups, width),
+        temperatures_B=torch.tensor(temperatures, dtype=torch.float32),
     )
+
+
+def logit_divisors(batch: TrainBatch, temperature: float) -> torch.Tensor | float:
+    """[B] what each row's logits are divided by: the temperature its group was sampled at (a live change reaches
+    the trainer later than the groups drawn after it), ``temperature`` where the group recorded none, and 1 at
+    temperature 0 (greedy: the engine reports untempered logprobs). 1.0 when that is 1 for every row."""
+    rows = batch.input_ids_BT.shape[0]
+    recorded = batch.temperatures_B if batch.temperatures_B is not None else torch.full((rows,), float("nan"))
+    divisors = torch.where(torch.isnan(recorded), torch.full_like(recorded, temperature), recorded)
+    divisors = torch.where(divisors > 0, divisors, torch.ones_like(divisors))
+    return 1.0 if bool((divisors == 1.0).all()) else divisors
 
 
 def select_rows(batch: TrainBatch, rows: list[int]) -> TrainBatch:
@@ -88,6 +102,7 @@ def select_rows(batch: TrainBatch, rows: list[int]) -> TrainBatch:
         num_response_tokens=int(loss_mask.sum().item()),
         routed_experts_BTLK=None if batch.routed_experts_BTLK is None else batch.routed_experts_BTLK[index, :width],
         old_logprobs_BT=None if batch.old_logprobs_BT is None else batch.old_logprobs_BT[index, : width - 1],
+        temperatures_B=None if batch.temperatures_B is None else batch.temperatures_B[index],
     )
 
 
@@ -169,6 +184,7 @@ def pad_rows(batch: TrainBatch, num_rows: int, width: int, keep: int | None = No
         num_response_tokens=int(batch.loss_mask_BT[:keep].sum().item()),
         routed_experts_BTLK=grow(batch.routed_experts_BTLK, NO_ROUTE, width),
         old_logprobs_BT=grow(batch.old_logprobs_BT, 0.0, width - 1),
+        temperatures_B=None if batch.temperatures_B is None else per_row(batch.temperatures_B, 1.0),
     )
 
 

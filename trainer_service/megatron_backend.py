@@ -35,10 +35,11 @@ import torch
 
 from protos.config import MegatronConfig, TrainerConfig
 from trainer_service import lora, megatron_beam, megatron_checkpoint, megatron_cpu_shims, megatron_lora, ranks
-from trainer_service.batch import TrainBatch, data_parallel_shard, pad_to_common_shape, split_micro_batches
+from trainer_service.batch import (TrainBatch, data_parallel_shard, logit_divisors, pad_to_common_shape,
+                                   split_micro_batches)
 from trainer_service.losses import loss_denominator, policy_loss
 from trainer_service.routing_replay import NO_ROUTE, megatron_forced_routing
-from trainer_service.torch_backend import loss_config
+from trainer_service.torch_backend import loss_config, temper
 
 logger = logging.getLogger(__name__)
 
@@ -266,7 +267,8 @@ class MegatronBackend:
         routes = None if routes_BTLK is None else pad_sequence_dim(routes_BTLK, multiple, NO_ROUTE)
         return pad_sequence_dim(input_ids_BT, multiple, 0), pad_sequence_dim(attention_mask_BT, multiple, 0), routes
 
-    def _stage_output(self, model, input_ids_BT: torch.Tensor, attention_mask_BT: torch.Tensor) -> torch.Tensor:
+    def _stage_output(self, model, input_ids_BT: torch.Tensor, attention_mask_BT: torch.Tensor,
+                      temperature: float | torch.Tensor | None) -> torch.Tensor:
         """This pipeline stage's forward: hidden states [T, B, H] (sent on), or log-probs [B, T-1] on the last stage.
 
         Earlier stages' hidden states arrive through megatron's ``set_input_tensor``; the ids, positions and mask
@@ -282,9 +284,7 @@ class MegatronBackend:
         )
         if not mpu.is_pipeline_last_stage():
             return output
-        logits_BTV = output[:, :-1].float()
-        if self.temperature > 0 and self.temperature != 1.0:
-            logits_BTV = logits_BTV / self.temperature
+        logits_BTV = temper(output[:, :-1].float(), temperature)  # one, or per row (batch.logit_divisors)
         return -vocab_parallel_cross_entropy(logits_BTV.contiguous(), input_ids_BT[:, 1:].contiguous())
 
     def _forward_backward(self, step_fn, forward_only: bool, shape: tuple[int, int], micro_batches=None) -> list:
@@ -306,11 +306,13 @@ class MegatronBackend:
 
     @torch.no_grad()
     def token_logprobs(
-        self, input_ids_BT: torch.Tensor, attention_mask_BT: torch.Tensor, routed_experts: torch.Tensor | None = None
+        self, input_ids_BT: torch.Tensor, attention_mask_BT: torch.Tensor, routed_experts: torch.Tensor | None = None,
+        temperature: float | torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The torch backend's ``token_logprobs`` (eval mode, no grad): [B, T-1] on the CPU, the same on every rank.
 
         Every data-parallel replica runs the whole batch; the last pipeline stage broadcasts the result.
+        ``temperature``: one or [B] per row; None: the backend's own.
         """
         from megatron.core import parallel_state as mpu
 
@@ -319,8 +321,10 @@ class MegatronBackend:
         )
         out: dict[str, torch.Tensor] = {}
 
+        divisors = self.temperature if temperature is None else temperature
+
         def step_fn(data_iterator, model):
-            output = self._stage_output(model, ids, attention)
+            output = self._stage_output(model, ids, attention, divisors)
             out["logprobs"] = output
             return output, lambda output: (output.sum(), {})
 
@@ -344,7 +348,8 @@ class MegatronBackend:
 
     def policy_logprobs(self, batch: TrainBatch) -> torch.Tensor:
         """[B, T] logprobs of the current policy for the whole batch (pi_old of a step in mini-batches)."""
-        return self.token_logprobs(batch.input_ids_BT, batch.attention_mask_BT, batch.routed_experts_BTLK)
+        return self.token_logprobs(batch.input_ids_BT, batch.attention_mask_BT, batch.routed_experts_BTLK,
+                                   logit_divisors(batch, self.temperature))
 
     # -- step ----------------------------------------------------------------------------------------------
 
@@ -394,7 +399,7 @@ class MegatronBackend:
             )
             # Replay targets are set for this micro-batch's forward; backward reuses the saved routing.
             with megatron_forced_routing(self.model, routes, self.num_layers):
-                output = self._stage_output(model, ids, attention)
+                output = self._stage_output(model, ids, attention, logit_divisors(micro, self.temperature))
             if mpu.is_pipeline_last_stage():
                 output = output[:, : micro.input_ids_BT.shape[1] - 1]
             return output, partial(self._loss_fn, micro, weight, loss_scale)

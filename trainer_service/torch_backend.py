@@ -17,7 +17,7 @@ from torch.nn.utils import parametrize
 
 from protos.config import TrainerConfig
 from trainer_service import lora
-from trainer_service.batch import TrainBatch, split_micro_batches
+from trainer_service.batch import TrainBatch, logit_divisors, split_micro_batches
 from trainer_service.losses import PolicyLossConfig, loss_denominator, policy_loss
 from trainer_service.routing_replay import forced_routing
 
@@ -35,13 +35,22 @@ def loss_config(config: TrainerConfig) -> PolicyLossConfig:
     )
 
 
-def token_logprobs(model, input_ids_BT: torch.Tensor, attention_mask_BT: torch.Tensor, temperature: float) -> torch.Tensor:
-    """Log-probability of every next token: [B, T-1] for inputs [B, T]."""
+def token_logprobs(model, input_ids_BT: torch.Tensor, attention_mask_BT: torch.Tensor,
+                   temperature: float | torch.Tensor | None) -> torch.Tensor:
+    """Log-probability of every next token: [B, T-1] for inputs [B, T], at ``temperature`` (one, or [B] per row)."""
     logits = model(input_ids=input_ids_BT, attention_mask=attention_mask_BT, use_cache=False).logits[:, :-1]
-    if temperature > 0 and temperature != 1.0:
-        logits = logits / temperature
-    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    logprobs = torch.log_softmax(temper(logits.float(), temperature), dim=-1)
     return logprobs.gather(-1, input_ids_BT[:, 1:, None]).squeeze(-1)
+
+
+def temper(logits_BTV: torch.Tensor, temperature: float | torch.Tensor | None) -> torch.Tensor:
+    """Logits divided by the sampling temperature: one for all rows, or [B] (``batch.logit_divisors``); None, 0 and
+    1 leave them as they are."""
+    if isinstance(temperature, torch.Tensor):
+        return logits_BTV / temperature.to(logits_BTV)[:, None, None]
+    if temperature is not None and temperature > 0 and temperature != 1.0:
+        return logits_BTV / temperature
+    return logits_BTV
 
 
 class TorchBackend:
@@ -102,7 +111,8 @@ class TorchBackend:
         ids = micro.input_ids_BT.to(self.device)
         routes = None if micro.routed_experts_BTLK is None else micro.routed_experts_BTLK.to(self.device)
         with forced_routing(self.model, routes):  # R3: the experts the rollout engine chose (None: natural)
-            logprobs = token_logprobs(self.model, ids, micro.attention_mask_BT.to(self.device), self.temperature)
+            logprobs = token_logprobs(self.model, ids, micro.attention_mask_BT.to(self.device),
+                                      logit_divisors(micro, self.temperature))
         # pi_old: fixed at the training step's start (mini-batches), else the current policy before this update.
         old = logprobs.detach() if micro.old_logprobs_BT is None else micro.old_logprobs_BT.to(self.device)
         return policy_loss(
@@ -119,7 +129,8 @@ class TorchBackend:
             routes = None if micro.routed_experts_BTLK is None else micro.routed_experts_BTLK.to(self.device)
             with forced_routing(self.model, routes), parametrize.cached():
                 logprobs = token_logprobs(
-                    self.model, micro.input_ids_BT.to(self.device), micro.attention_mask_BT.to(self.device), self.temperature
+                    self.model, micro.input_ids_BT.to(self.device), micro.attention_mask_BT.to(self.device),
+                    logit_divisors(micro, self.temperature),
                 )
             out[rows : rows + logprobs.shape[0], : logprobs.shape[1]] = logprobs.cpu()
             rows += logprobs.shape[0]

@@ -215,8 +215,11 @@ def test_admin_verbs_steer_a_live_run_that_keeps_the_staleness_bound(tmp_path, m
         assert [s["address"] for s in status(run)["servers"]] == [servers[0].address]
         assert "2 servers" in fleetrl(run, "servers", "add", servers[1].address).stdout
         assert "coordinator running" in fleetrl(run, "resume").stdout
+        # a live temperature change applies to requests made after it; each group records the one it was drawn at
+        assert "coordinator.sampling.temperature: 1.0 -> 0.9" in fleetrl(run, "set", "sampling.temperature=0.9").stdout
+        changed_at = int(status(run).get("groupsPushed", 0))
         deadline = time.monotonic() + 120
-        while int(status(run).get("groupsPushed", 0)) < 3 * b:
+        while int(status(run).get("groupsPushed", 0)) < max(3 * b, changed_at + 2 * b + 1):  # > 2B in flight then
             assert time.monotonic() < deadline, "the resumed run pushed nothing"
             time.sleep(0.2)
         # drain: admitted work is finished and pushed, nothing new is admitted, the coordinator stops
@@ -230,6 +233,9 @@ def test_admin_verbs_steer_a_live_run_that_keeps_the_staleness_bound(tmp_path, m
     assert 3 * b <= len(groups) == final["slots_admitted"] == final["groups_pushed"] < steps * b
     assert_every_slot_once_within_the_bound(groups, len(groups), run.start_version, b, k=1)
     assert final["max_staleness_at_push"] <= 1
+    temperatures = [g.sampling_temperature for g in groups]
+    assert temperatures[0] == 1.0 and temperatures[-1] == 0.9 and set(temperatures) == {1.0, 0.9}
+    assert temperatures == sorted(temperatures, reverse=True)  # one change: every group after it at 0.9
 
 
 def test_dataset_run_with_dynamic_sampling_and_pinned_eval_rounds(tmp_path, model_dir, servers, redis_server):

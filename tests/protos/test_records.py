@@ -60,6 +60,7 @@ def _group() -> TrajectoryGroup:
         admission_index=12,
         admitted_at_version=3,
         created_s=1700000000.5,
+        sampling_temperature=0.7,
     )
 
 
@@ -85,12 +86,14 @@ def _metrics() -> MetricsReport:
     return MetricsReport("trainer", 10, 5, 1700000003.5, {"loss": 0.5, "reward_mean": 0.75})
 
 
-GROUP_HEX = (
+# Written before ``sampling_temperature`` was appended: still decodes, with the field's default.
+GROUP_BEFORE_TEMPERATURE_HEX = (
     "98a3672d31a3702d3793c4080100000002000000a5696e7433329102929893c40c050000000600000007000000a5696e74"
     "3332910393c40c000000bf000080be000080bfa7666c6f61743332910392930300029304020301cb3ff0000000000000a9"
     "726f6c6c6f75742d3193c40400010100a575696e743893020102a09893c40409000000a5696e743332910193c404000000"
     "c0a7666c6f617433329101919304000102cb0000000000000000a0c0a0a46563686f0c03cb41d954fc40200000"
 )
+GROUP_HEX = GROUP_BEFORE_TEMPERATURE_HEX.replace("98a3672d31", "99a3672d31", 1) + "cb3fe6666666666666"
 MANIFEST_HEX = (
     "96029298b26d6f64656c2e656d6265642e776569676874a7666c6f61743332920402a3726177000020cedeadbeef98ae6c"
     "6d5f686561642e776569676874a862666c6f617431369102a372617701400401922044ae3132372e302e302e313a353535"
@@ -128,6 +131,8 @@ def test_metrics_report_encodes_to_golden_bytes():
 
 def test_golden_bytes_decode_to_the_same_records():
     assert decode_group(bytes.fromhex(GROUP_HEX)) == _group()
+    older = decode_group(bytes.fromhex(GROUP_BEFORE_TEMPERATURE_HEX))
+    assert older == msgspec.structs.replace(_group(), sampling_temperature=-1.0)
     assert decode_manifest(bytes.fromhex(MANIFEST_HEX)) == _manifest()
     assert decode_report(bytes.fromhex(REPORT_HEX)) == _report()
     assert decode_metrics(bytes.fromhex(METRICS_HEX)) == _metrics()
@@ -294,8 +299,8 @@ def test_trainer_group_info_finds_the_trainers_entry_by_str_or_bytes_name():
 
 # The trainer's rank-0 -> other ranks order (trainer_service/ranks.py broadcasts it).
 ORDER_TRAIN_HEX = (
-    "95009198a26731a2703193c4080100000002000000a5696e7433329102919893c40403000000a5696e743332910193c404000000bfa766"
-    "6c6f617433329101919302000101cb3ff0000000000000a0c0a0a46563686f0402cb41d954fc40200000c290a0"
+    "95009199a26731a2703193c4080100000002000000a5696e7433329102919893c40403000000a5696e743332910193c404000000bfa766"
+    "6c6f617433329101919302000101cb3ff0000000000000a0c0a0a46563686f0402cb41d954fc40200000cbbff0000000000000c290a0"
 )
 ORDER_CONTROL_HEX = "950190c39192b9636f6f7264696e61746f722e6d61785f7374616c656e657373a132a0"
 ORDER_ERROR_HEX = "950390c290b754696d656f75744572726f723a206e6f2067726f757073"

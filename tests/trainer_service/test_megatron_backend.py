@@ -85,6 +85,24 @@ def test_megatron_logprobs_match_torch_backend_on_a_padded_batch(megatron, torch
     assert (actual - expected)[real_targets].abs().max() < 1e-4
 
 
+def test_each_group_is_scored_at_the_temperature_it_was_sampled_at_in_both_backends(megatron, torch_backend):
+    import msgspec
+
+    hot = msgspec.structs.replace(_group([1, 5, 6], [[7, 8, 9, 10], [11, 12]], [1.0, 0.0]), sampling_temperature=0.5)
+    unrecorded = _group([1, 9], [[13, 14, 15, 16, 17], [18]], [0.0, 1.0])  # older coordinator: the backend's own
+    batch = build_batch([hot, unrecorded])
+    with torch.no_grad():
+        expected = torch.cat([
+            token_logprobs(torch_backend.model, batch.input_ids_BT[:2], batch.attention_mask_BT[:2], 0.5),
+            token_logprobs(torch_backend.model, batch.input_ids_BT[2:], batch.attention_mask_BT[2:], 1.0),
+        ])
+    real_targets = batch.attention_mask_BT[:, 1:].bool()
+    for backend in (torch_backend, megatron):
+        assert backend.temperature == 1.0
+        actual = backend.policy_logprobs(batch)
+        assert (actual - expected)[real_targets].abs().max() < 1e-4, type(backend).__name__
+
+
 def test_megatron_export_is_bit_exact_with_the_hf_checkpoint(megatron, model_dir):
     checkpoint = load_file(f"{model_dir}/model.safetensors")
     exported = dict(megatron.export_hf_weights())
