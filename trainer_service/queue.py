@@ -87,15 +87,20 @@ class TrajectoryQueue:
 
     def _take_orphans(self, batch: list, num_groups: int) -> None:
         """Entries delivered to this consumer whose reply never arrived (a read that broke after the server ran it):
-        they sit in our pending list but not in hand, and no ``>`` read returns them again; take them now."""
+        they sit in our pending list but not in hand, and no ``>`` read returns them again; take them now.
+
+        The pending list gives ids only: the payloads of the entries in hand (a whole step's) are not read again.
+        """
         known = self._in_hand | {entry_id for entry_id, _ in self._reclaimed}
-        reply = self.client.xreadgroup(self.keys.trainer_group, self.consumer, {self.keys.trajectories: "0"})
-        for _stream, entries in reply or []:
-            for entry_id, fields in entries:
-                entry_id = _id(entry_id)
-                if len(batch) < num_groups and fields is not None and entry_id not in known:
-                    logger.warning("taking entry %s delivered to %s earlier but never received", entry_id, self.consumer)
-                    self._decode_into(batch, entry_id, fields.get(b"g", b""))
+        pending = self.client.xpending_range(self.keys.trajectories, self.keys.trainer_group, min="-", max="+",
+                                             count=len(known) + 1000, consumername=self.consumer)
+        for entry in pending:
+            entry_id = _id(entry["message_id"])
+            if len(batch) >= num_groups or entry_id in known:
+                continue
+            for found_id, fields in self.client.xrange(self.keys.trajectories, entry_id, entry_id, count=1):
+                logger.warning("taking entry %s delivered to %s earlier but never received", entry_id, self.consumer)
+                self._decode_into(batch, _id(found_id), fields.get(b"g", b""))
 
     def _decode_into(self, batch: list, entry_id: str, payload: bytes) -> None:
         try:
