@@ -4,6 +4,7 @@ On a GPU this is the check the CPU tests cannot make: megatron-core's CUDA code 
 CUDA RNG tracker, bf16 kernels) under the Beam spec. Prints one JSON object:
 
 - ``fp32``: Megatron fp32 vs HF fp32 logits (full vocabulary, every real position): mean/max KL, top-1;
+- ``per_row_temperature``: rows scored at different sampling temperatures vs HF fp32 at the same: max |dlogp|;
 - ``bf16``: Megatron bf16 vs HF fp32, next to HF bf16 vs HF fp32 (the bf16 floor);
 - ``r3``: routes recorded in a Megatron forward, expert biases then shifted so routing changes, replayed:
   max |logit difference| to the recorded forward (0 = bit-equal);
@@ -58,6 +59,7 @@ def main() -> None:
     reference = hf_logits(beam_dir, torch.float32)
     fp32 = MegatronBackend(beam_dir, config("float32"), device=device)
     result["fp32"] = compare(reference, megatron_logits(fp32, ids_dev, mask_dev), mask_dev)
+    result["per_row_temperature"] = verify_temperatures(fp32, reference, ids_BT, mask_BT)
 
     bf16 = MegatronBackend(str(bf16_dir), config("bfloat16"), device=device)
     result["bf16"] = {
@@ -78,6 +80,16 @@ def main() -> None:
 
     result["lora"] = verify_lora(beam_dir, config("float32", lora=LoraConfig(rank=8, alpha=16)), device, work)
     print(json.dumps(result, indent=1))
+
+
+def verify_temperatures(backend, reference_BTV: torch.Tensor, ids_BT: torch.Tensor, mask_BT: torch.Tensor) -> dict:
+    """Rows scored at their own sampling temperature (a batch that spans a live change) vs HF fp32 at the same."""
+    temperatures_B = torch.tensor([0.5, 1.0, 0.7, 1.3] * ids_BT.shape[0])[: ids_BT.shape[0]]
+    tempered = reference_BTV[:, :-1].cpu() / temperatures_B[:, None, None]
+    expected = torch.log_softmax(tempered, dim=-1).gather(-1, ids_BT[:, 1:, None]).squeeze(-1)
+    actual = backend.token_logprobs(ids_BT, mask_BT, temperature=temperatures_B)
+    mask = mask_BT[:, 1:].bool()
+    return {"temperatures": temperatures_B.tolist(), "max_abs_logprob_diff": (actual - expected)[mask].abs().max().item()}
 
 
 def verify_lora(beam_dir: str, config, device: str, work: Path) -> dict:
