@@ -112,13 +112,27 @@ class TrajectoryQueue:
             self.client.xack(self.keys.trajectories, self.keys.trainer_group, entry_id)
             self.num_dead_letters += 1
 
-    def ack(self, entry_ids: list[str]) -> None:
-        """Acknowledge entries whose step is committed, then drop what no consumer can need any more."""
-        if entry_ids:
-            self.client.xack(self.keys.trajectories, self.keys.trainer_group, *entry_ids)
-            self._in_hand.difference_update(entry_ids)
-            if self.trim:
-                self.trim_acknowledged()
+    def ack(self, entry_ids: list[str], timeout_s: float = 60.0) -> None:
+        """Acknowledge entries whose step is committed, then drop what no consumer can need any more.
+
+        XACK is idempotent, so a broken connection is retried for ``timeout_s`` (a trainer that exits instead
+        reloads its model to get back here); then the error propagates.
+        """
+        if not entry_ids:
+            return
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                self.client.xack(self.keys.trajectories, self.keys.trainer_group, *entry_ids)
+                break
+            except (RedisConnectionError, RedisTimeoutError) as error:
+                if time.monotonic() > deadline:
+                    raise
+                logger.warning("acknowledging %d entries failed, retrying: %s", len(entry_ids), error)
+                time.sleep(0.5)
+        self._in_hand.difference_update(entry_ids)
+        if self.trim:
+            self.trim_acknowledged()
 
     def trim_acknowledged(self) -> int:
         """Delete stream entries older than both the oldest pending entry and the group's last delivery.

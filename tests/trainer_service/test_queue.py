@@ -141,6 +141,19 @@ def test_entries_whose_read_reply_was_lost_are_still_read_once(redis_url, client
     assert again == [] and _pending(client) == 0
 
 
+def test_an_ack_whose_reply_was_lost_is_retried_and_leaves_nothing_pending(redis_url, client):
+    from tests.redis_faults import reply_dropping_proxy
+
+    _push(redis_url, [_group(i) for i in range(3)])
+    with reply_dropping_proxy(redis_url, marker=b"XACK") as (proxy_url, proxy):
+        through_proxy = redis.Redis.from_url(proxy_url, socket_timeout=5)
+        queue = TrajectoryQueue(through_proxy, KEYS, trim=False)
+        batch = queue.read(3, timeout_s=2)
+        queue.ack([entry_id for entry_id, _ in batch], timeout_s=10)
+        through_proxy.close()
+    assert proxy.dropped == 1 and _pending(client) == 0
+
+
 def test_ack_removes_entries_from_the_pending_list(redis_url, client):
     queue = TrajectoryQueue(client, KEYS)
     _push(redis_url, [_group(i) for i in range(3)])
