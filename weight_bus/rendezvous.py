@@ -26,17 +26,30 @@ logger = logging.getLogger(__name__)
 MANIFEST_TTL_S = 3600
 
 
-def publish_manifest(client: syncredis.Redis, keys: RedisKeys, manifest: WeightManifest) -> None:
+def publish_manifest(client: syncredis.Redis, keys: RedisKeys, manifest: WeightManifest, timeout_s: float = 60.0) -> None:
     """Trainer side: store the manifest, then move the version pointer and announce it (one transaction); the
-    manifest it supersedes starts to expire. The trainer's rank 0 is the only writer of the version pointer."""
-    previous = client.get(keys.policy_version)
-    pipe = client.pipeline(transaction=True)
-    pipe.set(keys.manifest(manifest.version), encode(manifest))
-    if previous is not None and int(previous) != manifest.version:
-        pipe.expire(keys.manifest(int(previous)), MANIFEST_TTL_S)
-    pipe.set(keys.policy_version, manifest.version)
-    pipe.xadd(keys.weight_announcements, {"v": manifest.version}, maxlen=1000, approximate=True)
-    pipe.execute()
+    manifest it supersedes starts to expire. The trainer's rank 0 is the only writer of the version pointer.
+
+    A broken connection is retried for ``timeout_s``: repeating the transaction sets the same values, and a second
+    announcement of a version is a no-op for the servers (they already hold it or fetch it once).
+    """
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            previous = client.get(keys.policy_version)
+            pipe = client.pipeline(transaction=True)
+            pipe.set(keys.manifest(manifest.version), encode(manifest))
+            if previous is not None and int(previous) != manifest.version:
+                pipe.expire(keys.manifest(int(previous)), MANIFEST_TTL_S)
+            pipe.set(keys.policy_version, manifest.version)
+            pipe.xadd(keys.weight_announcements, {"v": manifest.version}, maxlen=1000, approximate=True)
+            pipe.execute()
+            return
+        except (syncredis.ConnectionError, syncredis.TimeoutError) as error:
+            if time.monotonic() > deadline:
+                raise
+            logger.warning("publishing the manifest of v%d failed, retrying: %s", manifest.version, error)
+            time.sleep(0.5)
 
 
 async def latest_version(client: aioredis.Redis, keys: RedisKeys) -> int:

@@ -391,6 +391,25 @@ def test_publish_manifest_sets_version_stores_manifest_and_announces_and_only_th
         sync_client.close()
 
 
+def test_a_publish_whose_reply_was_lost_is_retried_to_the_same_state(redis_url):
+    from tests.redis_faults import reply_dropping_proxy
+
+    keys = RedisKeys("rdv-lost")
+    direct = redis.Redis.from_url(redis_url)
+    try:
+        with reply_dropping_proxy(redis_url, marker=b"EXEC") as (proxy_url, proxy):
+            through_proxy = redis.Redis.from_url(proxy_url, socket_timeout=5)
+            for version in (1, 2):
+                rendezvous.publish_manifest(through_proxy, keys, WeightManifest(version, [], [], "h:1", "tcp", 0.0),
+                                            timeout_s=10)
+            through_proxy.close()
+        assert proxy.dropped == 1  # the first publish ran, its reply was lost, and it was run again
+        assert int(direct.get(keys.policy_version)) == 2 and direct.ttl(keys.manifest(2)) == -1
+        assert 0 < direct.ttl(keys.manifest(1)) <= rendezvous.MANIFEST_TTL_S
+    finally:
+        direct.close()
+
+
 def test_wait_for_announcement_returns_the_newest_of_several(redis_url):
     keys = RedisKeys("rdv2")
     sync_client = redis.Redis.from_url(redis_url)
