@@ -48,6 +48,7 @@ class Pipeline:
 
 async def build_pipeline(config, model_path: str, client, keys, fleet) -> Pipeline:
     from coordinator.evaluation import EvalRunner, eval_versions, load_eval_sets
+    from coordinator.metrics import reported_eval_versions
     from coordinator.queue_writer import RolloutQueue
     from coordinator.rewards import get_reward_fn
     from coordinator.scheduler import Scheduler
@@ -67,7 +68,8 @@ async def build_pipeline(config, model_path: str, client, keys, fleet) -> Pipeli
     queue = RolloutQueue(client, keys)
     # version - jumps = the steps the trainer has taken (RedisKeys.version_jumps)
     pushed = await queue.pushed_total()
-    total_groups, queued = remaining_groups(config, pushed, max(0, start_version - version_jumps))
+    steps_done = max(0, start_version - version_jumps)
+    total_groups, queued = remaining_groups(config, pushed, steps_done)
     if pushed:
         await resume_prompts(task, queue)
     scheduler = Scheduler(cfg, fleet, queue, task, total_groups, start_version, version_jumps, queued, pushed)
@@ -77,7 +79,8 @@ async def build_pipeline(config, model_path: str, client, keys, fleet) -> Pipeli
         sets = load_eval_sets(cfg, renderer, config.rollout.max_model_len)
         scorer = ResponseScorer(tokenizer, get_reward_fn(cfg.eval.reward_fn), executor, cfg.reward_timeout_s)
         evals = EvalRunner(cfg, fleet, sets, scorer, config.out_dir)
-        evals.schedule(eval_versions(cfg.eval, start_version, config.trainer.num_steps))
+        evaluated = await reported_eval_versions(client, keys) if pushed else set()
+        evals.schedule(eval_versions(cfg.eval, start_version, config.trainer.num_steps, steps_done, evaluated))
     logger.info("coordinator: task %s, %d groups of %d, start at trainer v%d, eval at %s", cfg.task, total_groups,
                 cfg.group_size, start_version, evals.pending if evals else [])
     return Pipeline(scheduler, evals, executor)

@@ -58,12 +58,21 @@ def pass_at_k(correct_by_problem: list[list[bool]]) -> tuple[float, float]:
     return acc, solved
 
 
-def eval_versions(config: EvalConfig, start_version: int, num_steps: int) -> list[int]:
-    """Versions to evaluate: every ``interval_steps`` trainer steps (and the start, if asked)."""
-    versions = [start_version] if config.at_start and config.datasets else []
-    if config.interval_steps and config.datasets:
-        versions += [start_version + s for s in range(config.interval_steps, num_steps + 1, config.interval_steps)]
-    return versions
+def eval_versions(config: EvalConfig, start_version: int, num_steps: int, steps_done: int = 0,
+                  evaluated: frozenset[int] | set[int] = frozenset()) -> list[int]:
+    """Versions to evaluate: after every ``interval_steps`` trainer steps of the run (and before its first, if asked).
+
+    A coordinator restarted when the trainer had taken ``steps_done`` steps (at ``start_version``) keeps the run's
+    schedule: the rounds still ahead, each at the version its step will have, and the current one unless an
+    earlier coordinator reported it (``evaluated``).
+    """
+    if not config.datasets:
+        return []
+    steps = [0] if config.at_start else []
+    if config.interval_steps:
+        steps += list(range(config.interval_steps, num_steps + 1, config.interval_steps))
+    versions = [start_version + step - steps_done for step in steps if step >= steps_done]
+    return [version for version in versions if version not in evaluated]
 
 
 def load_eval_sets(config: CoordinatorConfig, renderer: PromptRenderer, max_model_len: int) -> list[EvalSet]:

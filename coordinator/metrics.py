@@ -21,7 +21,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from coordinator.evaluation import EvalRunner
 from coordinator.queue_writer import RolloutQueue
 from coordinator.scheduler import Scheduler
-from protos.records import MetricsReport, encode
+from protos.records import MetricsReport, decode_metrics, encode
 from protos.redis_keys import RedisKeys
 
 logger = logging.getLogger(__name__)
@@ -80,7 +80,7 @@ class MetricsReporter:
         await self._xadd(report)
 
     async def report_eval(self, version: int, values: dict[str, float]) -> None:
-        step = version - self.scheduler.start_version
+        step = version - self.scheduler.version_jumps  # the trainer's steps at that version (the run's, not ours)
         await self._xadd(MetricsReport("coordinator", step, version, time.time(), {**values, "eval/version": version}))
 
     async def run(self, stop: asyncio.Event, interval_s: float = 1.0) -> None:
@@ -157,3 +157,10 @@ async def start_metrics_server(reporter: MetricsReporter, host: str, port: int) 
         await runner.cleanup()
         raise OSError(error.errno, f"coordinator.metrics_port {port} on {host}: {error.strerror}") from error
     return runner, runner.addresses[0][1]
+
+
+async def reported_eval_versions(client, keys: RedisKeys, count: int = 10000) -> set[int]:
+    """Versions an eval round was reported for on this run (the newest ``count`` coordinator reports)."""
+    entries = await client.xrevrange(keys.metrics("coordinator"), count=count)
+    reports = (decode_metrics(fields[b"m"]) for _, fields in entries if b"m" in fields)
+    return {int(report.values["eval/version"]) for report in reports if "eval/version" in report.values}

@@ -187,8 +187,33 @@ def test_eval_versions_every_interval_steps_and_at_start():
     config = load_run_config(overrides=["coordinator.eval.datasets=[a.jsonl]", "coordinator.eval.interval_steps=3",
                                         "coordinator.eval.at_start=true"]).coordinator
     assert eval_versions(config.eval, start_version=2, num_steps=10) == [2, 5, 8, 11]
+    # A coordinator restarted after 4 steps (trainer at v6): the rounds after steps 6 and 9 only, at their versions.
+    assert eval_versions(config.eval, start_version=6, num_steps=10, steps_done=4) == [8, 11]
+    # Restarted at step 3, an eval step: its round again unless an earlier coordinator reported it.
+    assert eval_versions(config.eval, start_version=5, num_steps=10, steps_done=3) == [5, 8, 11]
+    assert eval_versions(config.eval, start_version=5, num_steps=10, steps_done=3, evaluated={2, 5}) == [8, 11]
     config.eval.datasets = []
     assert eval_versions(config.eval, 0, 10) == []
+
+
+def test_a_restarted_coordinator_finds_the_eval_rounds_reported_before(redis_server):
+    from coordinator.metrics import reported_eval_versions
+    from protos.records import MetricsReport, encode
+
+    keys = RedisKeys("eval-reports")
+
+    async def scenario():
+        client = aioredis.Redis.from_url(redis_server.url)
+        await client.delete(keys.metrics("coordinator"))
+        for version, values in ((2, {"groups_pushed": 4.0}), (5, {"eval/aime/pass@1": 0.5, "eval/version": 5.0}),
+                                (6, {"groups_pushed": 20.0})):
+            await client.xadd(keys.metrics("coordinator"), {"m": encode(MetricsReport("coordinator", 0, version, 0.0,
+                                                                                      values))})
+        found = await reported_eval_versions(client, keys)
+        await client.aclose()
+        return found
+
+    assert asyncio.run(scenario()) == {5}
 
 
 def test_eval_holds_admission_at_its_version_until_the_round_ran():

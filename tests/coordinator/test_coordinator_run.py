@@ -267,6 +267,7 @@ def test_dataset_run_with_dynamic_sampling_and_pinned_eval_rounds(tmp_path, mode
     # eval: one round per scheduled version, every sample produced by exactly that version
     evals = [r for r in reports if "eval/version" in r.values]
     assert [r.policy_version for r in evals] == [v0, v0 + 2, v0 + 4]
+    assert [r.step for r in evals] == [0, 2, 4]  # the trainer's steps at those versions
     for report in evals:
         assert report.values["eval/tiny-eval/acc"] == 1.0 and report.values["eval/tiny-eval/pass@2"] == 1.0
         rows = [json.loads(line) for line in (tmp_path / "eval" / f"v{report.policy_version}.jsonl").open()]
