@@ -213,7 +213,7 @@ class RedisSide:
         self.unacked.clear()
 
     def report(self, step: int, values: dict[str, float], **seconds: float) -> None:
-        from protos.records import MetricsReport, encode
+        from protos.records import MetricsReport
         from trainer_service import metrics
 
         trainer = self.trainer
@@ -228,18 +228,38 @@ class RedisSide:
         metrics.QUEUE_DEPTH.set(values["queue_depth"])
         metrics.POLICY_VERSION.set(trainer.policy_version)
         report = MetricsReport("trainer", step, trainer.policy_version, time.time(), values)
-        self.client.xadd(self.keys.metrics("trainer"), {"m": encode(report)}, maxlen=100000, approximate=True)
+        send_report(self.client, self.keys, report)
         logger.info("step %d policy_version=%d reward=%.3f staleness_max=%d loss=%.4f step_s=%.2f", step,
                     trainer.policy_version, values["reward_mean"], values["staleness_max"], values.get("loss", 0.0),
                     values["step_s"])
 
     def finish(self, linger_s: float, stop: threading.Event) -> None:
-        from protos.records import MetricsReport, encode
+        from protos.records import MetricsReport
 
         done = MetricsReport("trainer", -1, self.trainer.policy_version, time.time(), {"done": 1.0})
-        self.client.xadd(self.keys.metrics("trainer"), {"m": encode(done)})
+        send_report(self.client, self.keys, done)
         stop.wait(linger_s)  # keep serving the last versions so slow rollout servers can fetch them
         self.publisher.close()
+
+
+def send_report(client, keys, report, timeout_s: float = 30.0) -> None:
+    """XADD a trainer metrics report, retried while Redis is unreachable; after ``timeout_s`` it is dropped (logged):
+    a lost report costs a dashboard point, an exit would cost a model reload."""
+    import redis
+
+    from protos.records import encode
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            client.xadd(keys.metrics("trainer"), {"m": encode(report)}, maxlen=100000, approximate=True)
+            return
+        except (redis.ConnectionError, redis.TimeoutError) as error:
+            if time.monotonic() > deadline:
+                logger.error("metrics report of step %d dropped, Redis unreachable for %.0fs: %s", report.step,
+                             timeout_s, error)
+                return
+            time.sleep(0.5)
 
 
 def _totals(trainer) -> dict[str, float]:
@@ -255,7 +275,7 @@ def apply_commands(trainer, publish, sync: bool, settings: list[tuple[str, str]]
     if sync:
         # Same version number: the weights of version v are what the trainer holds (a skipped step
         # changed nothing), and the coordinator counts versions as steps consumed. Servers already on v
-        # ignore it; stale ones catch up; the manifest's TTL is renewed.
+        # ignore it; stale ones catch up.
         logger.info("control: sync -> re-publishing policy_version=%d", trainer.policy_version)
         publish()
 
