@@ -17,6 +17,8 @@ import time
 from dataclasses import dataclass
 
 import redis.asyncio as aioredis
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from protos.config import WeightBusConfig
 from protos.records import ReportStatus, WeightManifest, encode
@@ -194,15 +196,30 @@ class WeightFollower:
         logger.info("server %s received v%d from the %s", self.engine.server_id, manifest.version, source)
 
     async def run(self, stop: asyncio.Event) -> None:
-        """Catch up to the latest version, then follow announcements until ``stop`` is set."""
-        last_id = "$"
-        await self._try_update(0)
+        """Catch up to the latest version, then follow announcements until ``stop`` is set.
+
+        Redis going away does not stop the server (it keeps generating on the version it has): the follower waits
+        for Redis to come back and then catches up to the latest version, whatever it missed meanwhile.
+        """
+        last_id, catch_up = "$", True
         while not stop.is_set():
-            last_id, announced = await rendezvous.wait_for_announcement(
-                self.client, self.keys, last_id, timeout_s=1.0
-            )
-            if announced is not None:
-                await self._try_update(0)
+            try:
+                if catch_up:
+                    await self._try_update(0)
+                    catch_up = False
+                last_id, announced = await rendezvous.wait_for_announcement(
+                    self.client, self.keys, last_id, timeout_s=1.0
+                )
+                if announced is not None:
+                    await self._try_update(0)
+            except (RedisConnectionError, RedisTimeoutError) as error:
+                logger.warning("server %s (v%d): Redis unreachable, following again once it is back: %s",
+                               self.engine.server_id, self.engine.policy_version, error)
+                catch_up = True
+                try:
+                    await asyncio.wait_for(stop.wait(), timeout=1.0)
+                except TimeoutError:
+                    pass
 
     async def _try_update(self, version: int) -> None:
         try:

@@ -1,7 +1,8 @@
-"""Faults between a client and the real Redis: a TCP proxy that loses one reply.
+"""Faults between a client and the real Redis: a TCP proxy that loses one reply, or cuts every connection.
 
-A lost reply is the case where the server ran a command but the client never learns it: the Redis
-client then retries by itself (3 times by default), so a non-idempotent command can run twice.
+A lost reply is the case where the server ran a command but the client never learns it: the client (or
+its caller) retries, so a non-idempotent command can run twice. An outage (``cut`` .. ``restore``) closes
+every connection and refuses new ones, as a Redis restart or a network partition does.
 """
 
 from __future__ import annotations
@@ -13,23 +14,44 @@ from contextlib import contextmanager
 from urllib.parse import urlparse
 
 
-class ReplyDroppingProxy:
-    """Relays to Redis; the first request that contains ``marker`` is forwarded, and its reply is not: the client
-    connection is closed instead (later connections are relayed whole)."""
+class RedisProxy:
+    """Relays to Redis. With a ``marker``, the first request that contains it is forwarded and its reply is not: the
+    client connection is closed instead (later connections are relayed whole)."""
 
-    def __init__(self, redis_url: str, marker: bytes):
+    def __init__(self, redis_url: str, marker: bytes | None = None):
         parsed = urlparse(redis_url)
         self.upstream = (parsed.hostname, parsed.port)
         self.marker = marker
         self.dropped = 0
+        self.refused = 0
+        self._down = False
+        self._writers: set[asyncio.StreamWriter] = set()
+        self.loop: asyncio.AbstractEventLoop | None = None
+
+    def cut(self) -> None:
+        """Close every relayed connection and refuse new ones until ``restore`` (callable from any thread)."""
+        self.loop.call_soon_threadsafe(self._cut)
+
+    def restore(self) -> None:
+        self.loop.call_soon_threadsafe(setattr, self, "_down", False)
+
+    def _cut(self) -> None:
+        self._down = True
+        for writer in list(self._writers):
+            writer.close()
 
     async def _relay(self, client_reader, client_writer) -> None:
+        if self._down:
+            self.refused += 1
+            client_writer.close()
+            return
         server_reader, server_writer = await asyncio.open_connection(*self.upstream)
+        self._writers |= {client_writer, server_writer}
         drop_reply = asyncio.Event()
 
         async def requests() -> None:
             while data := await client_reader.read(1 << 16):
-                if self.marker in data and not self.dropped:
+                if self.marker is not None and self.marker in data and not self.dropped:
                     self.dropped += 1
                     drop_reply.set()
                 server_writer.write(data)
@@ -45,28 +67,29 @@ class ReplyDroppingProxy:
         forward = asyncio.ensure_future(requests())
         try:
             await replies()
+        except (ConnectionError, OSError):
+            pass  # cut
         finally:
             forward.cancel()
             client_writer.close()
             server_writer.close()
+            self._writers -= {client_writer, server_writer}
 
 
 @contextmanager
-def reply_dropping_proxy(redis_url: str, marker: bytes) -> Iterator[tuple[str, ReplyDroppingProxy]]:
+def redis_proxy(redis_url: str, marker: bytes | None = None) -> Iterator[tuple[str, RedisProxy]]:
     """(URL of the proxy, the proxy), served from a thread of its own for the duration of the block."""
-    proxy = ReplyDroppingProxy(redis_url, marker)
+    proxy = RedisProxy(redis_url, marker)
     loop = asyncio.new_event_loop()
-    started = threading.Event()
+    proxy.loop = loop
     holder: dict = {}
 
     async def serve() -> None:
         holder["server"] = await asyncio.start_server(proxy._relay, "127.0.0.1", 0)
-        started.set()
 
     thread = threading.Thread(target=loop.run_forever, name="redis-proxy", daemon=True)
     thread.start()
     asyncio.run_coroutine_threadsafe(serve(), loop).result(timeout=10)
-    assert started.wait(10), "the proxy did not start listening in 10 s"
     port = holder["server"].sockets[0].getsockname()[1]
     try:
         yield f"redis://127.0.0.1:{port}/0", proxy
@@ -82,3 +105,8 @@ def reply_dropping_proxy(redis_url: str, marker: bytes) -> Iterator[tuple[str, R
         loop.call_soon_threadsafe(loop.stop)
         thread.join(timeout=10)
         loop.close()
+
+
+def reply_dropping_proxy(redis_url: str, marker: bytes):
+    """``redis_proxy`` that loses the reply of the first request containing ``marker``."""
+    return redis_proxy(redis_url, marker)
