@@ -315,8 +315,17 @@ class ControlReader:
             self.last_id = last[0][0]
 
     def read(self) -> tuple[bool, list[tuple[str, str]]]:
-        """The commands written since the last read: (any ``sync``, the ``set`` (key, JSON value) pairs)."""
-        entries = self.client.xread({self.keys.control: self.last_id}, count=100) or []
+        """The commands written since the last read: (any ``sync``, the ``set`` (key, JSON value) pairs).
+
+        Redis unreachable: none for now (they stay in the stream and come with a later read).
+        """
+        import redis
+
+        try:
+            entries = self.client.xread({self.keys.control: self.last_id}, count=100) or []
+        except (redis.ConnectionError, redis.TimeoutError) as error:
+            logger.warning("control commands not read, Redis unreachable: %s", error)
+            return False, []
         sync, settings = False, []
         for _stream, items in entries:
             for entry_id, fields in items:

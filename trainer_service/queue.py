@@ -78,7 +78,7 @@ class TrajectoryQueue:
                 logger.warning("reading %s failed, retrying for %.1fs more: %s", self.keys.trajectories,
                                remaining_ms / 1000, error)
                 orphans_checked = False  # the broken read may have delivered entries
-                time.sleep(min(0.2, remaining_ms / 1000))
+                time.sleep(min(1.0, remaining_ms / 1000))  # one warning a second while Redis is away
                 continue
             for _stream, entries in reply or []:
                 for entry_id, fields in entries:

@@ -154,3 +154,30 @@ def test_a_metrics_report_whose_reply_was_lost_is_sent_again_instead_of_stopping
     reports = [decode_metrics(fields[b"m"]) for _, fields in direct.xrange(keys.metrics("trainer"))]
     direct.close()
     assert proxy.dropped == 1 and {r.step for r in reports} == {3}  # at least once (the lost one landed too)
+
+
+def test_a_redis_outage_while_the_trainer_waits_for_groups_neither_stops_it_nor_loses_a_group(redis_server, tmp_path,
+                                                                                            fresh_run):
+    from tests.redis_faults import redis_proxy
+
+    keys, client, model_dir = fresh_run
+    ckpt_dir, log = tmp_path / "ckpt", tmp_path / "trainer.log"
+    half = NUM_GROUPS // 2
+    push_groups(redis_server.url, keys, list(range(half)))
+    with redis_proxy(redis_server.url) as (proxy_url, proxy):
+        trainer = _start_trainer(model_dir, proxy_url, ckpt_dir, log)
+        deadline = time.monotonic() + 180
+        while int(client.get(keys.policy_version) or 0) < half // GROUPS_PER_STEP:  # the first half trained
+            assert trainer.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.1)
+        proxy.cut()  # it now waits for more groups with Redis unreachable
+        push_groups(redis_server.url, keys, list(range(half, NUM_GROUPS)))
+        time.sleep(4.0)
+        assert trainer.poll() is None, log.read_text()[-3000:]
+        proxy.restore()
+        assert trainer.wait(timeout=300) == 0, log.read_text()[-3000:]
+    final = _latest_state(ckpt_dir)
+    assert final["step"] == NUM_GROUPS // GROUPS_PER_STEP
+    assert sorted(final["ledger"]) == sorted(f"g{i}" for i in range(NUM_GROUPS))
+    assert _pending(client, keys) == 0 and proxy.refused > 0  # it kept trying while Redis was away
+    assert "Redis unreachable" in log.read_text() or "failed, retrying" in log.read_text()
