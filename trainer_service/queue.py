@@ -132,7 +132,10 @@ class TrajectoryQueue:
                 time.sleep(0.5)
         self._in_hand.difference_update(entry_ids)
         if self.trim:
-            self.trim_acknowledged()
+            try:
+                self.trim_acknowledged()
+            except (RedisConnectionError, RedisTimeoutError) as error:  # only space: the next ack trims them too
+                logger.warning("trimming acknowledged entries failed: %s", error)
 
     def trim_acknowledged(self) -> int:
         """Delete stream entries older than both the oldest pending entry and the group's last delivery.

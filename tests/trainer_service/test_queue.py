@@ -154,6 +154,20 @@ def test_an_ack_whose_reply_was_lost_is_retried_and_leaves_nothing_pending(redis
     assert proxy.dropped == 1 and _pending(client) == 0
 
 
+def test_a_trim_that_fails_after_the_ack_is_left_to_the_next_ack(redis_url, client):
+    from tests.redis_faults import reply_dropping_proxy
+
+    _push(redis_url, [_group(i) for i in range(3)])
+    with reply_dropping_proxy(redis_url, marker=b"XINFO") as (proxy_url, proxy):
+        through_proxy = redis.Redis.from_url(proxy_url, socket_timeout=5)
+        queue = TrajectoryQueue(through_proxy, KEYS, trim=True)
+        batch = queue.read(3, timeout_s=2)
+        queue.ack([batch[0][0]])  # acknowledged; the trim after it broke
+        queue.ack([entry_id for entry_id, _ in batch[1:]])  # this one trims all three
+        through_proxy.close()
+    assert proxy.dropped == 1 and _pending(client) == 0 and client.xlen(KEYS.trajectories) == 1  # the last delivered
+
+
 def test_ack_removes_entries_from_the_pending_list(redis_url, client):
     queue = TrajectoryQueue(client, KEYS)
     _push(redis_url, [_group(i) for i in range(3)])
