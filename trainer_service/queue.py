@@ -32,6 +32,7 @@ class TrajectoryQueue:
         self.num_dead_letters = 0
         self._reclaimed: list[tuple[str, bytes]] = []
         self._in_hand: set[str] = set()  # read by this consumer, not yet acknowledged
+        self._last_depth = 0
         try:
             client.xgroup_create(keys.trajectories, keys.trainer_group, id="0", mkstream=True)
         except redis.ResponseError as error:
@@ -153,9 +154,15 @@ class TrajectoryQueue:
         return int(self.client.xtrim(self.keys.trajectories, minid=keep_from, approximate=False))
 
     def depth(self) -> int:
-        """Entries on the stream not yet delivered to the trainers' group (the queue's backlog)."""
-        group = self.keys.trainer_group_info(self.client.xinfo_groups(self.keys.trajectories))
-        return int(group.get("lag") or 0) if group else 0
+        """Entries on the stream not yet delivered to the trainers' group (the queue's backlog); the last value read
+        while Redis is unreachable (a figure for reports, not worth stopping for)."""
+        try:
+            group = self.keys.trainer_group_info(self.client.xinfo_groups(self.keys.trajectories))
+        except (RedisConnectionError, RedisTimeoutError) as error:
+            logger.warning("queue depth not read, Redis unreachable: %s", error)
+            return self._last_depth
+        self._last_depth = int(group.get("lag") or 0) if group else 0
+        return self._last_depth
 
 
 def _stream_id_key(entry_id: str) -> tuple[int, int]:

@@ -168,6 +168,20 @@ def test_a_trim_that_fails_after_the_ack_is_left_to_the_next_ack(redis_url, clie
     assert proxy.dropped == 1 and _pending(client) == 0 and client.xlen(KEYS.trajectories) == 1  # the last delivered
 
 
+def test_queue_depth_is_the_last_one_read_while_redis_is_unreachable(redis_url, client):
+    from tests.redis_faults import redis_proxy
+
+    _push(redis_url, [_group(i) for i in range(3)])
+    with redis_proxy(redis_url) as (proxy_url, proxy):
+        through_proxy = redis.Redis.from_url(proxy_url, socket_timeout=5)
+        queue = TrajectoryQueue(through_proxy, KEYS)
+        assert queue.depth() == 3
+        proxy.cut()
+        time.sleep(0.2)
+        assert queue.depth() == 3  # a report figure: the last known, no exception
+        through_proxy.close()
+
+
 def test_ack_removes_entries_from_the_pending_list(redis_url, client):
     queue = TrajectoryQueue(client, KEYS)
     _push(redis_url, [_group(i) for i in range(3)])
