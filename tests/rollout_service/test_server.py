@@ -253,35 +253,43 @@ def test_an_operator_pause_outlasts_a_weight_update(server, model_dir, redis_ser
     version = _info(stub).policy_version + 1
     backend = TorchBackend(model_dir, TrainerConfig())
     _perturb(backend, seed=5)
-    tokens: list[int] = []
-    final: list = []
+    length = 250  # the longest the tiny model's 256 positions allow
 
-    def stream() -> None:  # a request generating when the operator pauses
+    def stream(tokens: list[int], final: list) -> None:  # a request generating when the operator pauses
         request = pb.GenerateRequest(prompt_token_ids=PROMPT, sampling=pb.SamplingParams(
-            max_tokens=200, temperature=0.0, ignore_eos=True, stream_interval=1))
+            max_tokens=length, temperature=0.0, ignore_eos=True, stream_interval=1))
         for chunk in stub.Generate(request, timeout=120):
             tokens.extend(chunk.token_ids)
             final.extend([chunk] if chunk.finished else [])
 
-    reader = threading.Thread(target=stream)
-    reader.start()
-    try:
+    for _attempt in range(5):  # the tiny model is fast: catch a request mid-way, then pause it
+        tokens, final = [], []
+        reader = threading.Thread(target=stream, args=(tokens, final))
+        reader.start()
         deadline = time.monotonic() + 30
-        while len(tokens) < 4:
+        while not tokens:
             assert time.monotonic() < deadline, "the request generated nothing"
-            time.sleep(0.01)
+            time.sleep(0.005)
         stub.Pause(pb.PauseRequest(mode=pb.PAUSE_MODE_KEEP), timeout=30)
+        time.sleep(0.3)  # the chunks made before the pause arrive
+        if _info(stub).num_engine_requests == 1:
+            break
+        stub.Resume(pb.ResumeRequest(), timeout=30)
+        reader.join(timeout=60)
+    else:
+        raise AssertionError("every request finished before the pause took hold")
+    try:
+        at_pause = len(tokens)
         _publish_and_update(stub, redis_server, version, backend.export_hf_weights())  # pauses, loads, commits
-        at_update = len(tokens)
         time.sleep(1.0)
         info = _info(stub)
         # Still held: the update did not resume the engine the operator paused.
-        assert info.policy_version == version and info.num_engine_requests == 1 and len(tokens) == at_update < 200
+        assert info.policy_version == version and info.num_engine_requests == 1 and len(tokens) == at_pause < length
     finally:
         stub.Resume(pb.ResumeRequest(), timeout=30)
         reader.join(timeout=60)
     spans = [(s.version, s.start, s.end) for s in final[0].version_spans]
-    assert len(tokens) == 200 and spans[-1] == (version, at_update, 200)  # the rest came after the resume
+    assert len(tokens) == length and spans[-1] == (version, at_pause, length)  # the rest came after the resume
 
 
 def test_split_weight_update_commits_atomically_and_refuses_steps_out_of_order(server, model_dir, redis_server):
