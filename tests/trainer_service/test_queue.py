@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from contextlib import contextmanager
 
 import numpy as np
 import pytest
@@ -19,6 +20,7 @@ from coordinator.queue_writer import RolloutQueue
 from coordinator.redis_server import EmbeddedRedis
 from protos.records import Array, FinishReason, Sample, TrajectoryGroup, VersionSpan
 from protos.redis_keys import RedisKeys
+from tests.redis_faults import redis_proxy
 from trainer_service.queue import TrajectoryQueue
 
 KEYS = RedisKeys("queue-test")
@@ -61,6 +63,17 @@ def client(redis_url):
         yield c
     finally:
         c.close()
+
+
+@contextmanager
+def _queue_behind_proxy(redis_url: str, marker: bytes | None = None, trim: bool = True):
+    """(the trainer's queue talking to Redis through tests/redis_faults.py's proxy, the proxy)."""
+    with redis_proxy(redis_url, marker) as (proxy_url, proxy):
+        client = redis.Redis.from_url(proxy_url, socket_timeout=5)
+        try:
+            yield TrajectoryQueue(client, KEYS, trim=trim), proxy
+        finally:
+            client.close()
 
 
 def _pending(client: redis.Redis) -> int:
@@ -121,20 +134,15 @@ def test_read_waits_for_a_group_pushed_during_the_wait(redis_url, client):
 
 
 def test_entries_whose_read_reply_was_lost_are_still_read_once(redis_url, client):
-    from tests.redis_faults import reply_dropping_proxy
-
     groups = [_group(i) for i in range(4)]
     ids = _push(redis_url, groups)
     # COUNT: only the reads of new entries carry it (not the pending-list check)
-    with reply_dropping_proxy(redis_url, marker=b"COUNT") as (proxy_url, proxy):
-        through_proxy = redis.Redis.from_url(proxy_url, socket_timeout=5)
-        queue = TrajectoryQueue(through_proxy, KEYS)
+    with _queue_behind_proxy(redis_url, marker=b"COUNT") as (queue, proxy):
         # The first read's reply is lost (whatever it delivered stays pending, not in hand); the read retries.
         first = queue.read(2, timeout_s=2)
         rest = queue.read(4, timeout_s=0.5)
         queue.ack([entry_id for entry_id, _ in first + rest])
         again = queue.read(4, timeout_s=0.3)
-        through_proxy.close()
     assert proxy.dropped == 1
     assert sorted(entry_id for entry_id, _ in first + rest) == sorted(ids)  # each entry once, none stuck pending
     assert sorted(g.group_id for _, g in first + rest) == [g.group_id for g in groups]
@@ -142,44 +150,29 @@ def test_entries_whose_read_reply_was_lost_are_still_read_once(redis_url, client
 
 
 def test_an_ack_whose_reply_was_lost_is_retried_and_leaves_nothing_pending(redis_url, client):
-    from tests.redis_faults import reply_dropping_proxy
-
     _push(redis_url, [_group(i) for i in range(3)])
-    with reply_dropping_proxy(redis_url, marker=b"XACK") as (proxy_url, proxy):
-        through_proxy = redis.Redis.from_url(proxy_url, socket_timeout=5)
-        queue = TrajectoryQueue(through_proxy, KEYS, trim=False)
+    with _queue_behind_proxy(redis_url, marker=b"XACK", trim=False) as (queue, proxy):
         batch = queue.read(3, timeout_s=2)
         queue.ack([entry_id for entry_id, _ in batch], timeout_s=10)
-        through_proxy.close()
     assert proxy.dropped == 1 and _pending(client) == 0
 
 
 def test_a_trim_that_fails_after_the_ack_is_left_to_the_next_ack(redis_url, client):
-    from tests.redis_faults import reply_dropping_proxy
-
     _push(redis_url, [_group(i) for i in range(3)])
-    with reply_dropping_proxy(redis_url, marker=b"XINFO") as (proxy_url, proxy):
-        through_proxy = redis.Redis.from_url(proxy_url, socket_timeout=5)
-        queue = TrajectoryQueue(through_proxy, KEYS, trim=True)
+    with _queue_behind_proxy(redis_url, marker=b"XINFO", trim=True) as (queue, proxy):
         batch = queue.read(3, timeout_s=2)
         queue.ack([batch[0][0]])  # acknowledged; the trim after it broke
-        queue.ack([entry_id for entry_id, _ in batch[1:]])  # this one trims all three
-        through_proxy.close()
+        queue.ack([entry_id for entry_id, _ in batch[1:]])  # this one trims what the first could not
     assert proxy.dropped == 1 and _pending(client) == 0 and client.xlen(KEYS.trajectories) == 1  # the last delivered
 
 
 def test_queue_depth_is_the_last_one_read_while_redis_is_unreachable(redis_url, client):
-    from tests.redis_faults import redis_proxy
-
     _push(redis_url, [_group(i) for i in range(3)])
-    with redis_proxy(redis_url) as (proxy_url, proxy):
-        through_proxy = redis.Redis.from_url(proxy_url, socket_timeout=5)
-        queue = TrajectoryQueue(through_proxy, KEYS)
+    with _queue_behind_proxy(redis_url) as (queue, proxy):
         assert queue.depth() == 3
         proxy.cut()
         time.sleep(0.2)
         assert queue.depth() == 3  # a report figure: the last known, no exception
-        through_proxy.close()
 
 
 def test_ack_removes_entries_from_the_pending_list(redis_url, client):
