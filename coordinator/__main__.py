@@ -98,7 +98,7 @@ def remaining_groups(config, pushed: int, steps_trained: int) -> tuple[int, int]
     """(groups this coordinator still produces, groups already queued ahead of them).
 
     A fresh run: (num_steps x B, 0). A coordinator restarted mid-run: earlier coordinators ``pushed`` some groups;
-    the trainer has trained ``steps_trained`` steps (its version minus the versions restarts skipped), so the
+    the trainer has taken ``steps_trained`` steps (its version minus RedisKeys.version_jumps), so the
     rest of what was pushed is still ahead in the queue, and only the remainder of the run is produced.
     """
     B = config.coordinator.groups_per_step

@@ -129,7 +129,7 @@ class FleetWatcher:
                  interval_s: float = 0.2, on_version_jumps: Callable[[int], None] | None = None):
         self.fleet = fleet
         self.on_version = on_version
-        self.on_version_jumps = on_version_jumps  # (total skipped versions) -> None
+        self.on_version_jumps = on_version_jumps  # (the trainer's version - steps) -> None
         self.client = client
         self.keys = keys
         self.interval_s = interval_s

@@ -81,7 +81,7 @@ class Scheduler:
         self.total_groups = total_groups
         self.start_version = start_version
         self.trainer_version = start_version
-        self.version_jumps = version_jumps  # the trainer's skipped-version count when this coordinator started
+        self.version_jumps = version_jumps  # the trainer's version - steps, as last seen
         # Groups an earlier coordinator pushed that the trainer has not trained yet: they go first, so slot i is
         # the (queued + i)-th group the trainer takes from now on.
         self.queued_at_start = queued_at_start

@@ -198,7 +198,7 @@ class StepOrder(msgspec.Struct, array_like=True, gc=False, frozen=True):
 
 class PromptCursor(msgspec.Struct, array_like=True, gc=False, frozen=True):
     """Where a restarted coordinator resumes its prompt stream. Producer: the coordinator, with each group it pushes
-    (one transaction with the XADD, RedisKeys.prompt_cursor); consumer: the next coordinator of the run."""
+    (in one server-side step with the XADD, RedisKeys.prompt_cursor); consumer: the next coordinator of the run."""
 
     task: str  # the task's name: "echo" or the dataset's
     group_id: str  # the group pushed with it: a push retried after a lost reply finds here that it landed

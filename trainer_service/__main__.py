@@ -248,18 +248,15 @@ def send_report(client, keys, report, timeout_s: float = 30.0) -> None:
     import redis
 
     from protos.records import encode
+    from trainer_service.queue import retry_until_reachable
 
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            client.xadd(keys.metrics("trainer"), {"m": encode(report)}, maxlen=100000, approximate=True)
-            return
-        except (redis.ConnectionError, redis.TimeoutError) as error:
-            if time.monotonic() > deadline:
-                logger.error("metrics report of step %d dropped, Redis unreachable for %.0fs: %s", report.step,
-                             timeout_s, error)
-                return
-            time.sleep(0.5)
+    payload = encode(report)
+    try:
+        retry_until_reachable(lambda: client.xadd(keys.metrics("trainer"), {"m": payload}, maxlen=100000,
+                                                  approximate=True), f"metrics report of step {report.step}", timeout_s)
+    except (redis.ConnectionError, redis.TimeoutError) as error:
+        logger.error("metrics report of step %d dropped, Redis unreachable for %.0fs: %s", report.step, timeout_s,
+                     error)
 
 
 def _totals(trainer) -> dict[str, float]:

@@ -27,7 +27,7 @@ class TrainBatch:
     num_response_tokens: int
     routed_experts_BTLK: torch.Tensor | None = None  # rollout routes for R3 (routing_replay); None = natural
     old_logprobs_BT: torch.Tensor | None = None  # pi_old when fixed before the step (mini-batches); None = detach
-    temperatures_B: torch.Tensor | None = None  # sampling temperature of each row's group; NaN/None = not recorded
+    temperatures_B: torch.Tensor | None = None  # sampling temperature of each row's group; < 0 / None = not recorded
 
 
 def build_batch(groups: list[TrajectoryGroup], pad_id: int = 0) -> TrainBatch:
@@ -49,7 +49,7 @@ def build_batch(groups: list[TrajectoryGroup], pad_id: int = 0) -> TrainBatch:
             rollout_lps.append(lps)
             rewards.append(sample.reward)
             versions.append(sample.min_version)
-            temperatures.append(group.sampling_temperature if group.sampling_temperature >= 0 else float("nan"))
+            temperatures.append(group.sampling_temperature)
     width = max(len(r) for r in rows)
     input_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
     attention = torch.zeros((len(rows), width), dtype=torch.long)
@@ -79,10 +79,10 @@ def logit_divisors(batch: TrainBatch, temperature: float) -> torch.Tensor | floa
     """[B] what each row's logits are divided by: the temperature its group was sampled at (a live change reaches
     the trainer later than the groups drawn after it), ``temperature`` where the group recorded none, and 1 at
     temperature 0 (greedy: the engine reports untempered logprobs). 1.0 when that is 1 for every row."""
-    rows = batch.input_ids_BT.shape[0]
-    recorded = batch.temperatures_B if batch.temperatures_B is not None else torch.full((rows,), float("nan"))
-    divisors = torch.where(torch.isnan(recorded), torch.full_like(recorded, temperature), recorded)
-    divisors = torch.where(divisors > 0, divisors, torch.ones_like(divisors))
+    if batch.temperatures_B is None:
+        return temperature if temperature > 0 else 1.0
+    divisors = torch.where(batch.temperatures_B < 0, temperature, batch.temperatures_B)
+    divisors = torch.where(divisors > 0, divisors, 1.0)
     return 1.0 if bool((divisors == 1.0).all()) else divisors
 
 

@@ -32,6 +32,7 @@ class TrajectoryQueue:
         self.num_dead_letters = 0
         self._reclaimed: list[tuple[str, bytes]] = []
         self._in_hand: set[str] = set()  # read by this consumer, not yet acknowledged
+        self._orphans_possible = False  # a read broke: entries may be pending here that never reached us
         self._last_depth = 0
         try:
             client.xgroup_create(keys.trajectories, keys.trainer_group, id="0", mkstream=True)
@@ -55,21 +56,21 @@ class TrajectoryQueue:
         """Return up to ``num_groups`` (entry id, group) pairs, waiting at most ``timeout_s`` in total.
 
         A read whose connection breaks is retried until the timeout. Entries it delivered without the reply reaching
-        us stay in this consumer's pending list; the next attempt takes them from there (``_take_orphans``).
+        us stay in this consumer's pending list; the next attempt (this call's or a later one's) takes them from
+        there (``_take_orphans``).
         """
         batch: list[tuple[str, TrajectoryGroup]] = []
         while self._reclaimed and len(batch) < num_groups:
             self._decode_into(batch, *self._reclaimed.pop(0))
         deadline = time.monotonic() + timeout_s
-        orphans_checked = False
         while len(batch) < num_groups:
             remaining_ms = int((deadline - time.monotonic()) * 1000)
             if remaining_ms <= 0:
                 break
             try:
-                if not orphans_checked:
+                if self._orphans_possible:
                     self._take_orphans(batch, num_groups)
-                    orphans_checked = True
+                    self._orphans_possible = False
                     continue
                 reply = self.client.xreadgroup(
                     self.keys.trainer_group, self.consumer, {self.keys.trajectories: ">"},
@@ -78,7 +79,7 @@ class TrajectoryQueue:
             except (RedisConnectionError, RedisTimeoutError) as error:
                 logger.warning("reading %s failed, retrying for %.1fs more: %s", self.keys.trajectories,
                                remaining_ms / 1000, error)
-                orphans_checked = False  # the broken read may have delivered entries
+                self._orphans_possible = True  # the broken read may have delivered entries
                 time.sleep(min(1.0, remaining_ms / 1000))  # one warning a second while Redis is away
                 continue
             for _stream, entries in reply or []:
@@ -121,16 +122,8 @@ class TrajectoryQueue:
         """
         if not entry_ids:
             return
-        deadline = time.monotonic() + timeout_s
-        while True:
-            try:
-                self.client.xack(self.keys.trajectories, self.keys.trainer_group, *entry_ids)
-                break
-            except (RedisConnectionError, RedisTimeoutError) as error:
-                if time.monotonic() > deadline:
-                    raise
-                logger.warning("acknowledging %d entries failed, retrying: %s", len(entry_ids), error)
-                time.sleep(0.5)
+        retry_until_reachable(lambda: self.client.xack(self.keys.trajectories, self.keys.trainer_group, *entry_ids),
+                              f"acknowledging {len(entry_ids)} entries", timeout_s)
         self._in_hand.difference_update(entry_ids)
         if self.trim:
             try:
@@ -163,6 +156,22 @@ class TrajectoryQueue:
             return self._last_depth
         self._last_depth = int(group.get("lag") or 0) if group else 0
         return self._last_depth
+
+
+def retry_until_reachable(call, what: str, timeout_s: float, pause_s: float = 0.5):
+    """``call()``, retried while Redis is unreachable, for up to ``timeout_s``; then the error propagates.
+
+    Only for commands whose repetition is harmless (a lost reply means the first attempt may have run).
+    """
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return call()
+        except (RedisConnectionError, RedisTimeoutError) as error:
+            if time.monotonic() > deadline:
+                raise
+            logger.warning("%s failed, retrying: %s", what, error)
+            time.sleep(pause_s)
 
 
 def _stream_id_key(entry_id: str) -> tuple[int, int]:
