@@ -7,7 +7,7 @@ process; each role's ``config.py`` re-exports its section. Imports neither torch
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args, get_origin
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -382,7 +382,12 @@ class RunConfig(_Strict):
 
 
 def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
-    """Apply ``a.b.c=value`` overrides (values parsed as YAML scalars) to a nested dict."""
+    """Apply ``a.b.c=value`` overrides to a nested dict, each value parsed by the type of the field it sets.
+
+    Text fields (``str``, and ``Literal`` choices of text such as ``rollout.return_routed_experts=on``) take the
+    text as written: YAML would read ``on`` as ``True`` and ``42`` as a number, which the field then refuses.
+    Every other field takes the value as a YAML scalar or list (``trainer.icepop=[0.5, 2.0]``, ``x=null``).
+    """
     for item in overrides:
         key, sep, raw = item.partition("=")
         if not sep or not key:
@@ -393,27 +398,57 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
             node = node.setdefault(part, {})
             if not isinstance(node, dict):
                 raise ValueError(f"override {item!r}: {part!r} is not a section")
-        value = yaml.safe_load(raw)
-        if _is_text_field(parts) and not isinstance(value, str) and value is not None:
-            value = raw  # run_id=42 means the text "42"; quoted values ('{problem}?') still unquote
-        node[parts[-1]] = value
+        node[parts[-1]] = parse_override_value(field_annotation(parts), raw)
     return data
 
 
-def _is_text_field(parts: list[str]) -> bool:
-    """True when ``a.b.c`` names a plain ``str`` field, whose value must stay text (``run_id=42``)."""
+def field_annotation(parts: list[str]) -> Any:
+    """The annotation of the RunConfig field ``a.b.c`` names, or None for an unknown key (validation names it)."""
     model: type[BaseModel] = RunConfig
     for index, part in enumerate(parts):
         field = model.model_fields.get(part)
         if field is None:
-            return False  # unknown key: validation reports it with its name
+            return None
         annotation = field.annotation
         if index == len(parts) - 1:
-            return annotation is str
-        if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
-            return False
-        model = annotation
+            return annotation
+        section = _section_model(annotation)
+        if section is None:
+            return None
+        model = section
+    return None
+
+
+def _section_model(annotation: Any) -> type[BaseModel] | None:
+    """The config section a field holds (``X`` or ``X | None``), or None for a plain value."""
+    for candidate in (annotation, *get_args(annotation)):
+        if isinstance(candidate, type) and issubclass(candidate, BaseModel):
+            return candidate
+    return None
+
+
+def _text_choices(annotation: Any) -> bool:
+    """True for ``str``, ``Literal`` of strings only, and either of them ``| None``."""
+    if annotation is str:
+        return True
+    if get_origin(annotation) is Literal:
+        return all(isinstance(choice, str) for choice in get_args(annotation))
+    args = get_args(annotation)
+    if type(None) in args:
+        rest = [arg for arg in args if arg is not type(None)]
+        return len(rest) == 1 and _text_choices(rest[0])
     return False
+
+
+def parse_override_value(annotation: Any, raw: str) -> Any:
+    """``raw`` as the value a field of type ``annotation`` takes (see ``apply_overrides``)."""
+    if annotation is not None and _text_choices(annotation):
+        optional = type(None) in get_args(annotation)
+        if optional and raw.strip() in ("null", "~", "None"):
+            return None
+        value = yaml.safe_load(raw) if raw[:1] in ("'", '"') else raw  # quoted values ('{problem}?') still unquote
+        return value if isinstance(value, str) else raw
+    return yaml.safe_load(raw)
 
 
 def load_run_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:

@@ -147,3 +147,44 @@ def test_lora_settings_are_checked():
         load_run_config(None, ["trainer.lora.rank=8", "trainer.lora.target_modules=[q_proj]"])
     with pytest.raises(ValueError, match="moe_router_bias_update_rate"):
         load_run_config(None, ["trainer.lora.rank=8", "trainer.megatron.moe_router_bias_update_rate=0.001"])
+
+
+def _literal_fields(model=RunConfig, prefix=""):
+    """(dotted key, choices) of every Literal field in the tree, Optional ones included."""
+    from typing import Literal, get_args, get_origin
+
+    from pydantic import BaseModel
+
+    for name, field in model.model_fields.items():
+        annotation = field.annotation
+        candidates = (annotation, *get_args(annotation))
+        section = next((c for c in candidates if isinstance(c, type) and issubclass(c, BaseModel)), None)
+        if section is not None:
+            yield from _literal_fields(section, f"{prefix}{name}.")
+            continue
+        literal = next((c for c in candidates if get_origin(c) is Literal), None)
+        if get_origin(annotation) is list and get_origin(get_args(annotation)[0]) is Literal:
+            yield f"{prefix}{name}", get_args(get_args(annotation)[0]), True
+        elif literal is not None:
+            yield f"{prefix}{name}", get_args(literal), False
+
+
+def test_every_literal_field_takes_each_documented_value_on_the_command_line():
+    """``rollout.return_routed_experts=on`` was read by YAML as True and refused: overrides go by the field's type."""
+    fields = {key: (choices, is_list) for key, choices, is_list in _literal_fields()}
+    assert {"rollout.return_routed_experts", "weight_bus.receive_mode", "trainer.lora.target_modules"} <= set(fields)
+    # values some fields need beside them to validate (receive_mode=mxfp8 needs codec=mxfp8)
+    companions = {("weight_bus.receive_mode", "mxfp8"): ["weight_bus.codec=mxfp8"]}
+    for key, (choices, is_list) in fields.items():
+        for choice in choices:
+            written = f"[{choice}]" if is_list else choice
+            config = load_run_config(overrides=[f"{key}={written}", *companions.get((key, choice), [])])
+            node = config
+            for part in key.split("."):
+                node = getattr(node, part)
+            assert node == ([choice] if is_list else choice), (key, choice, node)
+
+
+def test_a_literal_override_outside_its_choices_names_the_field_and_the_choices():
+    with pytest.raises(pydantic.ValidationError, match=r"rollout\.return_routed_experts(.|\n)*'auto', 'on' or 'off'"):
+        load_run_config(overrides=["rollout.return_routed_experts=yes"])
