@@ -15,6 +15,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from protos.config import RolloutConfig
+from rollout_service import vllm_adapter
+from rollout_service.vllm_adapter import ChunkBuffer, VersionSpanTracker
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +63,7 @@ class SampleChunk:
     finish_reason: str | None = None
     version_spans: list[tuple[int, int, int]] = field(default_factory=list)
     routed_experts: object | None = None  # numpy [tokens, layers, top_k] when the engine returns it
+    engine_version_spans: list[tuple[int, int, int]] | None = None  # vLLM's own, when cross-checking (tests)
 
 
 def make_load_tracker():
@@ -108,43 +111,81 @@ class RolloutEngine:
         self._load_tracker = None
         self._update_lock = asyncio.Lock()
         self.held_by_operator = False  # paused through the API: a weight update must not resume it
+        self.features: vllm_adapter.VllmFeatures | None = None
+        self._spans = VersionSpanTracker()  # used where vLLM keeps no weight versions (0.26)
+        self._committed = asyncio.Event()  # cleared while a commit runs: new requests wait (see generate)
+        self._committed.set()
+        # With fleetrl's spans forced on a vLLM that keeps its own: label versions in the engine too and hand its
+        # spans along (SampleChunk.engine_version_spans), so tests compare the two on the same samples.
+        self.cross_check_spans = False
 
     async def start(self) -> None:
-        """Start the engine (tens of seconds on CPU)."""
-        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, int(self.config.kv_cache_gib))))
+        """Start the engine (tens of seconds on CPU, about a minute on a GPU with CUDA graphs)."""
+        self.features = vllm_adapter.detect()
+        on_cpu = current_platform_is_cpu()
+        if on_cpu:
+            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, int(self.config.kv_cache_gib or 1))))
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        args = AsyncEngineArgs(
-            model=self.model_path,
-            dtype=self.config.dtype,
-            max_model_len=self.config.max_model_len,
-            enforce_eager=True,
-            skip_tokenizer_init=True,
-            seed=self.config.seed,
-            worker_extension_cls=WORKER_EXTENSION,
-            enable_prefix_caching=False,
-            stream_interval=self.config.stream_interval,
-            enable_return_routed_experts=self._want_routed_experts(),
-            tensor_parallel_size=self.config.tensor_parallel_size,
-            pipeline_parallel_size=self.config.pipeline_parallel_size,
-            enable_expert_parallel=self.config.enable_expert_parallel,
-            max_num_seqs=self.config.max_num_seqs,
-            # Logprobs of the distribution each token was drawn from (after temperature, top-p, top-k); vLLM's
-            # default is those of the raw logits, which at temperature != 1 is not the rollout policy.
-            logprobs_mode="processed_logprobs",
-        )
+        args = AsyncEngineArgs(**self.engine_kwargs(on_cpu))
         started = time.monotonic()
         self._load_tracker = make_load_tracker()
         self._llm = AsyncLLM.from_engine_args(args, stat_loggers=[self._load_tracker])
         model_config = self._llm.model_config
         self.vocab_size = model_config.get_vocab_size()
-        aux_config = getattr(self._llm.vllm_config, "aux_output_config", None)
-        self.routed_experts_available = bool(getattr(aux_config, "enable_return_routed_experts", False))
-        if self.config.pipeline_parallel_size > 1 and current_platform_is_cpu():
+        self.routed_experts_available = bool(
+            getattr(model_config, "enable_return_routed_experts", False)  # 0.26
+            or getattr(getattr(self._llm.vllm_config, "aux_output_config", None), "enable_return_routed_experts", False)
+        )
+        if self.config.pipeline_parallel_size > 1 and on_cpu:
             await self._llm.collective_rpc("fleetrl_allocate_pipeline_receive_buffer")
-        await self._llm.update_weight_version(str(self.policy_version))
-        logger.info("engine %s up in %.1fs (vocab %d)", self.server_id, time.monotonic() - started, self.vocab_size)
+        if self.features.engine_weight_versions:
+            await self._llm.update_weight_version(str(self.policy_version))
+        logger.info(
+            "engine %s up in %.1fs (vLLM %s%s, vocab %d, routed experts %s)", self.server_id,
+            time.monotonic() - started, self.features.version, ", fleetrl version spans" if self.features.fallback
+            else "", self.vocab_size, "on" if self.routed_experts_available else "off",
+        )
+
+    def engine_kwargs(self, on_cpu: bool) -> dict:
+        """``AsyncEngineArgs`` of this server: the CPU engine eager, the GPU one with CUDA graphs and its memory share."""
+        config = self.config
+        kwargs = {
+            "model": self.model_path,
+            "dtype": config.dtype,
+            "max_model_len": config.max_model_len,
+            "enforce_eager": on_cpu or config.enforce_eager,
+            "skip_tokenizer_init": True,
+            "seed": config.seed,
+            "worker_extension_cls": WORKER_EXTENSION,
+            "enable_prefix_caching": config.prefix_caching_enabled(on_cpu),
+            # Engine-level chunking; vLLM 0.32 also takes a per-request interval (>= this one), 0.26 does not (then
+            # generate() re-chunks).
+            "stream_interval": config.stream_interval,
+            "enable_return_routed_experts": self._want_routed_experts(),
+            "tensor_parallel_size": config.tensor_parallel_size,
+            "pipeline_parallel_size": config.pipeline_parallel_size,
+            "enable_expert_parallel": config.enable_expert_parallel,
+            "max_num_seqs": config.max_num_seqs,
+            # Logprobs of the distribution each token was drawn from (after temperature, top-p, top-k); vLLM's
+            # default is those of the raw logits, which at temperature != 1 is not the rollout policy.
+            "logprobs_mode": "processed_logprobs",
+        }
+        if config.load_format != "auto":
+            kwargs["load_format"] = config.load_format
+        if not on_cpu:
+            kwargs["gpu_memory_utilization"] = config.gpu_memory_utilization
+            if config.kv_cache_gib is not None:
+                kwargs["kv_cache_memory_bytes"] = int(config.kv_cache_gib * 2**30)
+        if config.quantization != "none":
+            if on_cpu:
+                raise ValueError(
+                    f"rollout.quantization={config.quantization!r} needs a GPU engine (vLLM on CPU has no "
+                    "MXFP8 kernels); set rollout.quantization=none"
+                )
+            kwargs["quantization"] = config.quantization
+        return kwargs
 
     def load(self) -> tuple[int, int, float]:
         """(running, waiting, kv-cache usage) as the engine's scheduler last reported them."""
@@ -175,6 +216,9 @@ class RolloutEngine:
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
+        extra = {}
+        if self.features.request_stream_interval:
+            extra["stream_interval"] = request.stream_interval or None  # vLLM clamps it to >= the engine's
         return SamplingParams(
             n=request.n,
             max_tokens=request.max_tokens,
@@ -188,7 +232,7 @@ class RolloutEngine:
             ignore_eos=request.ignore_eos,
             output_kind=RequestOutputKind.DELTA,
             detokenize=False,
-            stream_interval=request.stream_interval or None,  # vLLM clamps it to >= the engine's
+            **extra,
         )
 
     async def generate(self, request: SamplingRequest) -> AsyncIterator[SampleChunk]:
@@ -196,44 +240,65 @@ class RolloutEngine:
         from vllm.inputs import TokensPrompt
 
         request_id = request.request_id or uuid.uuid4().hex
+        features = self.features
+        # A request added while a commit runs could not generate before it anyway; waiting keeps fleetrl's spans
+        # simple: every request it tracks existed before the commit's count, or starts after it.
+        await self._committed.wait()
         stream = self.llm.generate(
             TokensPrompt(prompt_token_ids=request.prompt_token_ids),
             self._sampling_params(request),
             request_id,
             priority=request.priority,
         )
-        from vllm.exceptions import VLLMClientError, VLLMServerError
-
+        own_spans = not features.engine_weight_versions
+        if own_spans:
+            self._spans.open(request_id, request.n, self.policy_version)
+        interval = max(request.stream_interval, self.config.stream_interval)
+        buffer = None if features.request_stream_interval else ChunkBuffer(interval)
+        received = [0] * request.n  # response tokens per sample so far
         finished = 0
         try:
             try:
                 output = await anext(stream)
                 while output is not None:
                     for completion in output.outputs:
-                        chunk = self._chunk(request_id, completion)
+                        chunk = self._chunk(request_id, completion, received, own_spans)
+                        if buffer is not None:
+                            held = buffer.push(chunk.sample_index, chunk.token_ids, chunk.logprobs, chunk.finished)
+                            if held is None:
+                                continue
+                            chunk.token_ids, chunk.logprobs = held
                         finished += chunk.finished
                         yield chunk
                     output = await anext(stream, None)
-            except VLLMClientError as error:
+            except features.client_errors as error:
                 raise RequestRejected(str(error)) from error
-            except VLLMServerError as error:  # EngineDeadError, EngineGenerateError
+            except features.server_errors as error:
                 raise EngineUnavailable(f"{type(error).__name__}: {error}") from error
         finally:
+            if own_spans:
+                self._spans.close(request_id)
             if finished < request.n:
                 await self.llm.abort(request_id)
 
-    def _chunk(self, request_id: str, completion) -> SampleChunk:
+    def _chunk(self, request_id: str, completion, received: list[int], own_spans: bool) -> SampleChunk:
         logprobs = []
         for token_id, entry in zip(completion.token_ids, completion.logprobs or [], strict=False):
             logprobs.append(float(entry[token_id].logprob))
         chunk = SampleChunk(request_id, completion.index, list(completion.token_ids), logprobs)
+        received[completion.index] += len(chunk.token_ids)
         if completion.finish_reason is not None:
             chunk.finished = True
             chunk.finish_reason = completion.finish_reason
-            chunk.version_spans = [
+            engine_spans = [
                 (_version_label(s.version, self.policy_version), s.start, s.end)
-                for s in completion.weight_versions or []
+                for s in getattr(completion, "weight_versions", None) or []
             ]
+            if own_spans:
+                chunk.version_spans = self._spans.spans(request_id, completion.index, received[completion.index])
+                chunk.engine_version_spans = engine_spans if self.cross_check_spans else None
+            else:
+                chunk.version_spans = engine_spans
             chunk.routed_experts = completion.routed_experts
         return chunk
 
@@ -262,17 +327,28 @@ class RolloutEngine:
         """
         async with self._update_lock:
             started = time.monotonic()
-            await self._pause_engine("keep")
+            self._committed.clear()
             try:
-                await self.llm.collective_rpc(
-                    "fleetrl_load_staged_weights", args=(staging_path, manifest_bytes)
-                )
-                await self.llm.update_weight_version(str(version))
+                await self._pause_engine("keep")
+                counts = await self._count_tokens_before_commit()
+                await self.llm.collective_rpc("fleetrl_load_staged_weights", args=(staging_path, manifest_bytes))
+                if self.features.engine_weight_versions or self.cross_check_spans:
+                    await self.llm.update_weight_version(str(version))
+                if not self.features.engine_weight_versions:
+                    self._spans.mark(version, counts)
                 self.policy_version = version
             finally:
+                self._committed.set()
                 if not self.held_by_operator:  # an operator's pause outlasts the update
                     await self.llm.resume_generation()
             return time.monotonic() - started
+
+    async def _count_tokens_before_commit(self) -> dict[tuple[str, int], int]:
+        """Tokens every live sample holds before new weights load (fleetrl's spans; {} where vLLM keeps them)."""
+        if self.features.engine_weight_versions:
+            return {}
+        await vllm_adapter.wait_outputs_processed(self.llm)
+        return vllm_adapter.generated_token_counts(self.llm, self._spans.live_requests())
 
     @property
     def errored(self) -> bool:

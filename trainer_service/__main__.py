@@ -96,7 +96,7 @@ def run(args: argparse.Namespace, stop: threading.Event) -> None:
     restored = ranks.resolve_checkpoint(checkpoints, tcfg.resume)
     state = CheckpointManager.load(restored, backend) if restored else TrainerState(step=0, policy_version=0)
     trainer = Trainer(backend, ccfg.max_staleness, state.policy_version, ledger=state.ledger,
-                      mini_batches=tcfg.mini_batches)
+                      mini_batches=tcfg.mini_batches, measure_replay_mismatch=tcfg.measure_replay_mismatch)
     side = RedisSide(args, config, trainer, stop) if ranks.world_rank() == 0 else None
     publisher = side.publisher if side else None
 

@@ -22,6 +22,7 @@ Three parts:
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 from collections.abc import Iterator, Sequence
 
@@ -92,6 +93,35 @@ def _hf_routers(model: torch.nn.Module) -> list[torch.nn.Module]:
     ]
 
 
+def _decoder_layer_of(model: torch.nn.Module, router: torch.nn.Module) -> int:
+    """The decoder layer a router sits in, from its module path (``model.layers.<i>.mlp.gate``)."""
+    for name, module in model.named_modules():
+        if module is router:
+            parts = name.split(".")
+            for part, following in itertools.pairwise(parts):
+                if part == "layers" and following.isdigit():
+                    return int(following)
+    raise ValueError(f"router {type(router).__name__} is not inside a 'layers.<i>' module")
+
+
+def _route_layer_indices(model: torch.nn.Module, routers: list[torch.nn.Module], num_route_layers: int) -> list[int]:
+    """Which entry of the routes' layer axis each router replays.
+
+    vLLM reports every decoder layer (dense ones too, e.g. Beam's first layers); recorded routes hold MoE layers
+    only. Both are accepted: an axis as long as the router list is indexed in router order, one as long as the
+    decoder by each router's own layer.
+    """
+    if num_route_layers == len(routers):
+        return list(range(len(routers)))
+    num_decoder_layers = getattr(getattr(model, "config", None), "num_hidden_layers", None)
+    if num_route_layers == num_decoder_layers:
+        return [_decoder_layer_of(model, router) for router in routers]
+    raise ValueError(
+        f"routes have {num_route_layers} layers, the model has {len(routers)} MoE routers "
+        f"in {num_decoder_layers} decoder layers"
+    )
+
+
 def _chosen_experts(router: torch.nn.Module, output: tuple) -> torch.Tensor:
     return output[1] if _is_sigmoid_router(router) else output[2]
 
@@ -147,10 +177,8 @@ def forced_routing(model: torch.nn.Module, routes_BTLK: torch.Tensor | None) -> 
         return
     routers = _hf_routers(model)
     batch, seq, num_layers, top_k = routes_BTLK.shape
-    if num_layers != len(routers):
-        raise ValueError(f"routes have {num_layers} layers, the model has {len(routers)} MoE routers")
     handles = []
-    for layer, router in enumerate(routers):
+    for layer, router in zip(_route_layer_indices(model, routers, num_layers), routers, strict=True):
         forced_NK = routes_BTLK[:, :, layer].reshape(batch * seq, top_k)
 
         def hook(module, args, output, forced_NK=forced_NK):

@@ -7,6 +7,7 @@ crash, or a push the coordinator retried after a lost reply) is skipped and coun
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 
@@ -35,10 +36,11 @@ class Trainer:
 
     def __init__(
         self, backend, max_staleness: int, policy_version: int = 0, ledger: dict[str, str] | None = None,
-        mini_batches: int = 1,
+        mini_batches: int = 1, measure_replay_mismatch: bool = False,
     ):
         self.backend = backend
         self.mini_batches = mini_batches
+        self.measure_replay_mismatch = measure_replay_mismatch
         self.max_staleness = max_staleness
         self.policy_version = policy_version
         self.ledger: dict[str, str] = dict(ledger or {})
@@ -55,6 +57,27 @@ class Trainer:
         values["skipped"] = float(all(p["skipped"] for p in parts))  # a version is published if any update ran
         values["mini_batches"] = float(len(parts))
         return values
+
+    def _replay_mismatch(self, batch) -> dict[str, float]:
+        """|trainer - rollout| logprob of the on-policy rows (staleness 0), with the rollout's routes replayed and
+        with the trainer's own routing: what R3 removes of the train/inference mismatch (two extra forwards)."""
+        if batch.routed_experts_BTLK is None:
+            return {}
+        on_policy_BT = batch.loss_mask_BT * (batch.min_versions_B == self.policy_version).float()[:, None]
+        num_tokens = float(on_policy_BT.sum())
+        if num_tokens == 0:
+            return {}
+
+        def mean_abs_diff(logprobs_BT) -> float:
+            return float(((logprobs_BT - batch.rollout_logprobs_BT).abs() * on_policy_BT).sum()) / num_tokens
+
+        replayed = self.backend.policy_logprobs(batch)
+        natural = self.backend.policy_logprobs(dataclasses.replace(batch, routed_experts_BTLK=None))
+        return {
+            "on_policy_abs_logprob_diff_r3": mean_abs_diff(replayed),
+            "on_policy_abs_logprob_diff_natural": mean_abs_diff(natural),
+            "on_policy_tokens": num_tokens,
+        }
 
     def filter_new(self, groups: list[TrajectoryGroup]) -> list[TrajectoryGroup]:
         """The groups not consumed before (ledger) and not repeated in ``groups``; counts the rest."""
@@ -86,7 +109,8 @@ class Trainer:
         values: dict[str, float] = {"skipped": 1.0, "reward_mean": 0.0}
         if fresh:
             batch = build_batch(fresh)
-            values = self._train(batch, len(fresh[0].samples))
+            mismatch = self._replay_mismatch(batch) if self.measure_replay_mismatch else {}
+            values = {**self._train(batch, len(fresh[0].samples)), **mismatch}
             values["r3_replayed"] = float(batch.routed_experts_BTLK is not None)
             values["reward_mean"] = float(batch.rewards_B.mean())
             totals.samples_trained += int(batch.rewards_B.numel())

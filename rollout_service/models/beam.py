@@ -36,7 +36,7 @@ from vllm.config import VllmConfig
 from vllm.distributed import get_pp_group, get_tensor_model_parallel_world_size
 from vllm.model_executor.layers.activation import SiluAndMul
 from vllm.model_executor.layers.attention import Attention
-from vllm.model_executor.layers.fused_moe import FusedMoEFactory, GateLinear
+from vllm.model_executor.layers.fused_moe import GateLinear
 from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.layers.linear import (
     ColumnParallelLinear,
@@ -60,6 +60,8 @@ from vllm.model_executor.models.utils import (
 )
 from vllm.model_executor.utils import set_weight_attrs
 from vllm.sequence import IntermediateTensors
+
+from rollout_service.vllm_adapter import moe_factory
 
 FULL = "full_attention"
 
@@ -102,7 +104,7 @@ class BeamMoE(nn.Module):
         self.gate.e_score_correction_bias = nn.Parameter(
             torch.zeros(num_experts, dtype=torch.float32), requires_grad=False
         )
-        self.experts = FusedMoEFactory(
+        self.experts = moe_factory()(
             gate=self.gate,
             num_experts=num_experts,
             top_k=config.num_experts_per_tok,

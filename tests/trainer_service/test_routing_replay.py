@@ -170,3 +170,32 @@ def test_beam_sigmoid_router_replays_recorded_routes_exactly_and_still_learns(tm
         assert torch.allclose(replayed, recorded, atol=1e-6)
         replayed.sum().backward()
     assert all(router.weight.grad is not None and router.weight.grad.abs().sum() > 0 for router in routers)
+
+
+def test_beam_routes_over_every_decoder_layer_as_vllm_reports_them_replay_the_moe_layers(tmp_path):
+    """vLLM's routes span all decoder layers (Beam's dense first layers hold zeros); replay picks each router's own
+    layer, so the dense rows are never read and the MoE rows land on the right router."""
+    from transformers import AutoModelForCausalLM
+
+    import modeling.beam  # noqa: F401 - registers the model type
+    from modeling.beam.tiny import init_tiny_beam
+
+    model = AutoModelForCausalLM.from_pretrained(str(init_tiny_beam(tmp_path / "beam")), dtype=torch.float32).eval()
+    config = model.config
+    assert config.first_k_dense_replace > 0  # the tiny Beam has dense first layers, as the 501B one does
+    ids = torch.tensor([[1, 4, 5, 6, 7, 8, 9, 10]])
+    attention = torch.ones_like(ids)
+    with torch.no_grad(), record_routes(model) as recorder:
+        recorded = token_logprobs(model, ids, attention, 1.0)
+    moe_routes = recorder.routes(*ids.shape)  # [B, T, MoE layers, K]
+    all_layers = torch.zeros(*ids.shape, config.num_hidden_layers, moe_routes.shape[-1], dtype=torch.long)
+    all_layers[:, :, config.first_k_dense_replace:] = moe_routes  # dense rows stay 0, as vLLM leaves them
+    with torch.no_grad():
+        routers = [m for m in model.modules() if hasattr(m, "e_score_correction_bias")]
+        for router in routers:  # move natural routing away, so only a correct replay gives back `recorded`
+            router.e_score_correction_bias.copy_(torch.linspace(2.0, -2.0, router.e_score_correction_bias.numel()))
+        with forced_routing(model, all_layers):
+            assert torch.allclose(token_logprobs(model, ids, attention, 1.0), recorded, atol=1e-6)
+        shifted = torch.roll(all_layers, shifts=1, dims=2)  # the layer order off by one: not the recorded routes
+        with forced_routing(model, shifted):
+            assert (token_logprobs(model, ids, attention, 1.0) - recorded).abs().max() > 1e-4

