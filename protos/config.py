@@ -333,10 +333,12 @@ class TrainerConfig(_Strict):
 class WeightBusConfig(_Strict):
     """How new weights travel from trainer to rollout servers."""
 
-    transport: Literal["tcp", "nccl"] = Field(
+    transport: Literal["tcp", "nccl", "ipc"] = Field(
         "tcp",
         description="'tcp': receivers pull over sockets (CPU machines, tests); 'nccl': the trainer broadcasts "
-        "to one process per GPU (weight_bus.nccl) and still serves late receivers over tcp.",
+        "to one process per GPU (weight_bus.nccl) and still serves late receivers over tcp; 'ipc': a trainer that "
+        "shares its GPU with the rollout engine (colocated) hands it the packed buckets by CUDA IPC handles "
+        "(weight_bus.ipc), tcp for receivers that cannot open them; without CUDA at the trainer it is tcp.",
     )
     host: str = Field("127.0.0.1", description="Interface the publisher binds.")
     port: int = Field(0, ge=0, description="Publisher port; 0 picks a free one.")

@@ -205,6 +205,31 @@ class PromptCursor(msgspec.Struct, array_like=True, gc=False, frozen=True):
     position: dict[str, int]  # the task's position before the first draw of the earliest unpushed slot
 
 
+class CudaIpcBucket(msgspec.Struct, array_like=True, gc=False, frozen=True):
+    """One device bucket of a version, shared by a CUDA IPC handle (the fields of torch's ``reduce_tensor`` for a
+    1-D uint8 CUDA tensor). Inside ``CudaIpcVersion``."""
+
+    nbytes: int
+    storage_offset: int  # the tensor's offset in its storage, in elements (bytes: uint8)
+    handle: bytes  # cudaIpcMemHandle of the allocation
+    storage_size_bytes: int
+    storage_offset_bytes: int  # the storage's offset in the allocation
+    ref_counter_handle: bytes  # torch's shared ref counter: the producer frees nothing a consumer still holds
+    ref_counter_offset: int
+    event_handle: bytes
+    event_sync_required: bool
+
+
+class CudaIpcVersion(msgspec.Struct, array_like=True, gc=False, frozen=True):
+    """A version's buckets on the trainer's GPU, for rollout engines on the same GPU. Producer: trainer (weight_bus
+    ipc publisher, RedisKeys.ipc_buckets) -> rollout workers; the manifest says where each tensor lies in them."""
+
+    version: int
+    device_uuid: str  # the GPU holding the buckets; a worker on another GPU cannot open them
+    producer_pid: int  # a process cannot open its own IPC handles
+    buckets: list[CudaIpcBucket]
+
+
 _encoder = msgspec.msgpack.Encoder()
 _group_decoder = msgspec.msgpack.Decoder(TrajectoryGroup)
 _manifest_decoder = msgspec.msgpack.Decoder(WeightManifest)
@@ -254,6 +279,13 @@ _order_decoder = msgspec.msgpack.Decoder(StepOrder)
 
 def decode_order(data: bytes) -> StepOrder:
     return _order_decoder.decode(data)
+
+
+_ipc_version_decoder = msgspec.msgpack.Decoder(CudaIpcVersion)
+
+
+def decode_ipc_version(data: bytes) -> CudaIpcVersion:
+    return _ipc_version_decoder.decode(data)
 
 
 _cursor_decoder = msgspec.msgpack.Decoder(PromptCursor)

@@ -61,6 +61,10 @@ class RedisKeys:
         """Encoded WeightManifest of ``version``."""
         return self._key(f"weights:{version}")
 
+    def ipc_buckets(self, version: int) -> str:
+        """Encoded CudaIpcVersion of ``version`` (transport 'ipc': the buckets on the trainer's GPU)."""
+        return self._key(f"weights:{version}:ipc")
+
     @property
     def weight_announcements(self) -> str:
         """Stream of published versions (field ``v``); rollout servers follow it."""

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from protos.config import RolloutConfig
 from rollout_service import vllm_adapter
 from rollout_service.vllm_adapter import ChunkBuffer, VersionSpanTracker
+from weight_bus.ipc import IpcUnavailable
 
 logger = logging.getLogger(__name__)
 
@@ -319,11 +320,20 @@ class RolloutEngine:
     async def abort(self, request_ids: list[str]) -> None:
         await self.llm.abort(request_ids)
 
-    async def commit_weights(self, version: int, staging_path: str, manifest_bytes: bytes) -> float:
-        """Load staged weights between pause(keep) and resume and label them ``version``.
+    async def ipc_unopenable_reason(self, record_bytes: bytes) -> str:
+        """'' when every worker can open a version's CUDA IPC buckets (transport 'ipc'), else the first reason."""
+        reasons = await self.llm.collective_rpc("fleetrl_ipc_unopenable_reason", args=(record_bytes,))
+        return next((reason for reason in reasons if reason), "")
+
+    async def commit_weights(
+        self, version: int, staging_path: str, manifest_bytes: bytes, ipc_record: bytes | None = None
+    ) -> float:
+        """Load staged weights (or, with ``ipc_record``, the trainer's device buckets) between pause(keep) and
+        resume and label them ``version``.
 
         In-flight requests survive; tokens sampled after this call carry the new version. An engine an operator
-        paused stays paused. Returns the time the engine was paused, in seconds.
+        paused stays paused. Returns the time the engine was paused, in seconds. Raises IpcUnavailable, with the
+        engine unchanged, when a worker cannot open the IPC buckets.
         """
         async with self._update_lock:
             started = time.monotonic()
@@ -331,7 +341,12 @@ class RolloutEngine:
             try:
                 await self._pause_engine("keep")
                 counts = await self._count_tokens_before_commit()
-                await self.llm.collective_rpc("fleetrl_load_staged_weights", args=(staging_path, manifest_bytes))
+                if ipc_record is None:
+                    await self.llm.collective_rpc("fleetrl_load_staged_weights", args=(staging_path, manifest_bytes))
+                else:
+                    loaded = await self.llm.collective_rpc("fleetrl_load_ipc_weights", args=(ipc_record, manifest_bytes))
+                    if any(count < 0 for count in loaded):
+                        raise IpcUnavailable(f"v{version}: a worker could not open the IPC buckets")
                 if self.features.engine_weight_versions or self.cross_check_spans:
                     await self.llm.update_weight_version(str(version))
                 if not self.features.engine_weight_versions:

@@ -26,6 +26,7 @@ from protos.redis_keys import RedisKeys
 from rollout_service import metrics
 from rollout_service.engine import RolloutEngine
 from weight_bus import packing, receiver, rendezvous, tcp
+from weight_bus.ipc import IpcUnavailable
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +45,7 @@ class PendingUpdate:
     manifest: WeightManifest
     path: str
     loaded: bool = False
+    ipc_record: bytes | None = None  # transport 'ipc': the trainer's device buckets, opened by the engine itself
 
 
 class WeightFollower:
@@ -137,8 +139,23 @@ class WeightFollower:
             raise LookupError(f"no manifest for policy version {version} in Redis")
         self._drop_pending()
         path = os.path.join(STAGING_DIR, f"fleetrl-{self.engine.server_id}-v{version}")
-        self.pending = PendingUpdate(version, manifest, path)
+        self.pending = PendingUpdate(version, manifest, path, ipc_record=await self._openable_ipc(manifest))
         return self.pending
+
+    async def _openable_ipc(self, manifest: WeightManifest) -> bytes | None:
+        """The version's CUDA IPC record when this engine can load it straight from the trainer's GPU, else None
+        (the bytes then come over tcp). Single-GPU engines only: ranks on other GPUs could not open the buckets."""
+        config = self.engine.config
+        if manifest.transport != "ipc" or config.tensor_parallel_size * config.pipeline_parallel_size != 1:
+            return None
+        record = await rendezvous.get_ipc_version(self.client, self.keys, manifest.version)
+        if record is None:
+            return None
+        reason = await self.engine.ipc_unopenable_reason(record)
+        if reason:
+            logger.info("server %s: v%d over tcp, not IPC: %s", self.engine.server_id, manifest.version, reason)
+            return None
+        return record
 
     async def _latest_version(self) -> int:
         # Redis is the truth; after Redis lost its keys the newest snapshot still says how far the trainer got.
@@ -146,6 +163,9 @@ class WeightFollower:
         return max(latest, receiver.latest_snapshot_version(self.config.snapshot_dir))
 
     async def _load_locked(self, pending: PendingUpdate) -> None:
+        if pending.ipc_record is not None:  # the engine reads the trainer's device buckets at commit
+            pending.loaded = True
+            return
         try:
             await asyncio.to_thread(self._receive, pending.manifest, pending.path)
         except BaseException:
@@ -155,7 +175,15 @@ class WeightFollower:
 
     async def _commit_locked(self, pending: PendingUpdate) -> float:
         try:
-            paused_s = await self.engine.commit_weights(pending.version, pending.path, encode(pending.manifest))
+            try:
+                paused_s = await self.engine.commit_weights(
+                    pending.version, pending.path, encode(pending.manifest), pending.ipc_record
+                )
+            except IpcUnavailable as error:  # nothing was loaded: take the version over tcp instead
+                logger.warning("server %s: %s; receiving v%d over tcp", self.engine.server_id, error, pending.version)
+                pending.ipc_record, pending.loaded = None, False
+                await self._load_locked(pending)
+                paused_s = await self.engine.commit_weights(pending.version, pending.path, encode(pending.manifest))
         finally:
             self._drop_pending()
         metrics.UPDATE_PAUSE_SECONDS.observe(paused_s)

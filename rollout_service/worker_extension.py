@@ -45,6 +45,45 @@ class WeightLoaderExtension:
         self._prepack_cpu_moe_experts()
         return loaded
 
+    def fleetrl_ipc_unopenable_reason(self, record_bytes: bytes) -> str:
+        """'' when this worker can open the trainer's IPC buckets (same GPU, another process), else why not."""
+        from protos.records import decode_ipc_version
+        from weight_bus.ipc import why_not_openable
+
+        return why_not_openable(decode_ipc_version(record_bytes), self.model_runner.device)
+
+    def fleetrl_load_ipc_weights(self, record_bytes: bytes, manifest_bytes: bytes) -> int:
+        """Load a version straight from the trainer's device buckets (transport 'ipc'); returns the count loaded,
+        or -1 when the buckets cannot be opened (nothing is loaded then: every handle opens before any write)."""
+        import torch
+
+        from protos.records import decode_ipc_version, decode_manifest
+        from weight_bus.ipc import IpcUnavailable, iter_device_tensors, open_version
+
+        manifest = decode_manifest(manifest_bytes)
+        try:
+            buckets = open_version(decode_ipc_version(record_bytes), self.model_runner.device)
+        except IpcUnavailable as error:
+            import logging
+
+            logging.getLogger(__name__).warning("weight bus (ipc): %s; the version comes over tcp", error)
+            return -1
+        loaded = 0
+
+        def counted():
+            nonlocal loaded
+            for name, tensor in iter_device_tensors(manifest, buckets, self._fleetrl_dequantize_target(manifest)):
+                loaded += 1
+                yield name, tensor
+
+        try:
+            self.model_runner.reload_weights(weights_iterator=counted(), is_checkpoint_format=True)
+            torch.cuda.synchronize(self.model_runner.device)  # done reading the trainer's memory
+        finally:
+            del buckets
+            torch.cuda.ipc_collect()
+        return loaded
+
     def _fleetrl_dequantize_target(self, manifest):
         """The dtype MXFP8 pairs are decoded to, or None to load them as they are."""
         model_config = self.model_runner.model_config

@@ -1,8 +1,9 @@
 """WeightPublisher: the trainer's side of the weight bus.
 
-A thin adapter: ``weight_bus.sender.WeightSender`` (tcp: pack -> snapshot -> hold -> manifest in Redis)
-or ``weight_bus.nccl.NcclWeightPublisher`` (GPU broadcast to the rollout ranks, plus the same tcp hold
-for late receivers), chosen by ``weight_bus.transport``.
+A thin adapter: ``weight_bus.sender.WeightSender`` (tcp: pack -> snapshot -> hold -> manifest in Redis),
+``weight_bus.nccl.NcclWeightPublisher`` (GPU broadcast to the rollout ranks, plus the same tcp hold for late
+receivers) or ``weight_bus.ipc.IpcWeightPublisher`` (device buckets shared with a colocated engine by CUDA IPC,
+plus the tcp hold), chosen by ``weight_bus.transport``.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import logging
 
 import redis
+import torch
 
 from protos.config import WeightBusConfig
 from protos.redis_keys import RedisKeys
@@ -27,7 +29,13 @@ class WeightPublisher:
             from weight_bus.nccl import NcclWeightPublisher  # imports cupy lazily, on GPU machines only
 
             self.sender = NcclWeightPublisher(client, keys, config)
+        elif config.transport == "ipc" and torch.cuda.is_available():
+            from weight_bus.ipc import IpcWeightPublisher
+
+            self.sender = IpcWeightPublisher(client, keys, config)
         else:
+            if config.transport == "ipc":
+                logger.warning("weight_bus.transport='ipc' needs CUDA at the trainer; publishing over tcp")
             self.sender = WeightSender(client, keys, config)
         self.num_published = 0
         self.last_stats = None

@@ -238,10 +238,15 @@ def verify(manifest: WeightManifest, buffer: memoryview, bucket: int | None = No
             )
 
 
-def _view(entry: TensorEntry, buffer: memoryview, start: int) -> torch.Tensor:
+def entry_dtype(entry: TensorEntry) -> torch.dtype:
     dtype = getattr(torch, entry.dtype, None)
     if not isinstance(dtype, torch.dtype):
         raise ValueError(f"tensor {entry.name}: unknown dtype {entry.dtype!r} in the manifest")
+    return dtype
+
+
+def _view(entry: TensorEntry, buffer: memoryview, start: int) -> torch.Tensor:
+    dtype = entry_dtype(entry)
     if entry.nbytes == 0:  # torch.frombuffer refuses empty buffers
         return torch.empty(entry.shape, dtype=dtype)
     begin = start + entry.offset
@@ -263,6 +268,13 @@ def iter_tensors(
     (``mxfp8.dequantize``, exact in float32 and bfloat16); raw entries keep their own dtype.
     """
     starts = bucket_offsets(manifest)
+    return iter_entries(manifest, lambda entry: _view(entry, buffer, starts[entry.bucket]), dequantize_to)
+
+
+def iter_entries(
+    manifest: WeightManifest, view: Callable[[TensorEntry], torch.Tensor], dequantize_to: torch.dtype | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """``iter_tensors`` over any storage: ``view(entry)`` gives an entry's tensor (host map or device bucket)."""
     quantized = {e.name: e for e in manifest.tensors if e.codec == "mxfp8"}
     scales = {e.name: e for e in manifest.tensors if e.name.endswith(SCALE_SUFFIX)}
     for entry in manifest.tensors:
@@ -271,10 +283,9 @@ def iter_tensors(
         if dequantize_to is None or entry.codec == "raw":
             if dequantize_to is not None and _companion_of(entry.name) in quantized:
                 continue  # consumed with its weight
-            yield entry.name, _view(entry, buffer, starts[entry.bucket])
+            yield entry.name, view(entry)
             continue
         scale = scales.get(entry.name + SCALE_SUFFIX)
         if scale is None:
             raise ValueError(f"tensor {entry.name}: MXFP8 entry without its {entry.name}{SCALE_SUFFIX} companion")
-        q = _view(entry, buffer, starts[entry.bucket])
-        yield entry.name, mxfp8.dequantize(q, _view(scale, buffer, starts[scale.bucket]), dequantize_to)
+        yield entry.name, mxfp8.dequantize(view(entry), view(scale), dequantize_to)

@@ -26,6 +26,23 @@ logger = logging.getLogger(__name__)
 MANIFEST_TTL_S = 3600
 
 
+def retry_while_unreachable(call, what: str, timeout_s: float = 60.0, pause_s: float = 0.5):
+    """``call()``, retried while Redis is unreachable for up to ``timeout_s``; then the error propagates.
+
+    Only for calls whose repetition is harmless (a lost reply means the first attempt may have run): SETs of the same
+    value, DELs, a transaction that sets the same values.
+    """
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return call()
+        except (syncredis.ConnectionError, syncredis.TimeoutError) as error:
+            if time.monotonic() > deadline:
+                raise
+            logger.warning("%s failed, retrying: %s", what, error)
+            time.sleep(pause_s)
+
+
 def publish_manifest(client: syncredis.Redis, keys: RedisKeys, manifest: WeightManifest, timeout_s: float = 60.0) -> None:
     """Trainer side: store the manifest, then move the version pointer and announce it (one transaction); the
     manifest it supersedes starts to expire. The trainer's rank 0 is the only writer of the version pointer.
@@ -33,23 +50,23 @@ def publish_manifest(client: syncredis.Redis, keys: RedisKeys, manifest: WeightM
     A broken connection is retried for ``timeout_s``: repeating the transaction sets the same values, and a second
     announcement of a version is a no-op for the servers (they already hold it or fetch it once).
     """
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            previous = client.get(keys.policy_version)
-            pipe = client.pipeline(transaction=True)
-            pipe.set(keys.manifest(manifest.version), encode(manifest))
-            if previous is not None and int(previous) != manifest.version:
-                pipe.expire(keys.manifest(int(previous)), MANIFEST_TTL_S)
-            pipe.set(keys.policy_version, manifest.version)
-            pipe.xadd(keys.weight_announcements, {"v": manifest.version}, maxlen=1000, approximate=True)
-            pipe.execute()
-            return
-        except (syncredis.ConnectionError, syncredis.TimeoutError) as error:
-            if time.monotonic() > deadline:
-                raise
-            logger.warning("publishing the manifest of v%d failed, retrying: %s", manifest.version, error)
-            time.sleep(0.5)
+
+    def transaction() -> None:
+        previous = client.get(keys.policy_version)
+        pipe = client.pipeline(transaction=True)
+        pipe.set(keys.manifest(manifest.version), encode(manifest))
+        if previous is not None and int(previous) != manifest.version:
+            pipe.expire(keys.manifest(int(previous)), MANIFEST_TTL_S)
+        pipe.set(keys.policy_version, manifest.version)
+        pipe.xadd(keys.weight_announcements, {"v": manifest.version}, maxlen=1000, approximate=True)
+        pipe.execute()
+
+    retry_while_unreachable(transaction, f"publishing the manifest of v{manifest.version}", timeout_s)
+
+
+async def get_ipc_version(client: aioredis.Redis, keys: RedisKeys, version: int) -> bytes | None:
+    """The encoded CudaIpcVersion of ``version`` (transport 'ipc'), or None once the trainer dropped it."""
+    return await client.get(keys.ipc_buckets(version))
 
 
 async def latest_version(client: aioredis.Redis, keys: RedisKeys) -> int:

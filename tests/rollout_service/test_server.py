@@ -461,6 +461,32 @@ def _publish_and_update(stub, redis_server, version: int, weights) -> None:
         publisher.close()
 
 
+def test_an_ipc_version_this_engine_cannot_open_arrives_over_tcp(server, model_dir, redis_server):
+    """transport 'ipc' announces device buckets by CUDA IPC handles; an engine that cannot open them (here: no GPU)
+    takes the same version over tcp, whole, instead of failing the update."""
+    from protos.records import CudaIpcBucket, CudaIpcVersion, encode
+    from weight_bus.sender import WeightSender
+
+    stub = server.stub
+    version = _info(stub).policy_version + 1
+    backend = TorchBackend(model_dir, TrainerConfig())
+    _perturb(backend, seed=7)
+    expected = _hf_greedy(backend.model, PROMPT, 8)
+    client = redis.Redis.from_url(redis_server.url)
+    keys = RedisKeys(RUN_ID)
+    record = CudaIpcVersion(version, "GPU-elsewhere", 1, [CudaIpcBucket(64, 0, b"\0" * 64, 64, 0, b"", 0, b"", False)])
+    client.set(keys.ipc_buckets(version), encode(record))
+    sender = WeightSender(client, keys, WeightBusConfig(), transport="ipc")  # the tcp side of an ipc publisher
+    try:
+        sender.publish(version, backend.export_hf_weights())
+        assert stub.UpdateWeights(pb.UpdateWeightsRequest(version=version), timeout=60).policy_version == version
+    finally:
+        sender.close()
+    _, samples = _generate(stub, max_tokens=8)
+    assert samples[0]["tokens"] == expected
+    assert "over tcp, not IPC: no CUDA device here" in open(server.log_path).read()
+
+
 @pytest.mark.parametrize("target_modules", [["linear_qkv", "linear_fc2"], ["linear_proj", "linear_fc1"]])
 def test_lora_update_of_the_adapted_layers_only_matches_the_merged_model(server, model_dir, redis_server,
                                                                           target_modules):

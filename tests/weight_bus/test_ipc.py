@@ -1,0 +1,63 @@
+"""The CUDA IPC transport's device-independent parts on CPU: reading tensors out of bucket tensors, the openability
+check, and the publisher's fallback to tcp without CUDA. The CUDA IPC round trip itself runs on the GPU machine
+(scripts/gpu_checks.py, section "weights")."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import redis
+import torch
+
+from protos.config import WeightBusConfig
+from protos.records import CudaIpcBucket, CudaIpcVersion, decode_ipc_version, encode
+from protos.redis_keys import RedisKeys
+from trainer_service.publisher import WeightPublisher
+from weight_bus import packing
+from weight_bus.ipc import iter_device_tensors, why_not_openable
+from weight_bus.sender import WeightSender
+
+
+def _named():
+    torch.manual_seed(0)
+    return [
+        ("model.layers.0.mlp.experts.0.up_proj.weight", torch.randn(64, 64, dtype=torch.bfloat16)),
+        ("model.layers.0.mlp.gate.weight", torch.randn(8, 64, dtype=torch.float32)),
+        ("model.norm.weight", torch.randn(64, dtype=torch.bfloat16)),
+    ]
+
+
+def test_tensors_read_from_bucket_tensors_equal_those_read_from_the_host_bytes():
+    for codec in (packing.RAW, packing.WireCodec("mxfp8")):
+        manifest, buckets = packing.pack(_named(), 1, 4096, codec=codec)
+        host = memoryview(b"".join(np.asarray(b).tobytes() for b in buckets))
+        as_tensors = [torch.from_numpy(np.asarray(b)) for b in buckets]  # what open_version gives, on the GPU
+        for dequantize_to in (None, torch.bfloat16):
+            from_host = list(packing.iter_tensors(manifest, host, dequantize_to))
+            from_buckets = list(iter_device_tensors(manifest, as_tensors, dequantize_to))
+            assert [n for n, _ in from_host] == [n for n, _ in from_buckets]
+            for (_, a), (_, b) in zip(from_host, from_buckets, strict=True):
+                assert a.dtype == b.dtype and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+def _record(pid: int) -> CudaIpcVersion:
+    bucket = CudaIpcBucket(64, 0, b"\x01" * 64, 64, 0, b"ref", 0, b"", False)
+    return CudaIpcVersion(3, "GPU-0000", pid, [bucket])
+
+
+def test_ipc_records_round_trip_and_are_refused_where_they_cannot_be_opened():
+    record = _record(os.getpid() + 1)
+    assert decode_ipc_version(encode(record)) == record
+    assert why_not_openable(record, torch.device("cpu")) == "no CUDA device here"
+
+
+def test_ipc_transport_without_cuda_at_the_trainer_publishes_over_tcp(redis_url):
+    client = redis.Redis.from_url(redis_url)
+    publisher = WeightPublisher(client, RedisKeys("ipc-cpu"), WeightBusConfig(transport="ipc"))
+    try:
+        assert isinstance(publisher.sender, WeightSender)
+        publisher.publish(1, _named())
+        assert client.get(RedisKeys("ipc-cpu").ipc_buckets(1)) is None  # no handles: receivers use tcp
+    finally:
+        publisher.close()

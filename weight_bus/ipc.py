@@ -1,0 +1,162 @@
+"""CUDA IPC transport of the weight bus: a trainer that shares its GPU with the rollout engine (colocated).
+
+Publisher, per version: pack every bucket on the GPU into device memory (MXFP8 quantized there, as for NCCL) ->
+copy the buckets to pinned host memory (checksums, the tcp hold for receivers that cannot open the handles, disk
+snapshots) -> the buckets' IPC handles into Redis (``RedisKeys.ipc_buckets``) -> the manifest (transport 'ipc'),
+which announces the version. Device buckets of the last ``IPC_KEEP_VERSIONS`` versions stay allocated; torch's
+IPC reference counting keeps an allocation alive while a consumer still holds it open.
+
+Receiver (inside the vLLM worker on the same GPU, ``open_version`` + ``iter_device_tensors``): every handle is
+opened before anything is written, so a failure leaves the engine as it was and the caller takes the tcp path for
+that version; then views of the device buckets go straight into the model (no staging file, no host copy).
+
+Where IPC is impossible (no CUDA at the trainer, another GPU, the producer's own process) the bytes travel over
+tcp as for ``transport=tcp``: the publisher degrades to ``WeightSender`` at start, a receiver per version.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Iterator
+
+import msgspec
+import redis
+import torch
+
+from protos.records import CudaIpcBucket, CudaIpcVersion, WeightManifest, encode
+from protos.redis_keys import RedisKeys
+from weight_bus import nccl_group as ng
+from weight_bus import packing, rendezvous
+from weight_bus.nccl_device import ChunkPacker, FlatHost, host_buffer
+from weight_bus.sender import PublishStats, WeightSender
+
+logger = logging.getLogger(__name__)
+
+IPC_KEEP_VERSIONS = 2  # device memory held by the trainer: the version being loaded and the one before it
+
+
+class IpcUnavailable(RuntimeError):
+    """A version's IPC buckets cannot be opened here; the version is received over tcp instead."""
+
+
+def device_uuid(device: torch.device) -> str:
+    return str(torch.cuda.get_device_properties(device).uuid)
+
+
+def share_bucket(bucket: torch.Tensor) -> CudaIpcBucket:
+    """The IPC handle of one uint8 device bucket (torch's own sharing protocol, without pickle)."""
+    from torch.multiprocessing.reductions import reduce_tensor
+
+    _, args = reduce_tensor(bucket)
+    (_cls, size, _stride, offset, _storage_cls, _dtype, _device, handle, storage_size_bytes, storage_offset_bytes,
+     _requires_grad, ref_counter_handle, ref_counter_offset, event_handle, event_sync_required) = args
+    return CudaIpcBucket(
+        int(size[0]), int(offset), bytes(handle), int(storage_size_bytes), int(storage_offset_bytes),
+        bytes(ref_counter_handle), int(ref_counter_offset), bytes(event_handle or b""), bool(event_sync_required),
+    )
+
+
+def why_not_openable(record: CudaIpcVersion, device: torch.device) -> str:
+    """'' when this process can open ``record``'s buckets on ``device``, else the reason it cannot."""
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return "no CUDA device here"
+    if record.producer_pid == os.getpid():
+        return "this is the producer's own process"
+    here = device_uuid(device)
+    if here != record.device_uuid:
+        return f"the buckets are on GPU {record.device_uuid}, this process is on {here}"
+    return ""
+
+
+def open_version(record: CudaIpcVersion, device: torch.device) -> list[torch.Tensor]:
+    """Open every bucket of ``record`` (uint8 device tensors); raises IpcUnavailable before returning any."""
+    from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+    reason = why_not_openable(record, device)
+    if reason:
+        raise IpcUnavailable(f"v{record.version}: {reason}")
+    buckets = []
+    try:
+        for bucket in record.buckets:
+            buckets.append(rebuild_cuda_tensor(
+                torch.Tensor, (bucket.nbytes,), (1,), bucket.storage_offset, torch.storage.TypedStorage,
+                torch.uint8, device.index if device.index is not None else torch.cuda.current_device(),
+                bucket.handle, bucket.storage_size_bytes, bucket.storage_offset_bytes, False,
+                bucket.ref_counter_handle, bucket.ref_counter_offset, bucket.event_handle or None,
+                bucket.event_sync_required,
+            ))
+    except RuntimeError as error:  # cudaIpcOpenMemHandle refused: the allocation is gone or not ours to map
+        raise IpcUnavailable(f"v{record.version}: opening bucket {len(buckets)} failed: {error}") from error
+    return buckets
+
+
+def iter_device_tensors(
+    manifest: WeightManifest, buckets: list[torch.Tensor], dequantize_to: torch.dtype | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """``packing.iter_tensors`` over device buckets: (name, tensor) views on the GPU, in manifest order."""
+    return packing.iter_entries(manifest, lambda entry: _device_view(entry, buckets[entry.bucket]), dequantize_to)
+
+
+def _device_view(entry, bucket: torch.Tensor) -> torch.Tensor:
+    dtype = packing.entry_dtype(entry)
+    return bucket[entry.offset : entry.offset + entry.nbytes].view(dtype).reshape(entry.shape)
+
+
+class IpcWeightPublisher:
+    """Trainer side of transport 'ipc'; the interface of ``WeightSender`` (``publish``, ``close``, ``tcp``)."""
+
+    def __init__(self, client: redis.Redis, keys: RedisKeys, config, device: torch.device | None = None):
+        self.client, self.keys, self.config = client, keys, config
+        self.fallback = WeightSender(client, keys, config, transport="ipc", recycle=False)
+        self.tcp = self.fallback.tcp
+        self.codec = self.fallback.codec
+        self.device = device or torch.device("cuda", torch.cuda.current_device())
+        self.uuid = device_uuid(self.device)
+        self.held: dict[int, list[torch.Tensor]] = {}  # version -> its device buckets
+
+    def publish(self, version: int, named_tensors) -> PublishStats:
+        started = time.monotonic()
+        named = list(named_tensors)
+        entries, sizes = packing.plan_layout(packing.encoded_metas(named, self.codec), self.fallback.bytes_per_bucket)
+        buckets = [torch.empty(size, dtype=torch.uint8, device=self.device) for size in sizes]
+        packer = ChunkPacker(named, self.codec, entries, self.device)
+        offset = 0
+        for index, (size, bucket) in enumerate(zip(sizes, buckets, strict=True)):
+            packer.pack(ng.Chunk(index, 0, size, offset), bucket)
+            offset += size
+        host = [host_buffer(size, self.device) for size in sizes]
+        for bucket, copy in zip(buckets, host, strict=True):
+            copy.copy_(bucket, non_blocking=True)
+        torch.cuda.current_stream(self.device).synchronize()
+        flat = FlatHost(host)
+        tensors = [msgspec.structs.replace(e, checksum=flat.crc32(e)) for e in entries]
+        manifest = WeightManifest(version, tensors, sizes, self.tcp.address, "ipc", time.time())
+        record = CudaIpcVersion(version, self.uuid, os.getpid(), [share_bucket(b) for b in buckets])
+        self._hold(version, buckets, record)
+        self.fallback.announce(manifest, [bucket.numpy() for bucket in host])
+        return PublishStats(version, time.monotonic() - started, len(entries), sum(sizes), len(sizes))
+
+    def _hold(self, version: int, buckets: list[torch.Tensor], record: CudaIpcVersion) -> None:
+        """Keep this version's device buckets and publish their handles (before the manifest announces it)."""
+        self.held[version] = buckets
+        rendezvous.retry_while_unreachable(
+            lambda: self.client.set(self.keys.ipc_buckets(version), encode(record), ex=rendezvous.MANIFEST_TTL_S),
+            f"storing the IPC handles of v{version}",
+        )
+        for old in sorted(self.held)[:-IPC_KEEP_VERSIONS]:
+            # Handles first: a receiver that reads none takes tcp instead of opening memory about to be reused.
+            rendezvous.retry_while_unreachable(
+                lambda old=old: self.client.delete(self.keys.ipc_buckets(old)), f"dropping the IPC handles of v{old}"
+            )
+            del self.held[old]
+
+    def close(self) -> None:
+        for version in list(self.held):
+            try:
+                self.client.delete(self.keys.ipc_buckets(version))
+            except redis.RedisError as error:  # expiring on their own; nothing is lost
+                logger.warning("weight bus (ipc): could not drop the handles of v%d: %s", version, error)
+        self.held.clear()
+        self.fallback.close()
