@@ -127,6 +127,8 @@ class VersionReport(msgspec.Struct, array_like=True, gc=False, frozen=True):
     status: ReportStatus
     message: str
     time_s: float
+    update_s: float = 0.0  # added in v2: seconds the last weight update took (receive + commit; 0 = none yet)
+    paused_s: float = 0.0  # added in v2: seconds generation was paused for that update's commit
 
 
 class MetricsReport(msgspec.Struct, array_like=True, gc=False, frozen=True):

@@ -73,7 +73,9 @@ async def run(args: argparse.Namespace) -> None:
 
         client = aioredis.Redis.from_url(args.redis_url, socket_timeout=30)
         keys = RedisKeys(args.run_id or run_config.run_id)
-        follower = WeightFollower(engine, client, keys, bus_config, f"{args.host}:{args.port}")
+        follower = WeightFollower(engine, client, keys, bus_config, f"{args.host}:{args.port}",
+                                  nccl_subscriber_factory=nccl_subscriber_factory(args.redis_url, keys, bus_config,
+                                                                                  engine.server_id))
     # 3) serve gRPC (health turns SERVING only now)
     servicer = RolloutServicer(engine, follower)
     server, port, health_servicer = await start_grpc_server(servicer, args.host, args.port)
@@ -88,26 +90,52 @@ async def run(args: argparse.Namespace) -> None:
     if follower is not None:
         follower.address = f"{args.host}:{port}"
         await follower.report()
+    broadcast_task = None
     if follower is not None and rollout_config.weight_updates == "follow":
         follow_task = asyncio.create_task(follower.run(stop), name="weight-follower")
+        if follower.nccl_subscriber_factory is not None:
+            broadcast_task = asyncio.create_task(follower.follow_broadcasts(stop), name="nccl-receiver")
     # 4) wait for a stop signal; a dead follower task or a dead engine stops the server with an error
     waiter = asyncio.create_task(stop.wait())
     watchdog = asyncio.create_task(watch_engine(engine, stop), name="engine-watchdog")
     done, _ = await asyncio.wait(
-        {t for t in (waiter, follow_task, watchdog) if t}, return_when=asyncio.FIRST_COMPLETED
+        {t for t in (waiter, follow_task, broadcast_task, watchdog) if t}, return_when=asyncio.FIRST_COMPLETED
     )
     # 5) graceful shutdown: NOT_SERVING, refuse new calls, give in-flight calls the grace period, stop the engine
     stop.set()
     logger.info("rollout server %s draining %d calls (grace %.1fs)", engine.server_id, servicer.inflight, args.grace_s)
     await drain_and_stop(server, servicer, health_servicer, args.grace_s)
-    if follow_task is not None and not follow_task.done():
-        await asyncio.wait_for(follow_task, timeout=5.0)  # it checks `stop` at least every second
+    for task in (follow_task, broadcast_task):
+        if task is not None and not task.done():
+            await asyncio.wait_for(task, timeout=10.0)  # each checks `stop` at least every second
     engine.shutdown()
     logger.info("rollout server %s stopped", engine.server_id)
     watchdog.cancel()
-    for task in (follow_task, watchdog):
+    for task in (follow_task, broadcast_task, watchdog):
         if task is not None and task in done and not task.cancelled() and task.exception():
             raise task.exception()
+
+
+def nccl_subscriber_factory(redis_url: str, keys: RedisKeys, config: WeightBusConfig, server_id: str):
+    """transport 'nccl': how this server joins the trainer's broadcast group (one rank on the engine's GPU);
+    None for the other transports. Refused without a GPU: NCCL has no CPU ranks."""
+    if config.transport != "nccl":
+        return None
+    import torch
+
+    if not torch.cuda.is_available():
+        raise ValueError("weight_bus.transport='nccl' needs a GPU in every rollout server (one NCCL rank each); "
+                         "use weight_bus.transport='tcp' on CPU machines")
+
+    def make():
+        import redis
+
+        from weight_bus.nccl import NcclWeightSubscriber
+
+        return NcclWeightSubscriber(redis.Redis.from_url(redis_url, socket_timeout=30), keys, config, server_id,
+                                    torch.device("cuda", torch.cuda.current_device()))
+
+    return make
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -62,13 +62,17 @@ class WeightFollower:
         keys: RedisKeys,
         config: WeightBusConfig,
         address: str,
+        nccl_subscriber_factory=None,
     ):
         self.engine = engine
+        # transport 'nccl': makes the NcclWeightSubscriber this server takes part in broadcasts with (None: tcp only)
+        self.nccl_subscriber_factory = nccl_subscriber_factory
         self.client = client
         self.keys = keys
         self.config = config
         self.address = address
-        self.last_update_s = 0.0
+        self.last_update_s = 0.0  # receive + commit of the last version (reported with the version)
+        self.last_paused_s = 0.0
         self.pending: PendingUpdate | None = None
         receiver.check_receive_mode(config.receive_mode, _serves_mxfp8(engine), _cuda_available())
         # The announcement follower and gRPC calls may race for the same version.
@@ -77,7 +81,7 @@ class WeightFollower:
     async def report(self, status: ReportStatus = ReportStatus.OK, message: str = "") -> None:
         await rendezvous.report_version(
             self.client, self.keys, self.engine.server_id, self.address,
-            self.engine.policy_version, status, message,
+            self.engine.policy_version, status, message, self.last_update_s, self.last_paused_s,
         )
 
     async def begin(self, version: int) -> PendingUpdate:
@@ -118,8 +122,7 @@ class WeightFollower:
             pending = pending or await self._begin_locked(target)
             if not pending.loaded:
                 await self._load_locked(pending)
-            paused_s = await self._commit_locked(pending)
-            self.last_update_s = time.monotonic() - started
+            paused_s = await self._commit_locked(pending, started)
             metrics.UPDATE_SECONDS.observe(self.last_update_s)
             logger.info(
                 "server %s policy_version=%d committed in %.2fs (paused %.2fs)",
@@ -173,7 +176,8 @@ class WeightFollower:
             raise
         pending.loaded = True
 
-    async def _commit_locked(self, pending: PendingUpdate) -> float:
+    async def _commit_locked(self, pending: PendingUpdate, started: float | None = None) -> float:
+        """Commit ``pending``; ``started`` (monotonic) is when its update began, for the reported duration."""
         try:
             try:
                 paused_s = await self.engine.commit_weights(
@@ -187,6 +191,9 @@ class WeightFollower:
         finally:
             self._drop_pending()
         metrics.UPDATE_PAUSE_SECONDS.observe(paused_s)
+        self.last_paused_s = paused_s
+        if started is not None:
+            self.last_update_s = time.monotonic() - started
         await self.report()
         return paused_s
 
@@ -208,20 +215,42 @@ class WeightFollower:
         self.pending = None
 
     def _receive(self, manifest: WeightManifest, path: str) -> None:
-        size = packing.total_nbytes(manifest)
-        with open(path, "wb+") as staging:
-            staging.truncate(size)
-            if size == 0:
+        with StagingFile(path) as staging:
+            view = staging.view(packing.total_nbytes(manifest))
+            if view is None:
                 return
-            with mmap.mmap(staging.fileno(), size) as buffer:
-                view = memoryview(buffer)
-                try:
-                    source = receiver.receive_into(
-                        manifest, view, self.config.fetch_timeout_s, self.config.snapshot_dir
-                    )
-                finally:
-                    view.release()
+            try:
+                source = receiver.receive_into(manifest, view, self.config.fetch_timeout_s, self.config.snapshot_dir)
+            finally:
+                view.release()
         logger.info("server %s received v%d from the %s", self.engine.server_id, manifest.version, source)
+
+    async def follow_broadcasts(self, stop: asyncio.Event, poll_s: float = 1.0) -> None:
+        """transport 'nccl': take part in every broadcast (one rank of the trainer's group) into this server's
+        staging file, then the same commit as a tcp version. A broadcast missed (joined late, failed, timed out)
+        is caught up over tcp by ``run``, which sees the announcement; whichever path is first commits it."""
+        subscriber = await asyncio.to_thread(self.nccl_subscriber_factory)
+        path = os.path.join(STAGING_DIR, f"fleetrl-{self.engine.server_id}-nccl")
+        try:
+            while not stop.is_set():
+                started = time.monotonic()
+                with StagingFile(path) as staging:
+                    try:
+                        manifest = await asyncio.to_thread(
+                            subscriber.receive, self.engine.policy_version, staging.view, poll_s
+                        )
+                    except TimeoutError:
+                        continue  # nothing broadcast meanwhile; look at stop, then listen again
+                    finally:
+                        staging.release()
+                async with self._lock:
+                    if manifest.version > self.engine.policy_version:
+                        self.pending = PendingUpdate(manifest.version, manifest, path, loaded=True)
+                        await self._commit_locked(self.pending, started)
+                        logger.info("server %s policy_version=%d committed from the nccl broadcast",
+                                    self.engine.server_id, manifest.version)
+        finally:
+            await asyncio.to_thread(subscriber.close)
 
     async def run(self, stop: asyncio.Event) -> None:
         """Catch up to the latest version, then follow announcements until ``stop`` is set.
@@ -256,6 +285,43 @@ class WeightFollower:
             # Stay on the old version and say so; the next announcement retries.
             logger.warning("server %s stays on v%d: %s", self.engine.server_id, self.engine.policy_version, error)
             await self.report(ReportStatus.STALE, str(error))
+
+
+class StagingFile:
+    """A file in shared memory that one version is received into, mapped while it is written.
+
+    ``view(nbytes)`` sizes and maps it (None for an empty version); the worker maps it again to load it.
+    """
+
+    def __init__(self, path: str):
+        self.path = path
+        self._file = None
+        self._map: mmap.mmap | None = None
+        self._views: list[memoryview] = []
+
+    def __enter__(self) -> StagingFile:
+        return self
+
+    def view(self, nbytes: int) -> memoryview | None:
+        self._file = open(self.path, "wb+")  # noqa: SIM115 - closed in __exit__
+        self._file.truncate(nbytes)
+        if nbytes == 0:
+            return None
+        self._map = mmap.mmap(self._file.fileno(), nbytes)
+        self._views.append(memoryview(self._map))
+        return self._views[-1]
+
+    def release(self) -> None:
+        for view in self._views:
+            view.release()
+        self._views.clear()
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+        if self._map is not None:
+            self._map.close()
+        if self._file is not None:
+            self._file.close()
 
 
 def _serves_mxfp8(engine: RolloutEngine) -> bool:

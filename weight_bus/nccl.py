@@ -234,22 +234,23 @@ class NcclWeightSubscriber:
             except redis.RedisError as error:  # Redis restarting: the next beat retries
                 logger.warning("weight bus (nccl): heartbeat of %s failed: %s", self.member_id, error)
 
-    def receive(self, min_version: int, into: memoryview, timeout_s: float) -> WeightManifest:
+    def receive(self, min_version: int, into, timeout_s: float) -> WeightManifest:
         """Receive the next version newer than ``min_version`` into host ``into``; verify; return its manifest.
 
-        Raises TimeoutError when none arrives within ``timeout_s`` (the caller then catches up over tcp)
-        and ChecksumError when the bytes do not match the manifest.
+        ``into`` is a buffer, or a callable ``into(nbytes) -> buffer`` asked once a round announces its size (a
+        rollout server stages each version in a file of that size). Raises TimeoutError when none arrives within
+        ``timeout_s`` (the caller then catches up over tcp) and ChecksumError when the bytes do not match.
         """
         self._receiving = True
         self._beat()
         try:
-            with memoryview(into).cast("B") as view:
-                return self._receive(min_version, view, timeout_s)
+            buffer_for = into if callable(into) else (lambda nbytes: into)
+            return self._receive(min_version, buffer_for, timeout_s)
         finally:
             self._receiving = False
 
-    def _receive(self, min_version: int, view: memoryview, timeout_s: float) -> WeightManifest:
-        deadline, received = time.monotonic() + timeout_s, None
+    def _receive(self, min_version: int, buffer_for, timeout_s: float) -> WeightManifest:
+        deadline, received, view = time.monotonic() + timeout_s, None, None
         while time.monotonic() < deadline:
             group = ng.read_group(self.client, self.nkeys)
             if group is not None and group.generation > self.generation and group.rank_of(self.member_id):
@@ -266,6 +267,7 @@ class NcclWeightSubscriber:
                 record = ng.read_round(self.client, self.nkeys)
                 if self.comm is not None and record is not None and record.generation == self.generation \
                         and record.version > min_version:
+                    view = memoryview(buffer_for(sum(record.bucket_nbytes))).cast("B")
                     if self._receive_round(record, view) is ng.Outcome.DONE:
                         received = record
                     continue

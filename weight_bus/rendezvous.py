@@ -117,9 +117,12 @@ async def report_version(
     policy_version: int,
     status: ReportStatus = ReportStatus.OK,
     message: str = "",
+    update_s: float = 0.0,
+    paused_s: float = 0.0,
 ) -> None:
-    """Rollout side: record which version this server serves (the coordinator's fleet view)."""
-    report = VersionReport(server_id, address, policy_version, status, message, time.time())
+    """Rollout side: record which version this server serves (the coordinator's fleet view) and what its last
+    weight update cost."""
+    report = VersionReport(server_id, address, policy_version, status, message, time.time(), update_s, paused_s)
     await client.hset(keys.fleet, server_id, encode(report))
 
 

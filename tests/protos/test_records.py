@@ -79,7 +79,8 @@ def _manifest() -> WeightManifest:
 
 
 def _report() -> VersionReport:
-    return VersionReport("rollout-0", "127.0.0.1:7000", 5, ReportStatus.STALE, "fetch timed out", 1700000002.0)
+    return VersionReport("rollout-0", "127.0.0.1:7000", 5, ReportStatus.STALE, "fetch timed out", 1700000002.0,
+                         update_s=1.5, paused_s=0.25)
 
 
 def _metrics() -> MetricsReport:
@@ -99,10 +100,12 @@ MANIFEST_HEX = (
     "6d5f686561642e776569676874a862666c6f617431369102a372617701400401922044ae3132372e302e302e313a353535"
     "35a3746370cb41d954fc40500000"
 )
-REPORT_HEX = (
+# Written before ``update_s`` and ``paused_s`` were appended (v1): still decodes, with their defaults.
+REPORT_V1_HEX = (
     "96a9726f6c6c6f75742d30ae3132372e302e302e313a373030300501af66657463682074696d6564206f7574cb41d954fc"
     "40800000"
 )
+REPORT_HEX = REPORT_V1_HEX.replace("96a9", "98a9", 1) + "cb3ff8000000000000cb3fd0000000000000"
 METRICS_HEX = (
     "95a7747261696e65720a05cb41d954fc40e0000082a46c6f7373cb3fe0000000000000ab7265776172645f6d65616ecb3f"
     "e8000000000000"
@@ -135,6 +138,8 @@ def test_golden_bytes_decode_to_the_same_records():
     assert older == msgspec.structs.replace(_group(), sampling_temperature=-1.0)
     assert decode_manifest(bytes.fromhex(MANIFEST_HEX)) == _manifest()
     assert decode_report(bytes.fromhex(REPORT_HEX)) == _report()
+    older = decode_report(bytes.fromhex(REPORT_V1_HEX))
+    assert older == msgspec.structs.replace(_report(), update_s=0.0, paused_s=0.0)
     assert decode_metrics(bytes.fromhex(METRICS_HEX)) == _metrics()
 
 
@@ -210,8 +215,8 @@ def test_array_from_big_endian_numpy_decodes_to_the_same_values():
 # schema evolution (append-only records)
 
 
-class _VersionReportV2(msgspec.Struct, array_like=True, frozen=True):
-    """VersionReport as a future writer would send it: one trailing field with a default."""
+class _VersionReportV3(msgspec.Struct, array_like=True, frozen=True):
+    """VersionReport as a future writer would send it: one more trailing field with a default."""
 
     server_id: str
     address: str
@@ -219,12 +224,14 @@ class _VersionReportV2(msgspec.Struct, array_like=True, frozen=True):
     status: ReportStatus
     message: str
     time_s: float
-    queue_len: int = 0  # added in v2
+    update_s: float = 0.0
+    paused_s: float = 0.0
+    queue_len: int = 0  # added in v3
 
 
 def test_old_reader_ignores_a_trailing_field_from_a_new_writer():
-    data = encode(_VersionReportV2("rollout-3", "10.0.0.1:9", 8, ReportStatus.OK, "", 12.5, queue_len=42))
-    assert decode_report(data) == VersionReport("rollout-3", "10.0.0.1:9", 8, ReportStatus.OK, "", 12.5)
+    data = encode(_VersionReportV3("rollout-3", "10.0.0.1:9", 8, ReportStatus.OK, "", 12.5, 2.0, queue_len=42))
+    assert decode_report(data) == VersionReport("rollout-3", "10.0.0.1:9", 8, ReportStatus.OK, "", 12.5, 2.0)
 
 
 class _SampleV1(msgspec.Struct, array_like=True, frozen=True):

@@ -1,8 +1,11 @@
-"""The vLLM adapter: both code paths (engine features of 0.32, fleetrl's fallbacks for 0.26) on one real CPU engine.
+"""RolloutEngine in process on one real CPU engine: the vLLM adapter's two code paths, and the nccl transport.
 
 vLLM 0.26 (the GPU machines') has no weight-version spans and no per-request stream interval; fleetrl computes the
 spans itself and re-chunks the stream. Here the fallbacks run on the 0.32 CPU engine (features switched off), while
 the engine still keeps its own spans, so every sample is checked against vLLM's own answer in the same run.
+
+The nccl transport: a WeightFollower takes part in the trainer's broadcasts and commits what arrives, with NCCL
+replaced by the protocol tests' in-process loopback (real NCCL needs one GPU per rank).
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ import asyncio
 import dataclasses
 import itertools
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -194,3 +198,57 @@ def test_a_request_added_during_a_commit_is_labelled_with_the_new_version(engine
     finally:
         engine.features = native
     assert late[0]["final"].version_spans == [(version, 0, 8)]
+
+
+# -- weights over the nccl transport ------------------------------------------------------------------------
+
+
+def test_a_follower_on_the_nccl_transport_commits_each_broadcast_version(engine_on_loop, tmp_path, redis_url):
+    import redis
+    import redis.asyncio as aioredis
+    import torch
+
+    from protos.config import WeightBusConfig
+    from protos.redis_keys import RedisKeys
+    from rollout_service.weight_sync import WeightFollower
+    from tests.weight_bus.test_nccl_protocol import LoopbackNccl
+    from weight_bus.nccl import NcclWeightPublisher, NcclWeightSubscriber
+
+    engine, loop, model, native = engine_on_loop
+    keys, hub, cpu = RedisKeys("nccl-follower"), LoopbackNccl(), torch.device("cpu")
+    config = WeightBusConfig(transport="nccl", bucket_mib=0.05, send_timeout_s=5.0, group_timeout_s=10.0,
+                             heartbeat_timeout_s=3.0)
+    sync_client = redis.Redis.from_url(redis_url)
+
+    def subscriber():
+        return NcclWeightSubscriber(redis.Redis.from_url(redis_url), keys, config, "server-0", cpu, hub.comm)
+
+    follower = WeightFollower(engine, aioredis.Redis.from_url(redis_url), keys, config, "127.0.0.1:0",
+                              nccl_subscriber_factory=subscriber)
+    publisher = NcclWeightPublisher(sync_client, keys, config, cpu, comm_factory=hub.comm,
+                                    unique_id_factory=hub.unique_id)
+    backend = TorchBackend(model, TrainerConfig())
+    stop = asyncio.Event()
+    receiving = asyncio.run_coroutine_threadsafe(follower.follow_broadcasts(stop, poll_s=0.2), loop.loop)
+    try:
+        deadline = time.monotonic() + 30
+        while not sync_client.hlen(keys.nccl_members):  # the server's heartbeat: it is a member now
+            assert time.monotonic() < deadline, "the follower never joined"
+            time.sleep(0.05)
+        for step in (1, 2):
+            version = engine.policy_version + 1
+            with torch.no_grad():
+                for param in backend.model.parameters():
+                    param.add_(0.01 * step)
+            before = loop.run(engine.state_checksum())
+            publisher.publish(version, backend.export_hf_weights())
+            deadline = time.monotonic() + 60
+            while engine.policy_version != version:
+                assert time.monotonic() < deadline, f"v{version} was not committed from the broadcast"
+                time.sleep(0.05)
+            assert loop.run(engine.state_checksum()) != before
+        assert hub.num_ids >= 1  # a group was formed: the bytes went through the broadcast, not tcp
+    finally:
+        loop.loop.call_soon_threadsafe(stop.set)
+        receiving.result(30)
+        publisher.close()
