@@ -46,6 +46,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--stream-interval", type=int, default=16,
                         help="tokens per streamed chunk, per request on both sides (the coordinator asks 16)")
     parser.add_argument("--model", default="", help="checkpoint; default: a random tiny MoE built in a temp dir")
+    parser.add_argument("overrides", nargs="*", help="rollout.* config overrides for both engines (GPU: "
+                        "rollout.dtype=bfloat16 rollout.gpu_memory_utilization=0.4 ...)")
     return parser.parse_args()
 
 
@@ -102,7 +104,7 @@ async def start_server(model: str, args: argparse.Namespace, log_path: Path):
     port = free_port()
     process = subprocess.Popen(
         [sys.executable, "-m", "rollout_service", "serve", "--model", model, "--port", str(port),
-         f"rollout.max_inflight_requests={max(256, args.requests)}"],
+         f"rollout.max_inflight_requests={max(256, args.requests)}", *args.overrides],
         stdout=open(log_path, "wb"), stderr=subprocess.STDOUT, start_new_session=True,
     )
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
@@ -155,13 +157,15 @@ def cpu_split(server_pid: int) -> dict[str, float]:
 
 async def main_async(args: argparse.Namespace) -> dict:
     from modeling.tiny_model import init_tiny
-    from protos.config import RolloutConfig
     from rollout_service.engine import RolloutEngine
 
     workdir = Path(tempfile.mkdtemp(prefix="fleetrl-bench-"))
     model = args.model or str(init_tiny(workdir / "tiny"))
     process, channel, stub = await start_server(model, args, workdir / "server.log")
-    engine = RolloutEngine(model, RolloutConfig(max_inflight_requests=1024))
+    from protos.config import load_run_config
+
+    config = load_run_config(None, [*args.overrides, "rollout.max_inflight_requests=1024"]).rollout
+    engine = RolloutEngine(model, config)
     await engine.start()
     expected = args.requests * args.n * args.max_tokens
     results: dict[str, list[float]] = {"inproc": [], "grpc": []}

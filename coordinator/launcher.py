@@ -43,10 +43,15 @@ def tiny_model_dir(family: str = "qwen3-moe", warmup_steps: int = WARMUP_STEPS) 
 
         sources = [Path(tiny_model.__file__)] + sorted(Path(builder.__file__).parent.glob("*.py"))
         build = builder.init_tiny_beam
+    elif family == "qwen3-moe-1b":
+        sources = [Path(tiny_model.__file__)]
+
+        def build(path, warmup_steps):  # a lower warm-up lr than the tiny model's: 0.94 B parameters
+            return tiny_model.init_tiny(path, warmup_steps=warmup_steps, warmup_lr=1e-3, **tiny_model.GPU_DEMO_CONFIG)
     else:
         sources, build = [Path(tiny_model.__file__)], tiny_model.init_tiny
     digest = hashlib.sha256(b"".join(p.read_bytes() for p in sources) + str(warmup_steps).encode()).hexdigest()[:12]
-    prefix = "tiny-beam-echo" if family == "beam" else "tiny-echo"
+    prefix = {"beam": "tiny-beam-echo", "qwen3-moe-1b": "gpu-demo-1b-echo"}.get(family, "tiny-echo")
     cache = Path(os.environ.get("FLEETRL_CACHE", Path.home() / ".cache" / "fleetrl")) / f"{prefix}-{digest}"
     if not (cache / "config.json").exists():
         partial = cache.with_suffix(".partial")
@@ -72,6 +77,24 @@ def trainer_command(config: RunConfig) -> list[str]:
             "-m", "trainer_service", "train"]
 
 
+def check_gpu_layout(config: RunConfig, num_gpus: int) -> None:
+    """Refuse, before any process starts, a weight transport this machine's GPUs cannot carry.
+
+    ``nccl`` broadcasts from the trainer's GPU to every rollout GPU, one rank per GPU: on one machine it needs a
+    GPU for each trainer rank and each rollout rank. ``ipc`` needs the trainer and the engine on one GPU.
+    """
+    transport = config.weight_bus.transport
+    rollout = config.rollout
+    rollout_gpus = rollout.num_servers * rollout.tensor_parallel_size * rollout.pipeline_parallel_size
+    trainer_gpus = config.trainer.num_processes
+    if transport == "nccl" and num_gpus < trainer_gpus + rollout_gpus:
+        raise ValueError(
+            f"weight_bus.transport='nccl' needs one GPU per rank: {trainer_gpus} trainer + {rollout_gpus} rollout "
+            f"GPUs, this machine has {num_gpus}. On one GPU use weight_bus.transport='ipc' (trainer and engine "
+            "share it) or 'tcp'; the nccl broadcast runs on multi-GPU machines (deploy/)"
+        )
+
+
 class DemoLauncher:
     def __init__(self, config: RunConfig, out_dir: Path):
         self.config = config
@@ -80,6 +103,7 @@ class DemoLauncher:
         self.children: dict[str, subprocess.Popen] = {}
         self.redis_server: EmbeddedRedis | None = None
         self.started = time.monotonic()
+        self.rollout_rates: list[float] = []  # the coordinator's tokens/s reports (summary median)
 
     # process management --------------------------------------------------------------------
     def spawn(self, name: str, args: list[str], env: dict[str, str] | None = None) -> None:
@@ -119,6 +143,7 @@ class DemoLauncher:
     # the run -------------------------------------------------------------------------------
     def start(self) -> str:
         trainer = trainer_command(self.config)  # refuses a layout this launcher cannot start, before any child
+        check_gpu_layout(self.config, _num_gpus())
         (self.out_dir / "logs").mkdir(parents=True, exist_ok=True)
         redis_url = self.config.redis_url or os.environ.get("REDIS_URL", "")
         if not redis_url:
@@ -179,6 +204,7 @@ class DemoLauncher:
                     report = decode_metrics(fields[b"m"])
                     if report.role == "coordinator":  # periodic figures, and eval rounds (eval/...)
                         coordinator_last = {**coordinator_last, **report.values}
+                        self.rollout_rates.append(report.values.get("tokens_per_s", 0.0))
                     elif report.values.get("done"):
                         done = True
                     else:
@@ -209,9 +235,16 @@ class DemoLauncher:
             f"| reward {step['reward_mean']:.3f} | staleness max {step['staleness_max']:.0f} "
             f"(bound {self.config.coordinator.max_staleness}) | rollout {coordinator.get('tokens_per_s', 0):7.0f} tok/s "
             f"| masked {step.get('geo_mask_masked_ratio', 0):.2f} |dlogp| {step.get('mean_abs_logprob_diff', 0):.3f} "
-            f"| queue {step['queue_depth']:.0f} | servers at {versions} | {time.monotonic() - self.started:5.0f}s",
+            f"| queue {step['queue_depth']:.0f} | servers at {versions}{_replay_figures(step)} "
+            f"| {time.monotonic() - self.started:5.0f}s",
             flush=True,
         )
+
+    def speed_summary(self, client: redis.Redis, steps: list[dict]) -> dict:
+        from protos.records import decode_report
+
+        reports = [decode_report(v) for v in client.hgetall(self.keys.fleet).values()]
+        return _speed_figures(steps, self.rollout_rates, reports)
 
     def fleet_versions(self, client: redis.Redis) -> dict[str, int]:
         from protos.records import decode_report
@@ -247,9 +280,46 @@ class DemoLauncher:
             # ~0 at max_staleness 0 unless the weights the servers run differ from the trainer's.
             "max_abs_logprob_diff": max((s.get("mean_abs_logprob_diff", 0.0) for s in steps), default=0.0),
             "eval": {k: v for k, v in coordinator.items() if k.startswith("eval/")},
+            **self.speed_summary(client, steps),
             "rewards": rewards,
             "wall_s": time.monotonic() - self.started,
         }
+
+
+def _speed_figures(steps: list[dict], rollout_rates: list[float], reports) -> dict:
+    """Medians of the run's speed figures (steps after the first, which pays start-up costs)."""
+    later = steps[1:] or steps
+    r3 = [s["on_policy_abs_logprob_diff_r3"] for s in steps if "on_policy_abs_logprob_diff_r3" in s]
+    natural = [s["on_policy_abs_logprob_diff_natural"] for s in steps if "on_policy_abs_logprob_diff_natural" in s]
+    return {
+        "rollout_tokens_per_s": _median([rate for rate in rollout_rates if rate > 0]),
+        "train_s_per_step": _median([s.get("train_s", 0.0) for s in later]),
+        "step_s": _median([s.get("step_s", 0.0) for s in later]),
+        "publish_s": _median([s.get("publish_s", 0.0) for s in later]),
+        "weight_update_s": max((r.update_s for r in reports), default=0.0),
+        "weight_update_paused_s": max((r.paused_s for r in reports), default=0.0),
+        "on_policy_abs_logprob_diff_r3": sum(r3) / len(r3) if r3 else None,
+        "on_policy_abs_logprob_diff_natural": sum(natural) / len(natural) if natural else None,
+    }
+
+
+def _replay_figures(step: dict) -> str:
+    if "on_policy_abs_logprob_diff_r3" not in step:
+        return ""
+    return (f" | on-policy |dlogp| R3 {step['on_policy_abs_logprob_diff_r3']:.4f} "
+            f"natural {step['on_policy_abs_logprob_diff_natural']:.4f}")
+
+
+def _num_gpus() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def _median(values: list[float]) -> float:
+    import statistics
+
+    return statistics.median(values) if values else 0.0
 
 
 def run_demo(config: RunConfig, out_dir: Path) -> dict:

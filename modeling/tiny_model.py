@@ -41,7 +41,10 @@ def build_tokenizer():
     return tokenizer
 
 
-def tiny_config(num_layers: int = 2, hidden_size: int = 64, num_experts: int = 8, top_k: int = 2):
+def tiny_config(
+    num_layers: int = 2, hidden_size: int = 64, num_experts: int = 8, top_k: int = 2, num_heads: int = 2,
+    num_kv_heads: int = 1, head_dim: int = 32, moe_intermediate_size: int | None = None, dtype: str = "float32",
+):
     """The Qwen3-MoE config of the tiny model (64-token vocabulary, untied LM head)."""
     from transformers import Qwen3MoeConfig
 
@@ -49,11 +52,11 @@ def tiny_config(num_layers: int = 2, hidden_size: int = 64, num_experts: int = 8
         vocab_size=64,
         hidden_size=hidden_size,
         intermediate_size=2 * hidden_size,
-        moe_intermediate_size=hidden_size,
+        moe_intermediate_size=moe_intermediate_size or hidden_size,
         num_hidden_layers=num_layers,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=32,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        head_dim=head_dim,
         num_experts=num_experts,
         num_experts_per_tok=top_k,
         norm_topk_prob=True,
@@ -62,8 +65,17 @@ def tiny_config(num_layers: int = 2, hidden_size: int = 64, num_experts: int = 8
         bos_token_id=BOS_ID,
         eos_token_id=EOS_ID,
         pad_token_id=PAD_ID,
-        torch_dtype="float32",
+        torch_dtype=dtype,
     )
+
+
+# The GPU demo's model (``tiny_model: qwen3-moe-1b``): the same vocabulary and task, 0.94 B parameters (12 layers,
+# hidden 1024, 48 experts top-4 of FFN 512, GQA 8/2 x 128), stored in bf16: large enough that the H200 runs real
+# kernels (FlashAttention, fused MoE, CUDA graphs) and R3 has routing to replay.
+GPU_DEMO_CONFIG = dict(
+    num_layers=12, hidden_size=1024, num_experts=48, top_k=4, num_heads=8, num_kv_heads=2, head_dim=128,
+    moe_intermediate_size=512, dtype="bfloat16",
+)
 
 
 def echo_corpus(num_rows: int, echo_prob: float, generator, num_digits: int = 3, response_len: int = 8):
@@ -84,14 +96,16 @@ def echo_corpus(num_rows: int, echo_prob: float, generator, num_digits: int = 3,
 
 
 def warmup_echo(model, num_steps: int, echo_prob: float = 0.3, lr: float = 1e-2, seed: int = 0) -> float:
-    """Short supervised warm-up on the noisy echo corpus; returns the last loss."""
+    """Short supervised warm-up on the noisy echo corpus (on the model's device); returns the last loss."""
     import torch
 
     generator = torch.Generator().manual_seed(seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
     loss = torch.tensor(float("nan"))
+    device = next(model.parameters()).device
     for _ in range(num_steps):
         rows, prompt_len = echo_corpus(64, echo_prob, generator)
+        rows = rows.to(device)
         logits = model(input_ids=rows, use_cache=False).logits[:, prompt_len - 1 : -1]
         loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), rows[:, prompt_len:].reshape(-1))
         optimizer.zero_grad()
@@ -100,11 +114,14 @@ def warmup_echo(model, num_steps: int, echo_prob: float = 0.3, lr: float = 1e-2,
     return float(loss)
 
 
-def init_tiny(path: str | Path, seed: int = 0, warmup_steps: int = 0, **config_overrides) -> Path:
+def init_tiny(
+    path: str | Path, seed: int = 0, warmup_steps: int = 0, warmup_lr: float = 1e-2, **config_overrides
+) -> Path:
     """Write the tiny MoE checkpoint and its tokenizer into `path`; returns the path.
 
     ``warmup_steps > 0`` first fits the random model briefly to the noisy echo corpus (see
-    ``echo_corpus``) so that the demo's RL starts from partial skill instead of from scratch.
+    ``echo_corpus``) so that the demo's RL starts from partial skill instead of from scratch; on a GPU when
+    there is one (fp32 there too), then stored in the config's dtype.
     """
     import torch
     from transformers import AutoModelForCausalLM
@@ -112,9 +129,12 @@ def init_tiny(path: str | Path, seed: int = 0, warmup_steps: int = 0, **config_o
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(tiny_config(**config_overrides), dtype=torch.float32)
+    config = tiny_config(**config_overrides)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     if warmup_steps:
-        warmup_echo(model, warmup_steps, seed=seed)
+        model.to("cuda" if torch.cuda.is_available() else "cpu")
+        warmup_echo(model, warmup_steps, lr=warmup_lr, seed=seed)
+    model = model.to("cpu", dtype=getattr(torch, config_overrides.get("dtype", "float32")))
     return save_tiny_checkpoint(model, path)
 
 

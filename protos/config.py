@@ -398,8 +398,9 @@ class RunConfig(_Strict):
 
     run_id: str = Field("demo", description="Namespace of the run's Redis keys.")
     model_path: str = Field("", description="HF checkpoint directory; '' = build (and cache) the demo's tiny model.")
-    tiny_model: Literal["qwen3-moe", "beam"] = Field(
-        "qwen3-moe", description="Which tiny model the demo builds when model_path is '': a Qwen3-MoE or a Beam."
+    tiny_model: Literal["qwen3-moe", "beam", "qwen3-moe-1b"] = Field(
+        "qwen3-moe", description="Which model the demo builds when model_path is '': the tiny Qwen3-MoE, the tiny "
+        "Beam, or the GPU demo's 0.94 B Qwen3-MoE (bf16; warmed up on the GPU). All have the echo vocabulary.",
     )
     redis_url: str = Field("", description="Redis URL; '' = start an embedded valkey server.")
     out_dir: str = Field("", description="Run directory (logs, summary.json, checkpoints).")

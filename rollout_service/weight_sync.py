@@ -46,6 +46,7 @@ class PendingUpdate:
     path: str
     loaded: bool = False
     ipc_record: bytes | None = None  # transport 'ipc': the trainer's device buckets, opened by the engine itself
+    source: str = ""  # where its bytes come from: ipc | publisher | snapshot | nccl
 
 
 class WeightFollower:
@@ -73,6 +74,7 @@ class WeightFollower:
         self.address = address
         self.last_update_s = 0.0  # receive + commit of the last version (reported with the version)
         self.last_paused_s = 0.0
+        self.last_source = ""  # where the last committed version came from: ipc | publisher | snapshot | nccl
         self.pending: PendingUpdate | None = None
         receiver.check_receive_mode(config.receive_mode, _serves_mxfp8(engine), _cuda_available())
         # The announcement follower and gRPC calls may race for the same version.
@@ -167,10 +169,10 @@ class WeightFollower:
 
     async def _load_locked(self, pending: PendingUpdate) -> None:
         if pending.ipc_record is not None:  # the engine reads the trainer's device buckets at commit
-            pending.loaded = True
+            pending.loaded, pending.source = True, "ipc"
             return
         try:
-            await asyncio.to_thread(self._receive, pending.manifest, pending.path)
+            pending.source = await asyncio.to_thread(self._receive, pending.manifest, pending.path)
         except BaseException:
             self._drop_pending()  # a half-received version is never committed
             raise
@@ -191,7 +193,7 @@ class WeightFollower:
         finally:
             self._drop_pending()
         metrics.UPDATE_PAUSE_SECONDS.observe(paused_s)
-        self.last_paused_s = paused_s
+        self.last_paused_s, self.last_source = paused_s, pending.source
         if started is not None:
             self.last_update_s = time.monotonic() - started
         await self.report()
@@ -214,16 +216,18 @@ class WeightFollower:
             os.unlink(self.pending.path)
         self.pending = None
 
-    def _receive(self, manifest: WeightManifest, path: str) -> None:
+    def _receive(self, manifest: WeightManifest, path: str) -> str:
+        """Receive ``manifest``'s bytes into the staging file at ``path``; returns where they came from."""
         with StagingFile(path) as staging:
             view = staging.view(packing.total_nbytes(manifest))
             if view is None:
-                return
+                return "publisher"
             try:
                 source = receiver.receive_into(manifest, view, self.config.fetch_timeout_s, self.config.snapshot_dir)
             finally:
                 view.release()
         logger.info("server %s received v%d from the %s", self.engine.server_id, manifest.version, source)
+        return source
 
     async def follow_broadcasts(self, stop: asyncio.Event, poll_s: float = 1.0) -> None:
         """transport 'nccl': take part in every broadcast (one rank of the trainer's group) into this server's
@@ -245,7 +249,7 @@ class WeightFollower:
                         staging.release()
                 async with self._lock:
                     if manifest.version > self.engine.policy_version:
-                        self.pending = PendingUpdate(manifest.version, manifest, path, loaded=True)
+                        self.pending = PendingUpdate(manifest.version, manifest, path, loaded=True, source="nccl")
                         await self._commit_locked(self.pending, started)
                         logger.info("server %s policy_version=%d committed from the nccl broadcast",
                                     self.engine.server_id, manifest.version)

@@ -459,7 +459,9 @@ class MegatronBackend:
     def export_hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Yield (name, tensor) in the HF checkpoint layout (experts per expert); every rank must iterate."""
         # Plain tuples, as TorchBackend yields (the bridge yields its own named tuple type).
-        exported = self.bridge.export_hf_weights(self.model, cpu=True, show_progress=False)
+        # On a GPU the tensors stay there: the ipc and nccl transports pack (and MXFP8-quantize) them on the device,
+        # the tcp one copies each to the host itself.
+        exported = self.bridge.export_hf_weights(self.model, cpu=self.device.type == "cpu", show_progress=False)
         # LoRA: adapters merged by the bridge; only the adapted layers are published (every rank still iterates).
         yield from lora.published(((name, tensor) for name, tensor in exported), self.config.lora)
 
