@@ -136,3 +136,9 @@ class WeightLoaderExtension:
         """Sum of all parameters: a cheap fingerprint tests use to see that weights changed."""
         model = self.model_runner.get_model()
         return float(sum(p.detach().double().sum().item() for p in model.parameters()))
+
+    def fleetrl_param_sums(self) -> dict[str, float]:
+        """fp64 sum of each parameter by vLLM's name (fused ones included): the GPU checks compare them with the
+        trainer's tensors. On CPU vLLM repacks linear weights into kernel buffers, whose parameters then read 0."""
+        model = self.model_runner.get_model()
+        return {name: float(param.detach().double().sum().item()) for name, param in model.named_parameters()}

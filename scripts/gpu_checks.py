@@ -204,16 +204,51 @@ def megatron_trainer(model_dir: str):
     return backend, Trainer(backend, max_staleness=1, measure_replay_mismatch=True)
 
 
-def expected_checksum(named_tensors, codec) -> float:
-    """Sum (fp64) of what the engine should hold: the tensors as sent, MXFP8 ones decoded as the worker does."""
+# (substring of a parameter name, group): vLLM fuses q/k/v and the experts' gate/up, so sums are compared per
+# (layer, group) on both sides; the first match wins.
+_GROUPS = (("q_norm", "qk_norm"), ("k_norm", "qk_norm"), ("q_proj", "attn_in"), ("k_proj", "attn_in"),
+           ("v_proj", "attn_in"), ("qkv_proj", "attn_in"), ("o_proj", "attn_out"), ("w13", "experts_in"),
+           ("gate_up", "experts_in"), ("experts", None), ("mlp.gate.", "router"), ("input_layernorm", "norm_in"),
+           ("post_attention_layernorm", "norm_post"), ("embed_tokens", "embed"), ("lm_head", "lm_head"),
+           ("model.norm", "norm"))
+
+
+def weight_group(name: str) -> str:
+    import re
+
+    layer = re.search(r"layers\.(\d+)\.", name)
+    group = next((g for key, g in _GROUPS if key in name), "other")
+    if group is None:  # per-expert HF names: gate_proj / up_proj in, down_proj out; vLLM's w2 is out
+        group = "experts_in" if ("gate_proj" in name or "up_proj" in name) else "experts_out"
+    return f"{layer.group(1) if layer else '-'}:{group}"
+
+
+def grouped_sums(sums: dict[str, float]) -> dict[str, float]:
+    grouped: dict[str, float] = {}
+    for name, value in sums.items():
+        key = weight_group(name)
+        grouped[key] = grouped.get(key, 0.0) + value
+    return grouped
+
+
+def expected_sums(named_tensors, codec) -> dict[str, float]:
+    """Per-group fp64 sums of what the engine should hold: the tensors as sent, MXFP8 ones decoded as the worker."""
     from weight_bus.codecs import mxfp8
 
-    total = 0.0
+    sums = {}
     for name, tensor in named_tensors:
         if codec.quantizes(name, tensor):
             tensor = mxfp8.dequantize(*mxfp8.quantize(tensor), tensor.dtype)
-        total += float(tensor.double().sum())
-    return total
+        sums[name] = float(tensor.double().sum())
+    return grouped_sums(sums)
+
+
+async def served_equals(engine, expected: dict[str, float]) -> dict:
+    """Compare the engine's parameters with the expected sums, group by group."""
+    served = grouped_sums((await engine.llm.collective_rpc("fleetrl_param_sums"))[0])
+    unequal = {key: [served.get(key), value] for key, value in expected.items()
+               if abs(served.get(key, float("nan")) - value) > 1e-6 * max(1.0, abs(value))}
+    return {"groups": len(expected), "unequal": dict(list(unequal.items())[:8]), "equal": not unequal}
 
 
 def device_copy_s(nbytes: int) -> float:
@@ -255,16 +290,15 @@ async def update_engine(engine, backend, version: int, bus, keys, redis_url: str
         nbytes = publisher.last_stats.num_bytes
     finally:
         publisher.close()
-    expected = expected_checksum(backend.export_hf_weights(), packing.WireCodec.from_config(bus))
-    served = await engine.state_checksum()
+    comparison = await served_equals(engine, expected_sums(backend.export_hf_weights(),
+                                                           packing.WireCodec.from_config(bus)))
     copy_s = device_copy_s(nbytes)
     result[label] = {
         "version": engine.policy_version, "source": follower.last_source, "bytes": nbytes,
         "publish_s": round(publish_s, 3), "load_s": round(load_s, 3), "paused_s": round(follower.last_paused_s, 3),
         "GBps": round(nbytes / (publish_s + load_s) / 1e9, 2), "device_copy_s": round(copy_s, 5),
         "device_copy_GBps": round(nbytes / copy_s / 1e9, 1), "ratio_to_device_copy": round(copy_s / (publish_s + load_s), 4),
-        "checksum_served": served, "checksum_expected": expected,
-        "equal": abs(served - expected) <= 1e-6 * max(1.0, abs(expected)),
+        "weights_equal_trainer": comparison,
     }
 
 
