@@ -111,6 +111,13 @@ def _error_types() -> tuple[tuple[type[BaseException], ...], tuple[type[BaseExce
         return (ValueError,), (EngineDeadError, EngineGenerateError)
 
 
+def serves_mxfp8_checkpoint(quantization) -> bool:
+    """Whether vLLM's quantization name is an MXFP8 checkpoint's ('modelopt_mxfp8', compressed-tensors MXFP8): it
+    loads (q, scale) pairs. Plain 'mxfp8' is the online method, which takes high-precision weights."""
+    name = str(quantization or "").lower()
+    return "mxfp8" in name and name != "mxfp8"
+
+
 def moe_factory():
     """vLLM's MoE layer factory: ``FusedMoEFactory`` (0.32) is ``FusedMoE`` (0.26), with the same arguments."""
     from vllm.model_executor.layers import fused_moe

@@ -25,6 +25,7 @@ from protos.records import ReportStatus, WeightManifest, encode
 from protos.redis_keys import RedisKeys
 from rollout_service import metrics
 from rollout_service.engine import RolloutEngine
+from rollout_service.vllm_adapter import serves_mxfp8_checkpoint
 from weight_bus import packing, receiver, rendezvous, tcp
 from weight_bus.ipc import IpcUnavailable
 
@@ -329,10 +330,10 @@ class StagingFile:
 
 
 def _serves_mxfp8(engine: RolloutEngine) -> bool:
-    """Whether the engine serves an MXFP8 checkpoint (then it loads (q, scale) pairs, not bf16)."""
+    """Whether the engine serves an MXFP8 checkpoint (then it loads (q, scale) pairs, not bf16). An engine that
+    quantizes online (rollout.quantization='mxfp8') loads high-precision weights and quantizes them itself."""
     llm = getattr(engine, "_llm", None)
-    quantization = getattr(getattr(llm, "model_config", None), "quantization", None)
-    return bool(quantization) and "mxfp8" in str(quantization).lower()
+    return serves_mxfp8_checkpoint(getattr(getattr(llm, "model_config", None), "quantization", None))
 
 
 def _cuda_available() -> bool:

@@ -86,8 +86,12 @@ class WeightLoaderExtension:
 
     def _fleetrl_dequantize_target(self, manifest):
         """The dtype MXFP8 pairs are decoded to, or None to load them as they are."""
+        from rollout_service.vllm_adapter import serves_mxfp8_checkpoint
+
         model_config = self.model_runner.model_config
-        serves_mxfp8 = "mxfp8" in str(model_config.quantization or "").lower()
+        # An online-quantized engine (quantization 'mxfp8') takes high-precision weights and re-quantizes them at
+        # load (layerwise reload runs process_weights_after_loading); only an MXFP8 checkpoint takes the pairs.
+        serves_mxfp8 = serves_mxfp8_checkpoint(model_config.quantization)
         has_mxfp8 = any(entry.codec == "mxfp8" for entry in manifest.tensors)
         if serves_mxfp8 and not has_mxfp8:
             raise ValueError(
