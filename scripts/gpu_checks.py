@@ -103,7 +103,7 @@ def check_model() -> str:
 def engine_config(**overrides):
     from protos.config import RolloutConfig
 
-    values = dict(dtype="bfloat16", max_model_len=512, gpu_memory_utilization=0.3, kv_cache_gib=8,
+    values = dict(dtype="bfloat16", max_model_len=256, gpu_memory_utilization=0.3, kv_cache_gib=8,
                   stream_interval=16, return_routed_experts="on", max_num_seqs=256)
     if DRY:
         values.update(dtype="float32", max_model_len=256, kv_cache_gib=1, return_routed_experts="off")
@@ -517,9 +517,9 @@ async def section_beam(result: Result) -> None:
 def section_overhead(result: Result) -> None:
     model = check_model()
     command = [sys.executable, "benchmarks/rollout_overhead.py", "--model", model, "--requests", "128", "--n", "8",
-               "--max-tokens", "256", "--rounds", "3", "--stream-interval", "16", "rollout.dtype=bfloat16",
+               "--max-tokens", "224", "--rounds", "3", "--stream-interval", "16", "rollout.dtype=bfloat16",
                "rollout.gpu_memory_utilization=0.4", "rollout.kv_cache_gib=16", "rollout.stream_interval=16",
-               "rollout.max_num_seqs=1024", "rollout.max_model_len=512"]
+               "rollout.max_num_seqs=1024", "rollout.max_model_len=256"]
     output = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
     print(output.stdout[-4000:], output.stderr[-4000:])
     lines = [line for line in output.stdout.splitlines() if line.startswith("{")]

@@ -1,0 +1,30 @@
+"""The demo launcher's checks made before any process starts, and its summary's speed figures."""
+
+from __future__ import annotations
+
+import pytest
+
+from coordinator.launcher import _speed_figures, check_gpu_layout
+from protos.config import load_run_config
+from protos.records import ReportStatus, VersionReport
+
+
+def test_nccl_on_a_machine_without_a_gpu_per_rank_is_refused_with_the_alternatives():
+    config = load_run_config("recipes/gpu-h200.yaml", ["weight_bus.transport=nccl"])
+    for num_gpus in (0, 1):
+        with pytest.raises(ValueError, match=r"needs one GPU per rank: 1 trainer \+ 1 rollout GPUs.*'ipc'"):
+            check_gpu_layout(config, num_gpus)
+    check_gpu_layout(config, 2)  # one for the trainer, one for the engine
+    check_gpu_layout(load_run_config("recipes/gpu-h200.yaml"), 1)  # ipc shares the one GPU
+
+
+def test_speed_figures_are_medians_after_the_first_step_with_the_replay_mismatch_means():
+    steps = [{"train_s": 9.0, "step_s": 20.0, "publish_s": 5.0, "on_policy_abs_logprob_diff_r3": 0.004,
+              "on_policy_abs_logprob_diff_natural": 0.02}] + [
+        {"train_s": t, "step_s": 2 * t, "publish_s": 1.0} for t in (1.0, 2.0, 3.0)]
+    reports = [VersionReport("rollout-0", "a", 4, ReportStatus.OK, "", 0.0, update_s=0.5, paused_s=0.25)]
+    figures = _speed_figures(steps, [0.0, 100.0, 300.0], reports)
+    assert (figures["train_s_per_step"], figures["step_s"], figures["publish_s"]) == (2.0, 4.0, 1.0)
+    assert figures["rollout_tokens_per_s"] == 200.0  # idle reports (0 tok/s) left out
+    assert (figures["weight_update_s"], figures["weight_update_paused_s"]) == (0.5, 0.25)
+    assert figures["on_policy_abs_logprob_diff_r3"] == 0.004 and figures["on_policy_abs_logprob_diff_natural"] == 0.02
