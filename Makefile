@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell sha1sum pyproject.toml | cut -c1-12)
 
-.PHONY: demo test install lint-imports clean
+.PHONY: demo test install lint lint-imports clean
 
 install: $(STAMP)
 
@@ -29,6 +29,12 @@ test: install
 	# The dashboard test drives headless Chromium (a system package; no-op when present).
 	bash scripts/install_chromium.sh
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+# ruff lint (pyflakes, isort, bugbear, pyupgrade) and format, then the import contracts; .ci/run runs it first.
+lint: install
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/lint-imports
 
 lint-imports: install
 	$(BIN)/lint-imports

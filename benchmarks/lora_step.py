@@ -26,10 +26,40 @@ import torch
 from trainer_step import make_batch  # benchmarks/ is on sys.path when a benchmark runs as a script
 
 SIZES = {
-    "full": dict(layers=12, dense=2, hidden=2048, experts=64, top_k=8, groups=8, group_topk=4, expert_ffn=768,
-                 dense_ffn=6144, heads=16, kv_heads=4, head_dim=128, vocab=32768, seq=4096, batch=2),
-    "tiny": dict(layers=6, dense=1, hidden=64, experts=16, top_k=4, groups=4, group_topk=2, expert_ffn=64,
-                 dense_ffn=128, heads=4, kv_heads=2, head_dim=32, vocab=256, seq=64, batch=2),
+    "full": dict(
+        layers=12,
+        dense=2,
+        hidden=2048,
+        experts=64,
+        top_k=8,
+        groups=8,
+        group_topk=4,
+        expert_ffn=768,
+        dense_ffn=6144,
+        heads=16,
+        kv_heads=4,
+        head_dim=128,
+        vocab=32768,
+        seq=4096,
+        batch=2,
+    ),
+    "tiny": dict(
+        layers=6,
+        dense=1,
+        hidden=64,
+        experts=16,
+        top_k=4,
+        groups=4,
+        group_topk=2,
+        expert_ffn=64,
+        dense_ffn=128,
+        heads=4,
+        kv_heads=2,
+        head_dim=32,
+        vocab=256,
+        seq=64,
+        batch=2,
+    ),
 }
 
 
@@ -37,12 +67,21 @@ def write_config(path: str, size: dict) -> None:
     from modeling.beam import BeamConfig
 
     BeamConfig(
-        vocab_size=size["vocab"], hidden_size=size["hidden"], num_hidden_layers=size["layers"],
-        first_k_dense_replace=size["dense"], intermediate_size=size["dense_ffn"],
-        moe_intermediate_size=size["expert_ffn"], n_routed_experts=size["experts"],
-        num_experts_per_tok=size["top_k"], n_group=size["groups"], topk_group=size["group_topk"],
-        num_attention_heads=size["heads"], num_key_value_heads=size["kv_heads"], head_dim=size["head_dim"],
-        sliding_window=min(512, size["seq"] // 4), max_position_embeddings=size["seq"],
+        vocab_size=size["vocab"],
+        hidden_size=size["hidden"],
+        num_hidden_layers=size["layers"],
+        first_k_dense_replace=size["dense"],
+        intermediate_size=size["dense_ffn"],
+        moe_intermediate_size=size["expert_ffn"],
+        n_routed_experts=size["experts"],
+        num_experts_per_tok=size["top_k"],
+        n_group=size["groups"],
+        topk_group=size["group_topk"],
+        num_attention_heads=size["heads"],
+        num_key_value_heads=size["kv_heads"],
+        head_dim=size["head_dim"],
+        sliding_window=min(512, size["seq"] // 4),
+        max_position_embeddings=size["seq"],
         architectures=["BeamForCausalLM"],
     ).save_pretrained(path)
 
@@ -119,8 +158,13 @@ def main() -> None:
     )
     configs = {
         "full": TrainerConfig(backend="megatron", lr=1e-6, geo_mask=None, megatron=megatron),
-        "lora": TrainerConfig(backend="megatron", lr=1e-5, geo_mask=None, megatron=megatron,
-                              lora=LoraConfig(rank=args.lora_rank, alpha=2 * args.lora_rank)),
+        "lora": TrainerConfig(
+            backend="megatron",
+            lr=1e-5,
+            geo_mask=None,
+            megatron=megatron,
+            lora=LoraConfig(rank=args.lora_rank, alpha=2 * args.lora_rank),
+        ),
     }
     result: dict = {"sizes": size, "dtype": megatron.params_dtype, "lora_rank": args.lora_rank}
     backends = {}

@@ -43,11 +43,19 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--prompt-len", type=int, default=16)
     parser.add_argument("--rounds", type=int, default=3, help="measured rounds per side")
-    parser.add_argument("--stream-interval", type=int, default=16,
-                        help="tokens per streamed chunk, per request on both sides (the coordinator asks 16)")
+    parser.add_argument(
+        "--stream-interval",
+        type=int,
+        default=16,
+        help="tokens per streamed chunk, per request on both sides (the coordinator asks 16)",
+    )
     parser.add_argument("--model", default="", help="checkpoint; default: a random tiny MoE built in a temp dir")
-    parser.add_argument("overrides", nargs="*", help="rollout.* config overrides for both engines (GPU: "
-                        "rollout.dtype=bfloat16 rollout.gpu_memory_utilization=0.4 ...)")
+    parser.add_argument(
+        "overrides",
+        nargs="*",
+        help="rollout.* config overrides for both engines (GPU: "
+        "rollout.dtype=bfloat16 rollout.gpu_memory_utilization=0.4 ...)",
+    )
     return parser.parse_args()
 
 
@@ -63,8 +71,9 @@ async def inproc_round(engine, args: argparse.Namespace, round_index: int) -> tu
     from rollout_service.engine import SamplingRequest
 
     async def one(i: int, prompt: list[int]) -> int:
-        request = SamplingRequest(prompt, args.n, args.max_tokens, 1.0, 1.0, -1, 0.0, [], None, 0, True,
-                                  stream_interval=args.stream_interval)
+        request = SamplingRequest(
+            prompt, args.n, args.max_tokens, 1.0, 1.0, -1, 0.0, [], None, 0, True, stream_interval=args.stream_interval
+        )
         params = engine._sampling_params(request)  # the exact SamplingParams the server builds
         tokens = 0
         async for output in engine.llm.generate(TokensPrompt(prompt_token_ids=prompt), params, f"r{round_index}-{i}"):
@@ -80,8 +89,9 @@ async def grpc_round(stub, args: argparse.Namespace) -> tuple[int, float]:
     """(tokens, seconds) of one round through the gRPC server."""
     from protos import rollout_pb2 as pb
 
-    sampling = pb.SamplingParams(n=args.n, max_tokens=args.max_tokens, temperature=1.0, ignore_eos=True,
-                                 stream_interval=args.stream_interval)
+    sampling = pb.SamplingParams(
+        n=args.n, max_tokens=args.max_tokens, temperature=1.0, ignore_eos=True, stream_interval=args.stream_interval
+    )
 
     async def one(prompt: list[int]) -> int:
         tokens = 0
@@ -103,9 +113,21 @@ async def start_server(model: str, args: argparse.Namespace, log_path: Path):
 
     port = free_port()
     process = subprocess.Popen(
-        [sys.executable, "-m", "rollout_service", "serve", "--model", model, "--port", str(port),
-         f"rollout.max_inflight_requests={max(256, args.requests)}", *args.overrides],
-        stdout=open(log_path, "wb"), stderr=subprocess.STDOUT, start_new_session=True,
+        [
+            sys.executable,
+            "-m",
+            "rollout_service",
+            "serve",
+            "--model",
+            model,
+            "--port",
+            str(port),
+            f"rollout.max_inflight_requests={max(256, args.requests)}",
+            *args.overrides,
+        ],
+        stdout=open(log_path, "wb"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
     )
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
     health = health_pb2_grpc.HealthStub(channel)
@@ -181,7 +203,10 @@ async def main_async(args: argparse.Namespace) -> dict:
                 if tokens != expected:
                     raise RuntimeError(f"{side} round {round_index}: {tokens} tokens, expected {expected}")
                 label = "warm-up" if round_index == 0 else f"round {round_index}"
-                print(f"{label:8s} {side:6s} {tokens} tokens in {seconds:6.2f} s = {tokens / seconds:9.0f} tok/s", flush=True)
+                print(
+                    f"{label:8s} {side:6s} {tokens} tokens in {seconds:6.2f} s = {tokens / seconds:9.0f} tok/s",
+                    flush=True,
+                )
                 if round_index:
                     results[side].append(tokens / seconds)
                     cpu_after = cpu_split(process.pid)
@@ -201,7 +226,10 @@ async def main_async(args: argparse.Namespace) -> dict:
         "inproc_tok_s": round(inproc, 1),
         "grpc_tok_s": round(grpc_tok_s, 1),
         "ratio": round(grpc_tok_s / inproc, 4),
-        "requests": args.requests, "n": args.n, "max_tokens": args.max_tokens, "rounds": args.rounds,
+        "requests": args.requests,
+        "n": args.n,
+        "max_tokens": args.max_tokens,
+        "rounds": args.rounds,
         "stream_interval": args.stream_interval,
     }
 

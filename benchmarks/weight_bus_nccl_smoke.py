@@ -46,12 +46,16 @@ def synthetic_moe(num_layers: int, hidden: int = 2048, experts: int = 8, ffn: in
         p = f"model.layers.{layer}."
         tensors += [(p + f"{n}_layernorm.weight", randn(hidden)) for n in ("input", "post_attention")]
         tensors += [(p + f"self_attn.{n}_proj.weight", randn(hidden, hidden)) for n in "qkvo"]
-        tensors += [(p + "mlp.gate.weight", randn(experts, hidden)),
-                    (p + "mlp.gate.e_score_correction_bias", randn(experts, dtype=torch.float32))]
+        tensors += [
+            (p + "mlp.gate.weight", randn(experts, hidden)),
+            (p + "mlp.gate.e_score_correction_bias", randn(experts, dtype=torch.float32)),
+        ]
         for e in range(experts):
-            tensors += [(p + f"mlp.experts.{e}.gate_proj.weight", randn(ffn, hidden)),
-                        (p + f"mlp.experts.{e}.up_proj.weight", randn(ffn, hidden)),
-                        (p + f"mlp.experts.{e}.down_proj.weight", randn(hidden, ffn))]
+            tensors += [
+                (p + f"mlp.experts.{e}.gate_proj.weight", randn(ffn, hidden)),
+                (p + f"mlp.experts.{e}.up_proj.weight", randn(ffn, hidden)),
+                (p + f"mlp.experts.{e}.down_proj.weight", randn(hidden, ffn)),
+            ]
     tensors += [("model.norm.weight", randn(hidden)), ("lm_head.weight", randn(32000, hidden))]
     return tensors
 
@@ -71,11 +75,13 @@ def step_gpu_pack(results: dict) -> None:
     gpu_manifest, gpu_buckets = pack(sub, 1, 64 << 20, codec=MXFP8)
     cpu_manifest, cpu_buckets = pack([(n, t.cpu()) for n, t in sub], 1, 64 << 20, codec=MXFP8)
     same = gpu_manifest.tensors == cpu_manifest.tensors and all(
-        bytes(a) == bytes(b) for a, b in zip(gpu_buckets, cpu_buckets)
+        bytes(a) == bytes(b) for a, b in zip(gpu_buckets, cpu_buckets, strict=False)
     )
     results["gpu_pack"] = {
-        "source_gib": nbytes_of(tensors) / 2**30, "wire_gib": total_nbytes(manifest) / 2**30,
-        "seconds": seconds, "source_gb_per_s": nbytes_of(tensors) / seconds / 1e9,
+        "source_gib": nbytes_of(tensors) / 2**30,
+        "wire_gib": total_nbytes(manifest) / 2**30,
+        "seconds": seconds,
+        "source_gb_per_s": nbytes_of(tensors) / seconds / 1e9,
         "gpu_equals_cpu_reference": same,
     }
     print("1) gpu mxfp8 pack:", results["gpu_pack"], flush=True)
@@ -99,9 +105,13 @@ def step_world_one(results: dict) -> None:
         outcome = ng.watch_outcome(done.query(), comm.async_error(), time.monotonic(), deadline)
     seconds = time.perf_counter() - started
     comm.abort()
-    results["world_one"] = {"nccl_version": nccl_version(), "outcome": outcome.value,
-                            "bytes_intact": bool(torch.equal(buffer, expected)), "seconds": seconds,
-                            "aborted": not comm.alive}
+    results["world_one"] = {
+        "nccl_version": nccl_version(),
+        "outcome": outcome.value,
+        "bytes_intact": bool(torch.equal(buffer, expected)),
+        "seconds": seconds,
+        "aborted": not comm.alive,
+    }
     print("2) world-1 communicator:", results["world_one"], flush=True)
 
 
@@ -130,9 +140,19 @@ def step_publisher(results: dict) -> None:
     from weight_bus.tcp import fetch
 
     config = SimpleNamespace(
-        host="127.0.0.1", port=0, bucket_mib=64.0, keep_versions=2, send_timeout_s=30.0, snapshot_dir="",
-        keep_snapshots=2, codec="mxfp8", mxfp8_rule="rceil", quantize_embeddings=False, quantize_lm_head=False,
-        group_timeout_s=60.0, heartbeat_timeout_s=10.0,
+        host="127.0.0.1",
+        port=0,
+        bucket_mib=64.0,
+        keep_versions=2,
+        send_timeout_s=30.0,
+        snapshot_dir="",
+        keep_snapshots=2,
+        codec="mxfp8",
+        mxfp8_rule="rceil",
+        quantize_embeddings=False,
+        quantize_lm_head=False,
+        group_timeout_s=60.0,
+        heartbeat_timeout_s=10.0,
     )
     server = EmbeddedRedis(appendonly=False).start()
     try:
@@ -151,11 +171,16 @@ def step_publisher(results: dict) -> None:
         verify(manifest, memoryview(buffer))
         cpu_manifest, cpu_buckets = pack([(n, t.cpu()) for n, t in tensors], 2, 64 << 20, codec=MXFP8)
         same = [e.checksum for e in manifest.tensors] == [e.checksum for e in cpu_manifest.tensors] and bytes(
-            buffer) == b"".join(bytes(b) for b in cpu_buckets)
+            buffer
+        ) == b"".join(bytes(b) for b in cpu_buckets)
         results["publisher"] = {
-            "transport": manifest.transport, "seconds": stats.seconds, "source_gib": nbytes_of(tensors) / 2**30,
-            "wire_gib": stats.num_bytes / 2**30, "buckets": stats.num_buckets,
-            "tcp_fetch_verified": True, "equals_cpu_packing": same,
+            "transport": manifest.transport,
+            "seconds": stats.seconds,
+            "source_gib": nbytes_of(tensors) / 2**30,
+            "wire_gib": stats.num_bytes / 2**30,
+            "buckets": stats.num_buckets,
+            "tcp_fetch_verified": True,
+            "equals_cpu_packing": same,
         }
         publisher.close()
     finally:

@@ -199,8 +199,9 @@ def main() -> None:
     try:
         client = redis.Redis.from_url(server.url)
         for codec in ("bf16", "mxfp8") if args.mxfp8 else ("bf16",):
-            result = measure(client, RedisKeys(f"bench-{codec}"), codec, tensors, args.repeats, args.bucket_mib,
-                             args.subscribers)
+            result = measure(
+                client, RedisKeys(f"bench-{codec}"), codec, tensors, args.repeats, args.bucket_mib, args.subscribers
+            )
             results[codec] = result
             print(
                 f"{codec}: wire {result['wire_gib']:.3f} GiB | publish {result['publish_s']:.2f}s "

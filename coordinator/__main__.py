@@ -21,8 +21,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--config", default=None)
     parser.add_argument("--servers", required=True, help="comma-separated rollout server addresses")
     parser.add_argument("--redis-url", required=True)
-    parser.add_argument("--model", default="",
-                        help="model dir whose tokenizer renders dataset prompts (default: the config's model_path)")
+    parser.add_argument(
+        "--model",
+        default="",
+        help="model dir whose tokenizer renders dataset prompts (default: the config's model_path)",
+    )
     parser.add_argument("overrides", nargs="*")
     return parser.parse_intermixed_args(argv)
 
@@ -57,9 +60,13 @@ async def build_pipeline(config, model_path: str, client, keys, fleet) -> Pipeli
 
     cfg = config.coordinator
     if cfg.sampling.top_p < 1.0 or cfg.sampling.top_k > 0:
-        logger.warning("coordinator.sampling top_p=%s top_k=%s: rollout logprobs are of the truncated distribution, "
-                       "which the trainer does not model, so off-policy ratios are biased (train with top_p=1, "
-                       "top_k=-1)", cfg.sampling.top_p, cfg.sampling.top_k)
+        logger.warning(
+            "coordinator.sampling top_p=%s top_k=%s: rollout logprobs are of the truncated distribution, "
+            "which the trainer does not model, so off-policy ratios are biased (train with top_p=1, "
+            "top_k=-1)",
+            cfg.sampling.top_p,
+            cfg.sampling.top_k,
+        )
     needs_tokenizer = cfg.task != "echo" or bool(cfg.eval.datasets)
     tokenizer = load_tokenizer(model_path or config.model_path) if needs_tokenizer else None
     executor = ThreadPoolExecutor(cfg.reward_threads, thread_name_prefix="reward")
@@ -81,8 +88,14 @@ async def build_pipeline(config, model_path: str, client, keys, fleet) -> Pipeli
         evals = EvalRunner(cfg, fleet, sets, scorer, config.out_dir)
         evaluated = await reported_eval_versions(client, keys) if pushed else set()
         evals.schedule(eval_versions(cfg.eval, start_version, config.trainer.num_steps, steps_done, evaluated))
-    logger.info("coordinator: task %s, %d groups of %d, start at trainer v%d, eval at %s", cfg.task, total_groups,
-                cfg.group_size, start_version, evals.pending if evals else [])
+    logger.info(
+        "coordinator: task %s, %d groups of %d, start at trainer v%d, eval at %s",
+        cfg.task,
+        total_groups,
+        cfg.group_size,
+        start_version,
+        evals.pending if evals else [],
+    )
     return Pipeline(scheduler, evals, executor)
 
 
@@ -105,8 +118,14 @@ def remaining_groups(config, pushed: int, steps_trained: int) -> tuple[int, int]
     queued = max(0, pushed - steps_trained * B)
     total = max(0, config.trainer.num_steps * B - pushed)
     if pushed:
-        logger.warning("coordinator restart: %d groups pushed before (trainer at step %d, %d still queued); "
-                       "producing the remaining %d", pushed, steps_trained, queued, total)
+        logger.warning(
+            "coordinator restart: %d groups pushed before (trainer at step %d, %d still queued); "
+            "producing the remaining %d",
+            pushed,
+            steps_trained,
+            queued,
+            total,
+        )
     return total, queued
 
 
@@ -117,18 +136,24 @@ async def resume_prompts(task, queue) -> None:
     """
     cursor = await queue.prompt_cursor()
     if cursor is None:
-        logger.warning("coordinator restart: no prompt cursor in Redis; task %s starts from its first prompt", task.name)
+        logger.warning(
+            "coordinator restart: no prompt cursor in Redis; task %s starts from its first prompt", task.name
+        )
         return
     try:
         if cursor.task != task.name:
             raise ValueError(f"the cursor is for task {cursor.task!r}, this run's task is {task.name!r}")
         task.restore(dict(cursor.position))
     except (ValueError, KeyError) as error:
-        logger.warning("coordinator restart: cannot continue the prompt stream (%s); task %s starts from its first "
-                       "prompt", error, task.name)
+        logger.warning(
+            "coordinator restart: cannot continue the prompt stream (%s); task %s starts from its first prompt",
+            error,
+            task.name,
+        )
         return
-    logger.warning("coordinator restart: task %s continues at %s (after group %s)", task.name, cursor.position,
-                   cursor.group_id)
+    logger.warning(
+        "coordinator restart: task %s continues at %s (after group %s)", task.name, cursor.position, cursor.group_id
+    )
 
 
 async def eval_round(evals, reporter, version: int) -> None:
@@ -163,16 +188,24 @@ async def start_operators(config, pipeline: Pipeline, client, keys, fleet, runne
     reporter = MetricsReporter(scheduler, pipeline.evals, scheduler.queue, client, keys)
     core = AdminCore(config, scheduler, reporter, ControlChannel(client, keys), pipeline.evals)
     admin, admin_port = await start_admin_server(core, cfg.admin_host, cfg.admin_port)
-    logger.info("admin API on %s:%d (fleetrl status --admin %s:%d)", cfg.admin_host, admin_port, cfg.admin_host,
-                admin_port)
+    logger.info(
+        "admin API on %s:%d (fleetrl status --admin %s:%d)", cfg.admin_host, admin_port, cfg.admin_host, admin_port
+    )
     if cfg.metrics_port:
         metrics_runner, metrics_port = await start_metrics_server(reporter, cfg.admin_host, cfg.metrics_port)
         runners.append(metrics_runner)
         logger.info("Prometheus metrics on http://%s:%d/metrics", cfg.admin_host, metrics_port)
     background = [
-        asyncio.create_task(FleetWatcher(fleet, scheduler.set_trainer_version, client, keys,
-                                         on_version_jumps=partial(follow_version_jumps, pipeline)).run(stop),
-                            name="fleet"),
+        asyncio.create_task(
+            FleetWatcher(
+                fleet,
+                scheduler.set_trainer_version,
+                client,
+                keys,
+                on_version_jumps=partial(follow_version_jumps, pipeline),
+            ).run(stop),
+            name="fleet",
+        ),
         asyncio.create_task(reporter.run(stop), name="metrics"),
     ]
     return Operators(reporter, admin, runners, background)

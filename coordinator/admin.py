@@ -47,23 +47,44 @@ class AdminCore:
     def status(self) -> pb.GetStatusResponse:
         s, stats, cfg = self.scheduler, self.scheduler.stats, self.scheduler.config
         servers = [
-            pb.ServerStatus(address=c.address, server_id=c.server_id, healthy=c.healthy,
-                            policy_version=c.policy_version, inflight=c.inflight, requests=c.requests,
-                            failures=c.failures)
+            pb.ServerStatus(
+                address=c.address,
+                server_id=c.server_id,
+                healthy=c.healthy,
+                policy_version=c.policy_version,
+                inflight=c.inflight,
+                requests=c.requests,
+                failures=c.failures,
+            )
             for c in s.fleet.clients
         ]
         evals = self.evals
         return pb.GetStatusResponse(
-            run_id=self.run_config.run_id, state=int(s.state), trainer_policy_version=s.trainer_version,
-            start_policy_version=s.start_version, max_staleness=cfg.max_staleness, groups_per_step=cfg.groups_per_step,
-            group_size=cfg.group_size, groups_admitted=stats.groups_admitted, slots_admitted=stats.slots_admitted,
-            admission_limit=s.admission_limit(), groups_pushed=stats.groups_pushed, total_groups=s.total_groups,
-            groups_in_flight=len(s.in_flight), groups_skipped=stats.groups_skipped, redispatches=s.fleet.redispatches,
-            queue_depth=self.reporter.queue_depth, max_staleness_at_push=stats.max_staleness_at_push,
-            tokens_per_s=self.reporter.tokens_per_s, groups_per_s=self.reporter.groups_per_s,
-            uptime_s=time.monotonic() - self.reporter.started, servers=servers,
-            eval=evals.latest if evals else {}, eval_version=evals.latest_version if evals else -1,
-            next_eval_version=evals.pending[0] if evals and evals.pending else -1, task=cfg.task,
+            run_id=self.run_config.run_id,
+            state=int(s.state),
+            trainer_policy_version=s.trainer_version,
+            start_policy_version=s.start_version,
+            max_staleness=cfg.max_staleness,
+            groups_per_step=cfg.groups_per_step,
+            group_size=cfg.group_size,
+            groups_admitted=stats.groups_admitted,
+            slots_admitted=stats.slots_admitted,
+            admission_limit=s.admission_limit(),
+            groups_pushed=stats.groups_pushed,
+            total_groups=s.total_groups,
+            groups_in_flight=len(s.in_flight),
+            groups_skipped=stats.groups_skipped,
+            redispatches=s.fleet.redispatches,
+            queue_depth=self.reporter.queue_depth,
+            max_staleness_at_push=stats.max_staleness_at_push,
+            tokens_per_s=self.reporter.tokens_per_s,
+            groups_per_s=self.reporter.groups_per_s,
+            uptime_s=time.monotonic() - self.reporter.started,
+            servers=servers,
+            eval=evals.latest if evals else {},
+            eval_version=evals.latest_version if evals else -1,
+            next_eval_version=evals.pending[0] if evals and evals.pending else -1,
+            task=cfg.task,
         )
 
     def pause(self) -> RunState:
@@ -154,23 +175,29 @@ class AdminServicer(pb_grpc.CoordinatorAdminServicer):
     async def Drain(self, request, context):
         state = await self.core.drain(request.wait_s)
         stats = self.core.scheduler.stats
-        return pb.DrainResponse(state=int(state), groups_in_flight=len(self.core.scheduler.in_flight),
-                                groups_pushed=stats.groups_pushed)
+        return pb.DrainResponse(
+            state=int(state), groups_in_flight=len(self.core.scheduler.in_flight), groups_pushed=stats.groups_pushed
+        )
 
     async def SetConfig(self, request, context):
         key, old, new, entry_id = await _answer(context, self.core.set(request.key, request.value))
-        return pb.SetConfigResponse(key=key, old_value=json.dumps(old), new_value=json.dumps(new),
-                                    control_entry_id=entry_id)
+        return pb.SetConfigResponse(
+            key=key, old_value=json.dumps(old), new_value=json.dumps(new), control_entry_id=entry_id
+        )
 
     async def Sync(self, request, context):
         result = await self.core.control.request_sync(request.wait_s)
-        return pb.SyncResponse(control_entry_id=result.control_entry_id, published=result.published,
-                               policy_version=result.policy_version)
+        return pb.SyncResponse(
+            control_entry_id=result.control_entry_id, published=result.published, policy_version=result.policy_version
+        )
 
     async def AddServer(self, request, context):
         client = await _answer(context, self.core.add_server(request.address))
-        return pb.AddServerResponse(server_id=client.server_id, policy_version=client.policy_version,
-                                    num_servers=len(self.core.scheduler.fleet.clients))
+        return pb.AddServerResponse(
+            server_id=client.server_id,
+            policy_version=client.policy_version,
+            num_servers=len(self.core.scheduler.fleet.clients),
+        )
 
     async def RemoveServer(self, request, context):
         client = await _answer(context, _sync(self.core.remove_server, request.address))
@@ -184,8 +211,10 @@ async def start_admin_server(core: AdminCore, host: str, port: int) -> tuple[grp
     try:
         bound = server.add_insecure_port(f"{host}:{port}")
     except RuntimeError as error:
-        raise OSError(f"coordinator.admin_port {port} on {host} cannot be bound (in use?); "
-                      "choose another port or 0 for a free one") from error
+        raise OSError(
+            f"coordinator.admin_port {port} on {host} cannot be bound (in use?); "
+            "choose another port or 0 for a free one"
+        ) from error
     if bound == 0:
         raise OSError(f"coordinator.admin_port {port} on {host} cannot be bound (in use?)")
     await server.start()

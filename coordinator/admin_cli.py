@@ -34,15 +34,17 @@ def _call(args: argparse.Namespace, method: str, request, timeout_s: float | Non
         except grpc.FutureTimeoutError:
             raise AdminCallFailed(
                 f"cannot reach the coordinator admin API at {args.admin}; is the coordinator running? "
-                "Pass --admin HOST:PORT or set FLEETRL_ADMIN", EXIT_UNREACHABLE,
+                "Pass --admin HOST:PORT or set FLEETRL_ADMIN",
+                EXIT_UNREACHABLE,
             ) from None
         stub = pb_grpc.CoordinatorAdminStub(channel)
         try:
             return getattr(stub, method)(request, timeout=timeout_s or args.timeout_s)
         except grpc.RpcError as error:
             if error.code() == grpc.StatusCode.UNAVAILABLE:
-                raise AdminCallFailed(f"the coordinator admin API at {args.admin} went away: {error.details()}",
-                                      EXIT_UNREACHABLE) from None
+                raise AdminCallFailed(
+                    f"the coordinator admin API at {args.admin} went away: {error.details()}", EXIT_UNREACHABLE
+                ) from None
             raise AdminCallFailed(f"{error.details()} ({error.code().name})", EXIT_REFUSED) from None
 
 
@@ -80,8 +82,18 @@ def format_status(r) -> str:
         shown = " ".join(f"{k}={v:.3f}" for k, v in sorted(r.eval.items()) if not k.endswith("_s"))
         lines.append(f"eval     last v{r.eval_version} {shown} | next v{r.next_eval_version}")
     rows = [("SERVER", "ID", "HEALTHY", "VERSION", "INFLIGHT", "REQUESTS", "FAILURES")]
-    rows += [(s.address, s.server_id, "yes" if s.healthy else "NO", str(s.policy_version), str(s.inflight),
-              str(s.requests), str(s.failures)) for s in r.servers]
+    rows += [
+        (
+            s.address,
+            s.server_id,
+            "yes" if s.healthy else "NO",
+            str(s.policy_version),
+            str(s.inflight),
+            str(s.requests),
+            str(s.failures),
+        )
+        for s in r.servers
+    ]
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     lines.append("")
     lines += ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in rows]
@@ -132,8 +144,11 @@ def _cmd_sync(args: argparse.Namespace) -> int:
     if reply.published:
         print(f"trainer published policy version {reply.policy_version} (sync request {reply.control_entry_id})")
         return 0
-    print(f"sync requested (control entry {reply.control_entry_id}); no weight publish seen within {args.wait_s:.0f}s "
-          "(the trainer acts on it between steps)", file=sys.stderr)
+    print(
+        f"sync requested (control entry {reply.control_entry_id}); no weight publish seen within {args.wait_s:.0f}s "
+        "(the trainer acts on it between steps)",
+        file=sys.stderr,
+    )
     return 0 if args.wait_s == 0 else EXIT_INCOMPLETE
 
 
@@ -152,8 +167,11 @@ def _cmd_servers(args: argparse.Namespace) -> int:
 def add_admin_commands(commands) -> None:
     """Register the admin subcommands on the ``fleetrl`` parser's subparsers."""
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--admin", default=os.environ.get("FLEETRL_ADMIN", DEFAULT_ADMIN),
-                        help=f"coordinator admin API HOST:PORT (default $FLEETRL_ADMIN or {DEFAULT_ADMIN})")
+    common.add_argument(
+        "--admin",
+        default=os.environ.get("FLEETRL_ADMIN", DEFAULT_ADMIN),
+        help=f"coordinator admin API HOST:PORT (default $FLEETRL_ADMIN or {DEFAULT_ADMIN})",
+    )
     common.add_argument("--timeout-s", type=float, default=10.0, help="deadline of one admin call")
     status = commands.add_parser("status", parents=[common], help="fleet, versions, queue, staleness, throughput")
     status.add_argument("--json", action="store_true", help="print the raw status as JSON")

@@ -18,15 +18,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-DEFAULT_PROMPT_TEMPLATE = (
-    "{problem}\n\nPlease reason step by step, and put your final answer within \\boxed{}."
-)
+DEFAULT_PROMPT_TEMPLATE = "{problem}\n\nPlease reason step by step, and put your final answer within \\boxed{}."
 
 _CHAT_SCHEMA = "chat"
 _PLAIN_SCHEMA = "plain"
 _PROBLEM_KEYS = ("problem", "question")
-_PARQUET_COLUMNS = ("id", "data_source", "prompt", "reward_model", "extra_info", "problem",
-                    "question", "answer")
+_PARQUET_COLUMNS = ("id", "data_source", "prompt", "reward_model", "extra_info", "problem", "question", "answer")
 _RESERVED_TEMPLATE_KWARGS = ("add_generation_prompt", "tokenize")
 
 
@@ -98,8 +95,7 @@ def load_dataset(
         if schema is None:
             schema = _detect_schema(path, where, row)
         try:
-            problem = _row_to_problem(schema, row, where, default_source, prompt_template,
-                                      chat_template)
+            problem = _row_to_problem(schema, row, where, default_source, prompt_template, chat_template)
         except _RowError as err:
             raise ValueError(f"{path}: {where}: {err}") from None
         problems.append(problem)
@@ -123,8 +119,7 @@ def _read_jsonl(path: Path, limit: int | None) -> list[tuple[str, dict]]:
             except json.JSONDecodeError as err:
                 raise ValueError(f"{path}: line {line_no}: invalid JSON ({err.msg})") from None
             if not isinstance(row, dict):
-                raise ValueError(f"{path}: line {line_no}: expected a JSON object, "
-                                 f"got {type(row).__name__}")
+                raise ValueError(f"{path}: line {line_no}: expected a JSON object, got {type(row).__name__}")
             rows.append((f"line {line_no}", row))
     return rows
 
@@ -295,8 +290,7 @@ class PromptSource:
                 size, or its position is out of range.
         """
         if int(state["num_problems"]) != len(self._problems):
-            raise ValueError(f"state is for {state['num_problems']} problems, "
-                             f"this source has {len(self._problems)}")
+            raise ValueError(f"state is for {state['num_problems']} problems, this source has {len(self._problems)}")
         if int(state["seed"]) != self._seed:
             raise ValueError(f"state is for seed {state['seed']}, this source uses {self._seed}")
         epoch, position = int(state["epoch"]), int(state["position"])
@@ -307,8 +301,7 @@ class PromptSource:
         self._order = self._epoch_order(epoch)
 
 
-def render_prompt(tokenizer: Any, messages: list[dict], chat_template_kwargs: dict | None = None
-                  ) -> list[int]:
+def render_prompt(tokenizer: Any, messages: list[dict], chat_template_kwargs: dict | None = None) -> list[int]:
     """Tokenizes chat messages with the tokenizer's chat template.
 
     Args:
@@ -331,9 +324,7 @@ def render_prompt(tokenizer: Any, messages: list[dict], chat_template_kwargs: di
     if getattr(tokenizer, "chat_template", None) is None:
         name = getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__
         raise ValueError(f"tokenizer {name!r} has no chat template; set tokenizer.chat_template")
-    result = tokenizer.apply_chat_template(
-        messages, add_generation_prompt=True, tokenize=True, **kwargs
-    )
+    result = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **kwargs)
     # transformers >= 5 returns a BatchEncoding; older versions a list of ids.
     if isinstance(result, Mapping):
         result = result["input_ids"]

@@ -58,8 +58,13 @@ def pass_at_k(correct_by_problem: list[list[bool]]) -> tuple[float, float]:
     return acc, solved
 
 
-def eval_versions(config: EvalConfig, start_version: int, num_steps: int, steps_done: int = 0,
-                  evaluated: frozenset[int] | set[int] = frozenset()) -> list[int]:
+def eval_versions(
+    config: EvalConfig,
+    start_version: int,
+    num_steps: int,
+    steps_done: int = 0,
+    evaluated: frozenset[int] | set[int] = frozenset(),
+) -> list[int]:
     """Versions to evaluate: after every ``interval_steps`` trainer steps of the run (and before its first, if asked).
 
     A coordinator restarted when the trainer had taken ``steps_done`` steps (at ``start_version``) keeps the run's
@@ -85,19 +90,23 @@ def load_eval_sets(config: CoordinatorConfig, renderer: PromptRenderer, max_mode
         rendered = [EvalProblem(p, renderer.render(p.messages)) for p in problems]
         fitting = [p for p in rendered if len(p.prompt_token_ids) <= limit]
         if not fitting:
-            raise ValueError(f"coordinator.eval.datasets: no problem of {path} fits in {limit} prompt tokens "
-                             f"(rollout.max_model_len {max_model_len} - eval max_tokens {sampling.max_tokens})")
+            raise ValueError(
+                f"coordinator.eval.datasets: no problem of {path} fits in {limit} prompt tokens "
+                f"(rollout.max_model_len {max_model_len} - eval max_tokens {sampling.max_tokens})"
+            )
         sets.append(EvalSet(Path(path).stem, fitting, len(rendered) - len(fitting)))
-        logger.info("eval set %s: %d problems (%d too long, left out)", sets[-1].name, len(fitting),
-                    sets[-1].num_too_long)
+        logger.info(
+            "eval set %s: %d problems (%d too long, left out)", sets[-1].name, len(fitting), sets[-1].num_too_long
+        )
     return sets
 
 
 class EvalRunner:
     """Runs eval rounds over ``sets`` on the fleet; one round at a time, each pinned to a version."""
 
-    def __init__(self, config: CoordinatorConfig, fleet: Fleet, sets: list[EvalSet], scorer: ResponseScorer,
-                 out_dir: str = ""):
+    def __init__(
+        self, config: CoordinatorConfig, fleet: Fleet, sets: list[EvalSet], scorer: ResponseScorer, out_dir: str = ""
+    ):
         self.config = config
         self.fleet = fleet
         self.sets = sets
@@ -130,10 +139,15 @@ class EvalRunner:
         now = time.monotonic()
         if scheduler.trainer_version != self._progress[0] or not self._waiting_on_trainer(scheduler):
             self._progress = (scheduler.trainer_version, now)
-        while self.pending and (scheduler.trainer_version > self.pending[0]
-                                or now - self._progress[1] > self.config.eval.timeout_s):
-            logger.warning("eval at v%d skipped: the trainer is at v%d (no progress for %.0fs)", self.pending[0],
-                           scheduler.trainer_version, now - self._progress[1])
+        while self.pending and (
+            scheduler.trainer_version > self.pending[0] or now - self._progress[1] > self.config.eval.timeout_s
+        ):
+            logger.warning(
+                "eval at v%d skipped: the trainer is at v%d (no progress for %.0fs)",
+                self.pending[0],
+                scheduler.trainer_version,
+                now - self._progress[1],
+            )
             self.pending.pop(0)
             self.rounds_skipped += 1
             self._progress = (scheduler.trainer_version, now)
@@ -163,8 +177,12 @@ class EvalRunner:
                     values.update(await self._run_set(eval_set, version))
         except (TimeoutError, NoServerAvailable, RolloutFailed, EvalIncomplete) as error:
             self.rounds_failed += 1
-            logger.warning("eval round at v%d abandoned after %.0fs: %s", version, time.monotonic() - started,
-                           error or type(error).__name__)
+            logger.warning(
+                "eval round at v%d abandoned after %.0fs: %s",
+                version,
+                time.monotonic() - started,
+                error or type(error).__name__,
+            )
             return None
         values["eval/duration_s"] = time.monotonic() - started
         self.latest, self.latest_version = values, version
@@ -184,33 +202,56 @@ class EvalRunner:
         acc, solved = pass_at_k([[row["correct"] for row in rows] for rows in rows_by_problem])
         self._write_rows(version, [row for rows in rows_by_problem for row in rows])
         prefix = f"eval/{eval_set.name}"
-        return {f"{prefix}/acc": acc, f"{prefix}/pass@{k}": solved,
-                f"{prefix}/num_problems": float(len(eval_set.problems)),
-                f"{prefix}/num_too_long": float(eval_set.num_too_long)}
+        return {
+            f"{prefix}/acc": acc,
+            f"{prefix}/pass@{k}": solved,
+            f"{prefix}/num_problems": float(len(eval_set.problems)),
+            f"{prefix}/num_too_long": float(eval_set.num_too_long),
+        }
 
     async def _sample_problem(self, name: str, item: EvalProblem, version: int, k: int) -> list[dict]:
         """k samples of one problem, all from ``version``; off-version responses are asked for again."""
         for _ in range(self.config.max_attempts):
             results, client = await self.fleet.generate(
-                item.prompt_token_ids, k, self.sampling, accept=lambda c: c.policy_version == version,
+                item.prompt_token_ids,
+                k,
+                self.sampling,
+                accept=lambda c: c.policy_version == version,
                 what=f"at exactly policy version {version} (eval)",
                 request_id=f"eval-v{version}-{uuid.uuid4().hex[:6]}",
-                timeout_s=self.config.request_timeout_s, max_attempts=self.config.max_attempts,
+                timeout_s=self.config.request_timeout_s,
+                max_attempts=self.config.max_attempts,
             )
             if all(spans_match(r, version) for r in results):
                 break
             self.samples_discarded += len(results)
-            logger.warning("eval %s/%s: response from %s spans versions %s, not only v%d; discarded", name,
-                           item.problem.problem_id, client.address, [r.version_spans for r in results], version)
+            logger.warning(
+                "eval %s/%s: response from %s spans versions %s, not only v%d; discarded",
+                name,
+                item.problem.problem_id,
+                client.address,
+                [r.version_spans for r in results],
+                version,
+            )
         else:
-            raise EvalIncomplete(f"{name}/{item.problem.problem_id}: no response at exactly v{version} "
-                                 f"in {self.config.max_attempts} tries")
+            raise EvalIncomplete(
+                f"{name}/{item.problem.problem_id}: no response at exactly v{version} "
+                f"in {self.config.max_attempts} tries"
+            )
         scores = await self.scorer.score(item.problem, [r.token_ids for r in results])
         texts = self.scorer.tokenizer.batch_decode([r.token_ids for r in results], skip_special_tokens=True)
         return [
-            {"dataset": name, "problem_id": item.problem.problem_id, "version": version, "server": client.address,
-             "version_spans": r.version_spans, "reward": s.reward, "correct": s.reward >= 1.0, "error": s.error,
-             "response": text}
+            {
+                "dataset": name,
+                "problem_id": item.problem.problem_id,
+                "version": version,
+                "server": client.address,
+                "version_spans": r.version_spans,
+                "reward": s.reward,
+                "correct": s.reward >= 1.0,
+                "error": s.error,
+                "response": text,
+            }
             for r, s, text in zip(results, scores, texts, strict=True)
         ]
 

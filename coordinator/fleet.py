@@ -125,8 +125,15 @@ class Fleet:
 class FleetWatcher:
     """Polls Redis for the trainer's version and the servers' reports, and health-checks the servers."""
 
-    def __init__(self, fleet: Fleet, on_version: Callable[[int], None], client: aioredis.Redis, keys: RedisKeys,
-                 interval_s: float = 0.2, on_version_jumps: Callable[[int], None] | None = None):
+    def __init__(
+        self,
+        fleet: Fleet,
+        on_version: Callable[[int], None],
+        client: aioredis.Redis,
+        keys: RedisKeys,
+        interval_s: float = 0.2,
+        on_version_jumps: Callable[[int], None] | None = None,
+    ):
         self.fleet = fleet
         self.on_version = on_version
         self.on_version_jumps = on_version_jumps  # (the trainer's version - steps) -> None

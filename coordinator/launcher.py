@@ -73,8 +73,16 @@ def trainer_command(config: RunConfig) -> list[str]:
     if tcfg.num_processes == 1:
         return ["-m", "trainer_service", "train"]
     # --standalone: a local rendezvous on a free port; torchrun stops every rank when one fails.
-    return ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(tcfg.num_processes),
-            "-m", "trainer_service", "train"]
+    return [
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        str(tcfg.num_processes),
+        "-m",
+        "trainer_service",
+        "train",
+    ]
 
 
 def check_gpu_layout(config: RunConfig, num_gpus: int) -> None:
@@ -109,8 +117,11 @@ class DemoLauncher:
     def spawn(self, name: str, args: list[str], env: dict[str, str] | None = None) -> None:
         log = open(self.out_dir / "logs" / f"{name}.log", "wb")
         self.children[name] = subprocess.Popen(
-            [sys.executable, *args], stdout=log, stderr=subprocess.STDOUT,
-            env={**os.environ, **(env or {})}, start_new_session=True,
+            [sys.executable, *args],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **(env or {})},
+            start_new_session=True,
         )
 
     def check_children(self) -> None:
@@ -164,15 +175,43 @@ class DemoLauncher:
             path.unlink(missing_ok=True)
             self.spawn(
                 f"rollout-{i}",
-                ["-m", "rollout_service", "serve", "--model", model, "--host", rollout.host,
-                 "--port", str(rollout.base_port + i if rollout.base_port else 0), "--address-file", str(path),
-                 "--server-id", f"rollout-{i}", "--redis-url", redis_url, *common],
+                [
+                    "-m",
+                    "rollout_service",
+                    "serve",
+                    "--model",
+                    model,
+                    "--host",
+                    rollout.host,
+                    "--port",
+                    str(rollout.base_port + i if rollout.base_port else 0),
+                    "--address-file",
+                    str(path),
+                    "--server-id",
+                    f"rollout-{i}",
+                    "--redis-url",
+                    redis_url,
+                    *common,
+                ],
                 env={"VLLM_CPU_OMP_THREADS_BIND": str(i % (os.cpu_count() or 1)), "OMP_NUM_THREADS": "1"},
             )
         self.spawn("trainer", [*trainer, "--model", model, "--redis-url", redis_url, *common])
         addresses = self.wait_for_addresses(address_files)
-        self.spawn("coordinator", ["-m", "coordinator", "run", "--servers", ",".join(addresses),
-                                   "--redis-url", redis_url, "--model", model, *common])
+        self.spawn(
+            "coordinator",
+            [
+                "-m",
+                "coordinator",
+                "run",
+                "--servers",
+                ",".join(addresses),
+                "--redis-url",
+                redis_url,
+                "--model",
+                model,
+                *common,
+            ],
+        )
         return redis_url
 
     def wait_for_addresses(self, address_files: dict[str, Path], timeout_s: float = 900.0) -> list[str]:
@@ -208,7 +247,9 @@ class DemoLauncher:
                     elif report.values.get("done"):
                         done = True
                     else:
-                        trainer_steps.append({"step": report.step, "policy_version": report.policy_version, **report.values})
+                        trainer_steps.append(
+                            {"step": report.step, "policy_version": report.policy_version, **report.values}
+                        )
                         self.print_step(trainer_steps[-1], coordinator_last, client)
         self.wait_for_fleet(client, trainer_steps[-1]["policy_version"] if trainer_steps else 0)
         coordinator_last.update(self.wait_for_coordinator(client, cursors[self.keys.metrics("coordinator")]))
@@ -258,7 +299,9 @@ class DemoLauncher:
             if versions and min(versions.values()) >= version:
                 return
             time.sleep(0.2)
-        logger.warning("not every rollout server reached v%d within %.0fs: %s", version, timeout_s, self.fleet_versions(client))
+        logger.warning(
+            "not every rollout server reached v%d within %.0fs: %s", version, timeout_s, self.fleet_versions(client)
+        )
 
     def summary(self, client: redis.Redis, steps: list[dict], coordinator: dict) -> dict:
         rewards = [s["reward_mean"] for s in steps]
@@ -306,8 +349,10 @@ def _speed_figures(steps: list[dict], rollout_rates: list[float], reports) -> di
 def _replay_figures(step: dict) -> str:
     if "on_policy_abs_logprob_diff_r3" not in step:
         return ""
-    return (f" | on-policy |dlogp| R3 {step['on_policy_abs_logprob_diff_r3']:.4f} "
-            f"natural {step['on_policy_abs_logprob_diff_natural']:.4f}")
+    return (
+        f" | on-policy |dlogp| R3 {step['on_policy_abs_logprob_diff_r3']:.4f} "
+        f"natural {step['on_policy_abs_logprob_diff_natural']:.4f}"
+    )
 
 
 def _num_gpus() -> int:
@@ -330,8 +375,11 @@ def run_demo(config: RunConfig, out_dir: Path) -> dict:
         redis_url = launcher.start()
         cfg = config.coordinator
         admin = f"{cfg.admin_host}:{cfg.admin_port}" if cfg.admin_port else "(port in logs/coordinator.log)"
-        print(f"run dir {out_dir} | Redis {redis_url} | logs in {out_dir / 'logs'} | admin API {admin} "
-              "(fleetrl status --admin ADDR)", flush=True)
+        print(
+            f"run dir {out_dir} | Redis {redis_url} | logs in {out_dir / 'logs'} | admin API {admin} "
+            "(fleetrl status --admin ADDR)",
+            flush=True,
+        )
         summary = launcher.monitor(redis_url)
     finally:
         launcher.stop_all()

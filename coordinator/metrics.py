@@ -32,8 +32,14 @@ MAX_REPORTS = 10000
 class MetricsReporter:
     """Periodic figures of the scheduler; keeps the latest rates for ``fleetrl status`` and /metrics."""
 
-    def __init__(self, scheduler: Scheduler, evals: EvalRunner | None, queue: RolloutQueue,
-                 client: aioredis.Redis, keys: RedisKeys):
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        evals: EvalRunner | None,
+        queue: RolloutQueue,
+        client: aioredis.Redis,
+        keys: RedisKeys,
+    ):
         self.scheduler = scheduler
         self.evals = evals
         self.queue = queue
@@ -70,13 +76,15 @@ class MetricsReporter:
         return {k: float(v) for k, v in values.items()}
 
     async def _xadd(self, report: MetricsReport) -> None:
-        await self.client.xadd(self.keys.metrics("coordinator"), {"m": encode(report)}, maxlen=MAX_REPORTS,
-                               approximate=True)
+        await self.client.xadd(
+            self.keys.metrics("coordinator"), {"m": encode(report)}, maxlen=MAX_REPORTS, approximate=True
+        )
 
     async def report(self) -> None:
         stats = self.scheduler.stats
-        report = MetricsReport("coordinator", stats.groups_pushed, self.scheduler.trainer_version, time.time(),
-                               self.values())
+        report = MetricsReport(
+            "coordinator", stats.groups_pushed, self.scheduler.trainer_version, time.time(), self.values()
+        )
         await self._xadd(report)
 
     async def report_eval(self, version: int, values: dict[str, float]) -> None:
@@ -99,8 +107,9 @@ class MetricsReporter:
                 self.queue_depth = await self.queue.depth()
                 await self.report()
             except (RedisConnectionError, OSError) as error:
-                logger.warning("metrics report to %s failed (Redis unreachable?): %s",
-                               self.keys.metrics("coordinator"), error)
+                logger.warning(
+                    "metrics report to %s failed (Redis unreachable?): %s", self.keys.metrics("coordinator"), error
+                )
             if stop.is_set():  # one last report after the stop so the totals are final
                 return
 
@@ -135,7 +144,7 @@ class CoordinatorCollector:
         if reporter.evals is not None:
             for key, value in reporter.evals.latest.items():
                 if key.startswith("eval/") and key.endswith("/acc"):
-                    accuracy.add_metric([key[len("eval/"):-len("/acc")]], value)
+                    accuracy.add_metric([key[len("eval/") : -len("/acc")]], value)
         yield accuracy
 
 

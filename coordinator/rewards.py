@@ -35,9 +35,7 @@ _BOX_COMMANDS = ("\\boxed", "\\fbox")
 class RewardFn(Protocol):
     """Interface of reward functions (sync or async)."""
 
-    def __call__(
-        self, problem: Any, response_text: str, response_len: int
-    ) -> float | Awaitable[float]:
+    def __call__(self, problem: Any, response_text: str, response_len: int) -> float | Awaitable[float]:
         """Scores one response.
 
         Args:
@@ -105,15 +103,13 @@ async def _score_one(
     try:
         value = await asyncio.wait_for(_call(fn, problem, text, length, executor), timeout_s)
         return RewardResult(reward=_as_reward(value))
-    except asyncio.TimeoutError:
+    except TimeoutError:
         return RewardResult(reward=0.0, error=f"reward function timed out after {timeout_s}s")
     except Exception as err:  # noqa: BLE001 - a plug-in bug must not stop training
         return RewardResult(reward=0.0, error=f"{type(err).__name__}: {err}")
 
 
-async def _call(
-    fn: RewardFn, problem: Any, text: str, length: int, executor: Executor | None
-) -> Any:
+async def _call(fn: RewardFn, problem: Any, text: str, length: int, executor: Executor | None) -> Any:
     if _is_async(fn):
         value = fn(problem, text, length)
     else:
@@ -127,7 +123,7 @@ async def _call(
 
 def _is_async(fn: Callable[..., Any]) -> bool:
     return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(
-        getattr(fn, "__call__", None)
+        getattr(fn, "__call__", None)  # noqa: B004 - the method itself, not callable()
     )
 
 
@@ -156,7 +152,7 @@ def last_boxed_content(text: str) -> str | None:
     if start < 0:
         return None
     cmd = next(c for c in _BOX_COMMANDS if text.startswith(c, start))
-    rest = text[start + len(cmd):]
+    rest = text[start + len(cmd) :]
     stripped = rest.lstrip()
     if not stripped.startswith("{"):
         if rest[:1] != " ":
@@ -171,7 +167,7 @@ def _braced(text: str) -> str | None:
     i = 0
     while i < len(text):
         char = text[i]
-        if char == "\\" and text[i + 1:i + 2] in ("{", "}"):
+        if char == "\\" and text[i + 1 : i + 2] in ("{", "}"):
             i += 2
             continue
         if char == "{":
@@ -287,8 +283,7 @@ def overlong_penalty_reward(
     """
     if max_response_len <= 0 or not 0 <= buffer_len <= max_response_len or factor < 0:
         raise ValueError(
-            f"invalid overlong settings: max_response_len={max_response_len}, "
-            f"buffer_len={buffer_len}, factor={factor}"
+            f"invalid overlong settings: max_response_len={max_response_len}, buffer_len={buffer_len}, factor={factor}"
         )
     if response_len >= max_response_len:
         return base_reward - factor
@@ -321,8 +316,9 @@ def get_reward_fn(spec: str) -> RewardFn:
         return _BUILTIN_REWARDS[spec]
     module_name, sep, attr = spec.partition(":")
     if not sep or not module_name or not attr:
-        raise ValueError(f"unknown reward spec {spec!r}: expected one of "
-                         f"{sorted(_BUILTIN_REWARDS)} or 'module.path:function'")
+        raise ValueError(
+            f"unknown reward spec {spec!r}: expected one of {sorted(_BUILTIN_REWARDS)} or 'module.path:function'"
+        )
     try:
         obj: Any = importlib.import_module(module_name)
     except ImportError as err:
@@ -331,8 +327,7 @@ def get_reward_fn(spec: str) -> RewardFn:
         try:
             obj = getattr(obj, part)
         except AttributeError:
-            raise ValueError(f"reward spec {spec!r}: {module_name!r} has no attribute "
-                             f"{attr!r}") from None
+            raise ValueError(f"reward spec {spec!r}: {module_name!r} has no attribute {attr!r}") from None
     if not callable(obj):
         raise ValueError(f"reward spec {spec!r}: {attr!r} is not callable")
     return obj

@@ -80,8 +80,11 @@ class RolloutClient:
             request_id=request_id,
             prompt_token_ids=prompt_token_ids,
             sampling=pb.SamplingParams(
-                n=n, max_tokens=sampling.max_tokens, temperature=sampling.temperature,
-                top_p=sampling.top_p, top_k=sampling.top_k,
+                n=n,
+                max_tokens=sampling.max_tokens,
+                temperature=sampling.temperature,
+                top_p=sampling.top_p,
+                top_k=sampling.top_k,
                 # Whole samples are what the coordinator needs: chunks of 16 tokens save CPU on both ends.
                 stream_interval=STREAM_INTERVAL,
             ),

@@ -73,8 +73,9 @@ def apply_setting(run_config: RunConfig, key: str, raw_value: str) -> tuple[str,
     if key not in KNOWN:
         raise UnknownSetting(f"unknown key coordinator.{key}; keys settable at run time: {', '.join(SETTABLE)}")
     if key not in SETTABLE:
-        raise FixedSetting(f"coordinator.{key} is fixed at start and cannot change at run time; "
-                           f"settable: {', '.join(SETTABLE)}")
+        raise FixedSetting(
+            f"coordinator.{key} is fixed at start and cannot change at run time; settable: {', '.join(SETTABLE)}"
+        )
     try:
         value = yaml.safe_load(raw_value)
     except yaml.YAMLError as error:

@@ -71,9 +71,18 @@ class SchedulerStats:
 class Scheduler:
     """Plain core of the coordinator; the ``run()`` loop in ``__main__`` drives it."""
 
-    def __init__(self, config: CoordinatorConfig, fleet: Fleet, queue: RolloutQueue, task: Task,
-                 total_groups: int, start_version: int = 0, version_jumps: int = 0, queued_at_start: int = 0,
-                 pushed_before: int = 0):
+    def __init__(
+        self,
+        config: CoordinatorConfig,
+        fleet: Fleet,
+        queue: RolloutQueue,
+        task: Task,
+        total_groups: int,
+        start_version: int = 0,
+        version_jumps: int = 0,
+        queued_at_start: int = 0,
+        pushed_before: int = 0,
+    ):
         self.config = config  # shared and live: the admin API changes it in place
         self.fleet = fleet
         self.queue = queue
@@ -118,8 +127,13 @@ class Scheduler:
         if self.eval_hold_version is not None:
             self.eval_hold_version += shift
         why = "skipped versions (restart)" if shift > 0 else "took steps that published nothing"
-        logger.warning("the trainer %s: slots move by %+d versions; slot i now trains at v%d + i // %d", why, shift,
-                       self.start_version, self.config.groups_per_step)
+        logger.warning(
+            "the trainer %s: slots move by %+d versions; slot i now trains at v%d + i // %d",
+            why,
+            shift,
+            self.start_version,
+            self.config.groups_per_step,
+        )
         return shift
 
     # admission -----------------------------------------------------------------------------
@@ -193,30 +207,47 @@ class Scheduler:
                 break
             if tries >= self.config.dynamic_sampling_max_tries:
                 self.stats.groups_kept_uniform += 1
-                logger.warning("slot %d: %d groups in a row had equal rewards (%.3f); pushing the last one",
-                               slot, tries, rewards[0])
+                logger.warning(
+                    "slot %d: %d groups in a row had equal rewards (%.3f); pushing the last one",
+                    slot,
+                    tries,
+                    rewards[0],
+                )
                 break
             self.stats.groups_skipped += 1
             self.stats.groups_admitted += 1
             prompt = self.task.next_prompt()
         await self.complete(slot, group)
 
-    async def _generate_group(self, slot: int, prompt: TaskPrompt,
-                              admitted_at: int) -> tuple[TrajectoryGroup, list[float]]:
+    async def _generate_group(
+        self, slot: int, prompt: TaskPrompt, admitted_at: int
+    ) -> tuple[TrajectoryGroup, list[float]]:
         floor = self.version_floor(slot)
         sampling = self.config.sampling.model_copy()  # this request's settings; a live change applies to later ones
         results, client = await self.fleet.generate(
-            prompt.prompt_token_ids, self.config.group_size, sampling,
-            accept=lambda c: c.policy_version >= floor, what=f"at policy version >= {floor}",
-            request_id=f"g{slot}-{uuid.uuid4().hex[:6]}", timeout_s=self.config.request_timeout_s,
+            prompt.prompt_token_ids,
+            self.config.group_size,
+            sampling,
+            accept=lambda c: c.policy_version >= floor,
+            what=f"at policy version >= {floor}",
+            request_id=f"g{slot}-{uuid.uuid4().hex[:6]}",
+            timeout_s=self.config.request_timeout_s,
             max_attempts=self.config.max_attempts,
         )
         scores = await self.task.score(prompt, [r.token_ids for r in results])
         group = self._build_group(slot, prompt, results, scores, client, admitted_at, sampling.temperature)
         return group, [s.reward for s in scores]
 
-    def _build_group(self, slot: int, prompt: TaskPrompt, results: list[SampleResult], scores: list[RewardResult],
-                     client: RolloutClient, admitted_at: int, temperature: float) -> TrajectoryGroup:
+    def _build_group(
+        self,
+        slot: int,
+        prompt: TaskPrompt,
+        results: list[SampleResult],
+        scores: list[RewardResult],
+        client: RolloutClient,
+        admitted_at: int,
+        temperature: float,
+    ) -> TrajectoryGroup:
         samples = []
         for result, score in zip(results, scores, strict=True):
             samples.append(

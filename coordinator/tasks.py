@@ -102,9 +102,11 @@ class PromptRenderer:
         self.chat_template_kwargs = chat_template_kwargs
         self.plain = getattr(tokenizer, "chat_template", None) is None
         if self.plain:
-            logger.warning("tokenizer %s has no chat template: prompts are rendered plain (BOS + contents)%s",
-                           getattr(tokenizer, "name_or_path", ""),
-                           f"; chat_template_kwargs {chat_template_kwargs} are ignored" if chat_template_kwargs else "")
+            logger.warning(
+                "tokenizer %s has no chat template: prompts are rendered plain (BOS + contents)%s",
+                getattr(tokenizer, "name_or_path", ""),
+                f"; chat_template_kwargs {chat_template_kwargs} are ignored" if chat_template_kwargs else "",
+            )
 
     def render(self, messages: list[dict]) -> list[int]:
         if not self.plain:
@@ -136,8 +138,15 @@ class DatasetTask:
     counted in ``prompts_too_long`` (both limits are read live, so a run-time change applies at once).
     """
 
-    def __init__(self, problems: list[Problem], renderer: PromptRenderer, scorer: ResponseScorer,
-                 config: CoordinatorConfig, max_model_len: int, name: str):
+    def __init__(
+        self,
+        problems: list[Problem],
+        renderer: PromptRenderer,
+        scorer: ResponseScorer,
+        config: CoordinatorConfig,
+        max_model_len: int,
+        name: str,
+    ):
         self.name = name
         self.source = PromptSource(problems, seed=config.seed)
         self.renderer = renderer
@@ -180,8 +189,9 @@ class DatasetTask:
         max_tokens = self.config.sampling.max_tokens
         return [
             RewardResult(
-                overlong_penalty_reward(r.reward, len(ids), max_tokens, min(overlong.buffer_len, max_tokens),
-                                        overlong.penalty_factor),
+                overlong_penalty_reward(
+                    r.reward, len(ids), max_tokens, min(overlong.buffer_len, max_tokens), overlong.penalty_factor
+                ),
                 r.error,
             )
             for r, ids in zip(results, responses, strict=True)
@@ -202,8 +212,11 @@ def load_tokenizer(model_path: str) -> Any:
 
 def load_problems(path: str, config: CoordinatorConfig, limit: int | None) -> list[Problem]:
     return load_dataset(
-        path, name=Path(path).stem, prompt_template=config.prompt_template or DEFAULT_PROMPT_TEMPLATE,
-        limit=limit, template_chat_prompts=config.template_chat_prompts,
+        path,
+        name=Path(path).stem,
+        prompt_template=config.prompt_template or DEFAULT_PROMPT_TEMPLATE,
+        limit=limit,
+        template_chat_prompts=config.template_chat_prompts,
     )
 
 

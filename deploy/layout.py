@@ -102,8 +102,11 @@ def check_paths(config: RunConfig) -> None:
         )
     if not posixpath.isabs(config.model_path):
         raise LayoutError(f"model_path={config.model_path!r} must be an absolute path (the volume's mount point)")
-    shared = {"out_dir": config.out_dir, "trainer.ckpt_dir": config.trainer.ckpt_dir,
-              "weight_bus.snapshot_dir": config.weight_bus.snapshot_dir}
+    shared = {
+        "out_dir": config.out_dir,
+        "trainer.ckpt_dir": config.trainer.ckpt_dir,
+        "weight_bus.snapshot_dir": config.weight_bus.snapshot_dir,
+    }
     for field, path in shared.items():
         if path and not _under_run_volume(path):
             raise LayoutError(

@@ -51,8 +51,11 @@ def label_value(text: str) -> str:
 
 
 def labels(config: RunConfig, role: str) -> dict[str, str]:
-    return {"app.kubernetes.io/name": "fleetrl", "app.kubernetes.io/component": role,
-            "app.kubernetes.io/instance": label_value(config.run_id)}
+    return {
+        "app.kubernetes.io/name": "fleetrl",
+        "app.kubernetes.io/component": role,
+        "app.kubernetes.io/instance": label_value(config.run_id),
+    }
 
 
 def metadata(config: RunConfig, name: str, role: str, annotations: dict[str, str] | None = None) -> dict:
@@ -73,8 +76,10 @@ def field_env(name: str, field_path: str) -> dict:
 
 # Volumes --------------------------------------------------------------------------------------------------------
 def config_volume() -> tuple[dict, dict]:
-    return ({"name": "config", "configMap": {"name": CONFIG_MAP_NAME}},
-            {"name": "config", "mountPath": layout.CONFIG_DIR, "readOnly": True})
+    return (
+        {"name": "config", "configMap": {"name": CONFIG_MAP_NAME}},
+        {"name": "config", "mountPath": layout.CONFIG_DIR, "readOnly": True},
+    )
 
 
 def model_volume(config: RunConfig, options: RenderOptions) -> tuple[dict, dict]:
@@ -85,8 +90,10 @@ def model_volume(config: RunConfig, options: RenderOptions) -> tuple[dict, dict]
 
 
 def run_volume(options: RenderOptions, read_only: bool = False) -> tuple[dict, dict]:
-    return ({"name": "run", "persistentVolumeClaim": {"claimName": options.run_pvc}},
-            {"name": "run", "mountPath": layout.RUN_VOLUME_PATH, "readOnly": read_only})
+    return (
+        {"name": "run", "persistentVolumeClaim": {"claimName": options.run_pvc}},
+        {"name": "run", "mountPath": layout.RUN_VOLUME_PATH, "readOnly": read_only},
+    )
 
 
 def shm_volume() -> tuple[dict, dict]:
@@ -104,8 +111,16 @@ def data_volumes(config: RunConfig, options: RenderOptions) -> tuple[list[dict],
 
 
 def container(options: RenderOptions, name: str, args: list[str], mounts: list[dict], **extra) -> dict:
-    return {"name": name, "image": options.image, "imagePullPolicy": "IfNotPresent", "workingDir": options.workdir,
-            "command": args[:1], "args": args[1:], "volumeMounts": mounts, **extra}
+    return {
+        "name": name,
+        "image": options.image,
+        "imagePullPolicy": "IfNotPresent",
+        "workingDir": options.workdir,
+        "command": args[:1],
+        "args": args[1:],
+        "volumeMounts": mounts,
+        **extra,
+    }
 
 
 def gpu_limits(num_gpus: int) -> dict:
@@ -114,38 +129,73 @@ def gpu_limits(num_gpus: int) -> dict:
 
 # Objects ----------------------------------------------------------------------------------------------------------
 def config_map(config: RunConfig) -> Manifest:
-    obj = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": metadata(config, CONFIG_MAP_NAME, "config"),
-           "data": {"config.json": config.model_dump_json(indent=2)}}
-    return Manifest("00-config.yaml", [
-        "The resolved run config (JSON): every role reads it as --config " + CONFIG_PATH + ".",
-        "Rendered from the recipe, the command-line overrides and the cluster settings (fixed ports, 0.0.0.0",
-        "admin/dashboard interfaces, Redis Service URL, out_dir on the shared run volume).",
-    ], [obj])
+    obj = {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": metadata(config, CONFIG_MAP_NAME, "config"),
+        "data": {"config.json": config.model_dump_json(indent=2)},
+    }
+    return Manifest(
+        "00-config.yaml",
+        [
+            "The resolved run config (JSON): every role reads it as --config " + CONFIG_PATH + ".",
+            "Rendered from the recipe, the command-line overrides and the cluster settings (fixed ports, 0.0.0.0",
+            "admin/dashboard interfaces, Redis Service URL, out_dir on the shared run volume).",
+        ],
+        [obj],
+    )
 
 
 def redis(config: RunConfig, options: RenderOptions) -> Manifest:
     role, port = "redis", 6379
-    pod = {"containers": [{
-        "name": "redis", "image": options.redis_image,
-        # The image's entrypoint prepends the server binary to arguments that start with '--'.
-        "args": ["--appendonly", "yes", "--dir", "/data"],
-        "ports": [{"name": "redis", "containerPort": port}],
-        "readinessProbe": {"tcpSocket": {"port": port}, "periodSeconds": 5},
-        "volumeMounts": [{"name": "data", "mountPath": "/data"}],
-    }]}
-    stateful_set = {"apiVersion": "apps/v1", "kind": "StatefulSet", "metadata": metadata(config, "redis", role),
-                    "spec": {"serviceName": "redis", "replicas": 1, "selector": {"matchLabels": labels(config, role)},
-                             "template": {"metadata": {"labels": labels(config, role)}, "spec": pod},
-                             "volumeClaimTemplates": [{"metadata": {"name": "data"}, "spec": {
-                                 "accessModes": ["ReadWriteOnce"],
-                                 "resources": {"requests": {"storage": options.redis_storage}}}}]}}
-    service = {"apiVersion": "v1", "kind": "Service", "metadata": metadata(config, "redis", role),
-               "spec": {"selector": labels(config, role), "ports": [{"name": "redis", "port": port}]}}
-    return Manifest("10-redis.yaml", [
-        f"Redis (image {options.redis_image}): the trajectory stream, versions, fleet reports, metrics streams.",
-        "Append-only file on a volume: the queue's exactly-once rule assumes Redis keeps acknowledged state",
-        "across a restart of its pod. Not rendered when the config sets redis_url.",
-    ], [stateful_set, service])
+    pod = {
+        "containers": [
+            {
+                "name": "redis",
+                "image": options.redis_image,
+                # The image's entrypoint prepends the server binary to arguments that start with '--'.
+                "args": ["--appendonly", "yes", "--dir", "/data"],
+                "ports": [{"name": "redis", "containerPort": port}],
+                "readinessProbe": {"tcpSocket": {"port": port}, "periodSeconds": 5},
+                "volumeMounts": [{"name": "data", "mountPath": "/data"}],
+            }
+        ]
+    }
+    stateful_set = {
+        "apiVersion": "apps/v1",
+        "kind": "StatefulSet",
+        "metadata": metadata(config, "redis", role),
+        "spec": {
+            "serviceName": "redis",
+            "replicas": 1,
+            "selector": {"matchLabels": labels(config, role)},
+            "template": {"metadata": {"labels": labels(config, role)}, "spec": pod},
+            "volumeClaimTemplates": [
+                {
+                    "metadata": {"name": "data"},
+                    "spec": {
+                        "accessModes": ["ReadWriteOnce"],
+                        "resources": {"requests": {"storage": options.redis_storage}},
+                    },
+                }
+            ],
+        },
+    }
+    service = {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": metadata(config, "redis", role),
+        "spec": {"selector": labels(config, role), "ports": [{"name": "redis", "port": port}]},
+    }
+    return Manifest(
+        "10-redis.yaml",
+        [
+            f"Redis (image {options.redis_image}): the trajectory stream, versions, fleet reports, metrics streams.",
+            "Append-only file on a volume: the queue's exactly-once rule assumes Redis keeps acknowledged state",
+            "across a restart of its pod. Not rendered when the config sets redis_url.",
+        ],
+        [stateful_set, service],
+    )
 
 
 def rollout_addresses(config: RunConfig) -> list[str]:
@@ -159,54 +209,95 @@ def rollout_command(config: RunConfig) -> list[str]:
     # its address, and the coordinator matches those reports to its --servers entries by address to learn each
     # server's policy version. With 0.0.0.0 the reports would say 0.0.0.0:<port>, match nothing, and dispatch would
     # stall once the staleness bound needs newer versions.
-    return ["python", "-m", "rollout_service", "serve", "--model", config.model_path,
-            "--host", f"$(POD_NAME).{layout.ROLLOUT_SERVICE}", "--port", str(config.rollout.base_port),
-            "--server-id", "$(POD_NAME)", "--redis-url", config.redis_url, "--config", CONFIG_PATH,
-            "--metrics-port", str(layout.ROLLOUT_METRICS_PORT)]
+    return [
+        "python",
+        "-m",
+        "rollout_service",
+        "serve",
+        "--model",
+        config.model_path,
+        "--host",
+        f"$(POD_NAME).{layout.ROLLOUT_SERVICE}",
+        "--port",
+        str(config.rollout.base_port),
+        "--server-id",
+        "$(POD_NAME)",
+        "--redis-url",
+        config.redis_url,
+        "--config",
+        CONFIG_PATH,
+        "--metrics-port",
+        str(layout.ROLLOUT_METRICS_PORT),
+    ]
 
 
 def rollout(config: RunConfig, options: RenderOptions, pods: layout.RolePods) -> Manifest:
     role, port = "rollout", config.rollout.base_port
-    volumes, mounts = zip(config_volume(), model_volume(config, options), shm_volume())
+    volumes, mounts = zip(config_volume(), model_volume(config, options), shm_volume(), strict=False)
     volumes, mounts = list(volumes), list(mounts)
     if config.weight_bus.snapshot_dir:  # receivers load a version from the snapshot when the publisher is gone
         volume, mount = run_volume(options, read_only=True)
         volumes.append(volume)
         mounts.append(mount)
-    main = container(options, "rollout", rollout_command(config), mounts,
-                     env=[field_env("POD_NAME", "metadata.name")],
-                     ports=[{"name": "grpc", "containerPort": port},
-                            {"name": "metrics", "containerPort": layout.ROLLOUT_METRICS_PORT}],
-                     resources=gpu_limits(pods.gpus_per_pod),
-                     # Health turns SERVING only once the engine is up and the gRPC server listens.
-                     readinessProbe={"grpc": {"port": port}, "periodSeconds": 10, "failureThreshold": 3})
+    main = container(
+        options,
+        "rollout",
+        rollout_command(config),
+        mounts,
+        env=[field_env("POD_NAME", "metadata.name")],
+        ports=[
+            {"name": "grpc", "containerPort": port},
+            {"name": "metrics", "containerPort": layout.ROLLOUT_METRICS_PORT},
+        ],
+        resources=gpu_limits(pods.gpus_per_pod),
+        # Health turns SERVING only once the engine is up and the gRPC server listens.
+        readinessProbe={"grpc": {"port": port}, "periodSeconds": 10, "failureThreshold": 3},
+    )
     annotations = {}
-    comment = [f"{pods.num_pods} rollout servers (vLLM TP {config.rollout.tensor_parallel_size} x PP "
-               f"{config.rollout.pipeline_parallel_size}), {pods.gpus_per_pod} GPUs each; pods rollout-<i>.rollout."]
+    comment = [
+        f"{pods.num_pods} rollout servers (vLLM TP {config.rollout.tensor_parallel_size} x PP "
+        f"{config.rollout.pipeline_parallel_size}), {pods.gpus_per_pod} GPUs each; pods rollout-<i>.rollout."
+    ]
     if layout.rollout_spans_nodes(config, options.gpus_per_node):
-        note = (f"NOT SCHEDULABLE AS IS: a replica needs {pods.gpus_per_pod} GPUs, more than one node's "
-                f"{options.gpus_per_node}. vLLM across nodes needs a Ray cluster per replica (e.g. a LeaderWorkerSet),"
-                " which rollout_service does not start and this file does not render.")
+        note = (
+            f"NOT SCHEDULABLE AS IS: a replica needs {pods.gpus_per_pod} GPUs, more than one node's "
+            f"{options.gpus_per_node}. vLLM across nodes needs a Ray cluster per replica (e.g. a LeaderWorkerSet),"
+            " which rollout_service does not start and this file does not render."
+        )
         annotations["fleetrl/multi-node-rollout"] = note
         comment.append(note)
     template_meta = {"labels": labels(config, role), "annotations": scrape_annotations(layout.ROLLOUT_METRICS_PORT)}
-    stateful_set = {"apiVersion": "apps/v1", "kind": "StatefulSet",
-                    "metadata": metadata(config, layout.ROLLOUT_SERVICE, role, annotations),
-                    "spec": {"serviceName": layout.ROLLOUT_SERVICE, "replicas": pods.num_pods,
-                             "podManagementPolicy": "Parallel",  # every engine loads at once, not one by one
-                             "selector": {"matchLabels": labels(config, role)},
-                             "template": {"metadata": template_meta,
-                                          "spec": {"containers": [main], "volumes": volumes}}}}
-    return Manifest("20-rollout.yaml", comment, [headless_service(config, layout.ROLLOUT_SERVICE, role, port),
-                                                 stateful_set])
+    stateful_set = {
+        "apiVersion": "apps/v1",
+        "kind": "StatefulSet",
+        "metadata": metadata(config, layout.ROLLOUT_SERVICE, role, annotations),
+        "spec": {
+            "serviceName": layout.ROLLOUT_SERVICE,
+            "replicas": pods.num_pods,
+            "podManagementPolicy": "Parallel",  # every engine loads at once, not one by one
+            "selector": {"matchLabels": labels(config, role)},
+            "template": {"metadata": template_meta, "spec": {"containers": [main], "volumes": volumes}},
+        },
+    }
+    return Manifest(
+        "20-rollout.yaml", comment, [headless_service(config, layout.ROLLOUT_SERVICE, role, port), stateful_set]
+    )
 
 
 def headless_service(config: RunConfig, name: str, role: str, port: int) -> dict:
     # publishNotReadyAddresses: pods resolve by name before they are ready (a server binds its own name at start,
     # torchrun's rendezvous runs before any readiness).
-    return {"apiVersion": "v1", "kind": "Service", "metadata": metadata(config, name, role),
-            "spec": {"clusterIP": "None", "publishNotReadyAddresses": True, "selector": labels(config, role),
-                     "ports": [{"name": "main", "port": port}]}}
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": metadata(config, name, role),
+        "spec": {
+            "clusterIP": "None",
+            "publishNotReadyAddresses": True,
+            "selector": labels(config, role),
+            "ports": [{"name": "main", "port": port}],
+        },
+    }
 
 
 def trainer_command(config: RunConfig) -> list[str]:
@@ -214,36 +305,82 @@ def trainer_command(config: RunConfig) -> list[str]:
     tcfg = config.trainer
     # weight_bus.host: rank 0 advertises the address it binds in every manifest; the pod IP reaches it from the
     # rollout pods (0.0.0.0 would be advertised as is, and 127.0.0.1 is unreachable).
-    role = ["-m", "trainer_service", "train", "--model", config.model_path, "--redis-url", config.redis_url,
-            "--config", CONFIG_PATH, "weight_bus.host=$(POD_IP)"]
+    role = [
+        "-m",
+        "trainer_service",
+        "train",
+        "--model",
+        config.model_path,
+        "--redis-url",
+        config.redis_url,
+        "--config",
+        CONFIG_PATH,
+        "weight_bus.host=$(POD_IP)",
+    ]
     if tcfg.num_nodes == 1 and tcfg.num_processes == 1:
         return ["python", *role]
     if tcfg.num_nodes == 1:
         ranks = ["--standalone", "--nproc-per-node", str(tcfg.num_processes)]
     else:
-        ranks = ["--nnodes", str(tcfg.num_nodes), "--nproc-per-node", str(tcfg.num_processes),
-                 "--node-rank", "$(NODE_RANK)", "--rdzv-backend", "c10d",
-                 "--rdzv-endpoint", f"{layout.TRAINER_SERVICE}-0.{layout.TRAINER_SERVICE}:{layout.RDZV_PORT}",
-                 "--rdzv-id", config.run_id]
+        ranks = [
+            "--nnodes",
+            str(tcfg.num_nodes),
+            "--nproc-per-node",
+            str(tcfg.num_processes),
+            "--node-rank",
+            "$(NODE_RANK)",
+            "--rdzv-backend",
+            "c10d",
+            "--rdzv-endpoint",
+            f"{layout.TRAINER_SERVICE}-0.{layout.TRAINER_SERVICE}:{layout.RDZV_PORT}",
+            "--rdzv-id",
+            config.run_id,
+        ]
     return ["python", "-m", "torch.distributed.run", *ranks, *role]
 
 
 def trainer(config: RunConfig, options: RenderOptions, pods: layout.RolePods) -> Manifest:
     role = "trainer"
-    volumes, mounts = zip(config_volume(), model_volume(config, options), run_volume(options), shm_volume())
-    env = [field_env("POD_IP", "status.podIP"),
-           field_env("NODE_RANK", "metadata.annotations['batch.kubernetes.io/job-completion-index']")]
-    main = container(options, "trainer", trainer_command(config), list(mounts), env=env,
-                     ports=[{"name": "rdzv", "containerPort": layout.RDZV_PORT},
-                            {"name": "metrics", "containerPort": config.trainer.metrics_port}],
-                     resources=gpu_limits(pods.gpus_per_pod))
+    volumes, mounts = zip(
+        config_volume(), model_volume(config, options), run_volume(options), shm_volume(), strict=False
+    )
+    env = [
+        field_env("POD_IP", "status.podIP"),
+        field_env("NODE_RANK", "metadata.annotations['batch.kubernetes.io/job-completion-index']"),
+    ]
+    main = container(
+        options,
+        "trainer",
+        trainer_command(config),
+        list(mounts),
+        env=env,
+        ports=[
+            {"name": "rdzv", "containerPort": layout.RDZV_PORT},
+            {"name": "metrics", "containerPort": config.trainer.metrics_port},
+        ],
+        resources=gpu_limits(pods.gpus_per_pod),
+    )
     template_meta = {"labels": labels(config, role), "annotations": scrape_annotations(config.trainer.metrics_port)}
-    job = {"apiVersion": "batch/v1", "kind": "Job", "metadata": metadata(config, layout.TRAINER_SERVICE, role),
-           "spec": {"completionMode": "Indexed", "completions": pods.num_pods, "parallelism": pods.num_pods,
-                    "backoffLimit": options.backoff_limit,
-                    "template": {"metadata": template_meta, "spec": {
-                        "subdomain": layout.TRAINER_SERVICE,  # pod hostnames trainer-<index>.trainer
-                        "restartPolicy": "OnFailure", "containers": [main], "volumes": list(volumes)}}}}
+    job = {
+        "apiVersion": "batch/v1",
+        "kind": "Job",
+        "metadata": metadata(config, layout.TRAINER_SERVICE, role),
+        "spec": {
+            "completionMode": "Indexed",
+            "completions": pods.num_pods,
+            "parallelism": pods.num_pods,
+            "backoffLimit": options.backoff_limit,
+            "template": {
+                "metadata": template_meta,
+                "spec": {
+                    "subdomain": layout.TRAINER_SERVICE,  # pod hostnames trainer-<index>.trainer
+                    "restartPolicy": "OnFailure",
+                    "containers": [main],
+                    "volumes": list(volumes),
+                },
+            },
+        },
+    }
     comment = [
         f"The trainer: {pods.num_pods} pods (an Indexed Job; pod i is trainer-i.trainer) x {pods.gpus_per_pod} GPUs,",
         "one torchrun per pod. The job completes when the trainer finishes its steps; a crashed pod restarts and",
@@ -257,8 +394,9 @@ def trainer(config: RunConfig, options: RenderOptions, pods: layout.RolePods) ->
         "NCCL_SOCKET_IFNAME (and NCCL_IB_HCA for InfiniBand) in the container env; NCCL_DEBUG=INFO logs its choice.",
         "Pods with RDMA NICs may need the vendor's device-plugin resource requested next to nvidia.com/gpu.",
     ]
-    return Manifest("30-trainer.yaml", comment, [headless_service(config, layout.TRAINER_SERVICE, role,
-                                                                  layout.RDZV_PORT), job])
+    return Manifest(
+        "30-trainer.yaml", comment, [headless_service(config, layout.TRAINER_SERVICE, role, layout.RDZV_PORT), job]
+    )
 
 
 # Waits for every rollout server's gRPC health to say SERVING (vLLM loading a large model takes far longer than the
@@ -284,31 +422,65 @@ for address in servers:
 
 
 def coordinator_command(config: RunConfig) -> list[str]:
-    return ["python", "-m", "coordinator", "run", "--servers", ",".join(rollout_addresses(config)),
-            "--redis-url", config.redis_url, "--model", config.model_path, "--config", CONFIG_PATH]
+    return [
+        "python",
+        "-m",
+        "coordinator",
+        "run",
+        "--servers",
+        ",".join(rollout_addresses(config)),
+        "--redis-url",
+        config.redis_url,
+        "--model",
+        config.model_path,
+        "--config",
+        CONFIG_PATH,
+    ]
 
 
 def coordinator(config: RunConfig, options: RenderOptions) -> Manifest:
     role, cfg = "coordinator", config.coordinator
-    volumes, mounts = (list(parts) for parts in zip(config_volume(), model_volume(config, options),
-                                                    run_volume(options)))
+    volumes, mounts = (
+        list(parts) for parts in zip(config_volume(), model_volume(config, options), run_volume(options), strict=False)
+    )
     data_vols, data_mounts = data_volumes(config, options)
-    ports = [{"name": "admin", "containerPort": cfg.admin_port},
-             {"name": "metrics", "containerPort": cfg.metrics_port}]
+    ports = [{"name": "admin", "containerPort": cfg.admin_port}, {"name": "metrics", "containerPort": cfg.metrics_port}]
     if cfg.dashboard:
         ports.append({"name": "dashboard", "containerPort": cfg.dashboard_port})
-    wait = container(options, "wait-for-rollout", ["python", "-c", WAIT_FOR_ROLLOUT, ",".join(rollout_addresses(config)),
-                                                   str(options.rollout_ready_timeout_s)], [])
+    wait = container(
+        options,
+        "wait-for-rollout",
+        ["python", "-c", WAIT_FOR_ROLLOUT, ",".join(rollout_addresses(config)), str(options.rollout_ready_timeout_s)],
+        [],
+    )
     main = container(options, "coordinator", coordinator_command(config), mounts + data_mounts, ports=ports)
     template_meta = {"labels": labels(config, role), "annotations": scrape_annotations(cfg.metrics_port)}
-    job = {"apiVersion": "batch/v1", "kind": "Job", "metadata": metadata(config, "coordinator", role),
-           "spec": {"completions": 1, "parallelism": 1, "backoffLimit": options.backoff_limit,
-                    "template": {"metadata": template_meta, "spec": {
-                        "restartPolicy": "OnFailure", "initContainers": [wait], "containers": [main],
-                        "volumes": volumes + data_vols}}}}
+    job = {
+        "apiVersion": "batch/v1",
+        "kind": "Job",
+        "metadata": metadata(config, "coordinator", role),
+        "spec": {
+            "completions": 1,
+            "parallelism": 1,
+            "backoffLimit": options.backoff_limit,
+            "template": {
+                "metadata": template_meta,
+                "spec": {
+                    "restartPolicy": "OnFailure",
+                    "initContainers": [wait],
+                    "containers": [main],
+                    "volumes": volumes + data_vols,
+                },
+            },
+        },
+    }
     service_ports = [{"name": p["name"], "port": p["containerPort"]} for p in ports]
-    service = {"apiVersion": "v1", "kind": "Service", "metadata": metadata(config, "coordinator", role),
-               "spec": {"selector": labels(config, role), "ports": service_ports}}
+    service = {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": metadata(config, "coordinator", role),
+        "spec": {"selector": labels(config, role), "ports": service_ports},
+    }
     comment = [
         "The coordinator: one pod (a Job, not a Deployment: it exits 0 when every group is pushed, and a",
         "Deployment would restart it into a second pass over the dataset). Its Service exposes the admin API",

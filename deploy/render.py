@@ -19,26 +19,40 @@ from protos.config import RunConfig, load_run_config
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m deploy.render", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m deploy.render", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("config", help="run config (YAML/JSON), e.g. recipes/beam/dapo-full-ft.yaml")
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. rollout.num_servers=2")
     parser.add_argument("--image", required=True, help="the fleetrl image (deploy/Dockerfile)")
     parser.add_argument("--model-pvc", required=True, help="PVC holding the model; mounted read-only at model_path")
     parser.add_argument("--model-subpath", default="", help="directory inside --model-pvc (default: its root)")
-    parser.add_argument("--run-pvc", required=True,
-                        help=f"ReadWriteMany PVC mounted at {layout.RUN_VOLUME_PATH}: out_dir, checkpoints, snapshots")
+    parser.add_argument(
+        "--run-pvc",
+        required=True,
+        help=f"ReadWriteMany PVC mounted at {layout.RUN_VOLUME_PATH}: out_dir, checkpoints, snapshots",
+    )
     parser.add_argument("--data-pvc", default="", help="PVC holding the coordinator's dataset files (read-only)")
     parser.add_argument("--out", required=True, help="directory the manifests are written to")
     parser.add_argument("--redis-image", default=manifests.RenderOptions.redis_image)
     parser.add_argument("--redis-storage", default=manifests.RenderOptions.redis_storage, help="Redis volume size")
     parser.add_argument("--gpus-per-node", type=int, default=manifests.RenderOptions.gpus_per_node)
-    parser.add_argument("--allow-multi-node-rollout", action="store_true",
-                        help="render rollout replicas larger than a node (they need Ray, which is not rendered)")
-    parser.add_argument("--workdir", default=manifests.RenderOptions.workdir,
-                        help="the image's working directory; relative dataset paths resolve against it")
-    parser.add_argument("--backoff-limit", type=int, default=manifests.RenderOptions.backoff_limit,
-                        help="restarts of the trainer and coordinator Jobs before they count as failed")
+    parser.add_argument(
+        "--allow-multi-node-rollout",
+        action="store_true",
+        help="render rollout replicas larger than a node (they need Ray, which is not rendered)",
+    )
+    parser.add_argument(
+        "--workdir",
+        default=manifests.RenderOptions.workdir,
+        help="the image's working directory; relative dataset paths resolve against it",
+    )
+    parser.add_argument(
+        "--backoff-limit",
+        type=int,
+        default=manifests.RenderOptions.backoff_limit,
+        help="restarts of the trainer and coordinator Jobs before they count as failed",
+    )
     return parser.parse_intermixed_args(argv)
 
 
@@ -51,16 +65,20 @@ def load_for_cluster(config_path: str, overrides: list[str]) -> tuple[RunConfig,
     return load_run_config(config_path, [*overrides, *layout.cluster_overrides(config)]), render_redis
 
 
-def build(config: RunConfig, options: manifests.RenderOptions,
-          render_redis: bool) -> tuple[list[manifests.Manifest], list[layout.RolePods]]:
+def build(
+    config: RunConfig, options: manifests.RenderOptions, render_redis: bool
+) -> tuple[list[manifests.Manifest], list[layout.RolePods]]:
     """Every manifest of the run and the GPU pods per role; raises LayoutError for a layout that cannot run."""
     trainer_pods = layout.trainer_pods(config, options.gpus_per_node)
     rollout_pods = layout.rollout_pods(config, options.gpus_per_node, options.allow_multi_node_rollout)
     rendered = [manifests.config_map(config)]
     if render_redis:
         rendered.append(manifests.redis(config, options))
-    rendered += [manifests.rollout(config, options, rollout_pods), manifests.trainer(config, options, trainer_pods),
-                 manifests.coordinator(config, options)]
+    rendered += [
+        manifests.rollout(config, options, rollout_pods),
+        manifests.trainer(config, options, trainer_pods),
+        manifests.coordinator(config, options),
+    ]
     return rendered, [trainer_pods, rollout_pods]
 
 
@@ -80,8 +98,10 @@ def write(rendered: list[manifests.Manifest], out_dir: Path, source: str) -> lis
     out_dir.mkdir(parents=True, exist_ok=True)
     written = []
     for manifest in rendered:
-        header = [f"Rendered by python -m deploy.render from {source}; edit the recipe and re-render, not this file.",
-                  *manifest.comment]
+        header = [
+            f"Rendered by python -m deploy.render from {source}; edit the recipe and re-render, not this file.",
+            *manifest.comment,
+        ]
         text = "".join(f"# {line}\n" for line in header)
         text += yaml.dump_all(manifest.objects, Dumper=_ReadableDumper, sort_keys=False, width=120)
         path = out_dir / manifest.filename
@@ -95,21 +115,31 @@ def notes(config: RunConfig, options: manifests.RenderOptions) -> list[str]:
     lines = []
     datasets = layout.dataset_paths(config, options.workdir)
     if datasets and not options.data_pvc:
-        lines.append(f"note: the coordinator reads {', '.join(datasets)}; no --data-pvc given, so the image must "
-                     "contain them")
+        lines.append(
+            f"note: the coordinator reads {', '.join(datasets)}; no --data-pvc given, so the image must contain them"
+        )
     if layout.rollout_spans_nodes(config, options.gpus_per_node):
-        lines.append("note: rollout replicas span nodes (see 20-rollout.yaml): they will not schedule until "
-                     "multi-node vLLM (Ray) is built")
+        lines.append(
+            "note: rollout replicas span nodes (see 20-rollout.yaml): they will not schedule until "
+            "multi-node vLLM (Ray) is built"
+        )
     return lines
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     options = manifests.RenderOptions(
-        image=args.image, model_pvc=args.model_pvc, run_pvc=args.run_pvc, model_subpath=args.model_subpath,
-        data_pvc=args.data_pvc, redis_image=args.redis_image, redis_storage=args.redis_storage,
-        gpus_per_node=args.gpus_per_node, allow_multi_node_rollout=args.allow_multi_node_rollout,
-        workdir=args.workdir, backoff_limit=args.backoff_limit,
+        image=args.image,
+        model_pvc=args.model_pvc,
+        run_pvc=args.run_pvc,
+        model_subpath=args.model_subpath,
+        data_pvc=args.data_pvc,
+        redis_image=args.redis_image,
+        redis_storage=args.redis_storage,
+        gpus_per_node=args.gpus_per_node,
+        allow_multi_node_rollout=args.allow_multi_node_rollout,
+        workdir=args.workdir,
+        backoff_limit=args.backoff_limit,
     )
     try:
         config, render_redis = load_for_cluster(args.config, args.overrides)

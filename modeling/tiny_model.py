@@ -34,16 +34,21 @@ def build_tokenizer():
     core = Tokenizer(models.WordLevel(vocab=vocab(), unk_token="?"))
     core.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     core.decoder = decoders.Fuse()
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=core, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>"
-    )
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>")
     tokenizer.chat_template = CHAT_TEMPLATE
     return tokenizer
 
 
 def tiny_config(
-    num_layers: int = 2, hidden_size: int = 64, num_experts: int = 8, top_k: int = 2, num_heads: int = 2,
-    num_kv_heads: int = 1, head_dim: int = 32, moe_intermediate_size: int | None = None, dtype: str = "float32",
+    num_layers: int = 2,
+    hidden_size: int = 64,
+    num_experts: int = 8,
+    top_k: int = 2,
+    num_heads: int = 2,
+    num_kv_heads: int = 1,
+    head_dim: int = 32,
+    moe_intermediate_size: int | None = None,
+    dtype: str = "float32",
 ):
     """The Qwen3-MoE config of the tiny model (64-token vocabulary, untied LM head)."""
     from transformers import Qwen3MoeConfig
@@ -73,8 +78,15 @@ def tiny_config(
 # hidden 1024, 48 experts top-4 of FFN 512, GQA 8/2 x 128), stored in bf16: large enough that the H200 runs real
 # kernels (FlashAttention, fused MoE, CUDA graphs) and R3 has routing to replay.
 GPU_DEMO_CONFIG = dict(
-    num_layers=12, hidden_size=1024, num_experts=48, top_k=4, num_heads=8, num_kv_heads=2, head_dim=128,
-    moe_intermediate_size=512, dtype="bfloat16",
+    num_layers=12,
+    hidden_size=1024,
+    num_experts=48,
+    top_k=4,
+    num_heads=8,
+    num_kv_heads=2,
+    head_dim=128,
+    moe_intermediate_size=512,
+    dtype="bfloat16",
 )
 
 

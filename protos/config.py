@@ -98,12 +98,16 @@ class CoordinatorConfig(_Strict):
                 f"coordinator.sampling.max_tokens ({self.sampling.max_tokens}); lower the buffer"
             )
         if self.dynamic_sampling and self.group_size < 2:
-            raise ValueError("coordinator.dynamic_sampling needs coordinator.group_size >= 2 (a group of one "
-                             "always has equal rewards)")
+            raise ValueError(
+                "coordinator.dynamic_sampling needs coordinator.group_size >= 2 (a group of one "
+                "always has equal rewards)"
+            )
         eval_sampling = self.eval.sampling or self.sampling
         if self.eval.datasets and self.eval.samples_per_problem > 1 and eval_sampling.temperature == 0:
-            raise ValueError("coordinator.eval.samples_per_problem > 1 needs a sampling temperature > 0 "
-                             "(greedy samples would be identical); set coordinator.eval.sampling.temperature")
+            raise ValueError(
+                "coordinator.eval.samples_per_problem > 1 needs a sampling temperature > 0 "
+                "(greedy samples would be identical); set coordinator.eval.sampling.temperature"
+            )
         return self
 
 
@@ -115,10 +119,14 @@ class RolloutConfig(_Strict):
     base_port: int = Field(0, ge=0, description="First gRPC port; 0 picks free ports.")
     max_model_len: int = Field(256, gt=0, description="Prompt + response token limit of the engine.")
     kv_cache_gib: float | None = Field(
-        None, gt=0, description="KV cache size in GiB. CPU: VLLM_CPU_KVCACHE_SPACE (None = 1 GiB). GPU: vLLM's "
+        None,
+        gt=0,
+        description="KV cache size in GiB. CPU: VLLM_CPU_KVCACHE_SPACE (None = 1 GiB). GPU: vLLM's "
         "kv_cache_memory_bytes, which then wins over gpu_memory_utilization (None = sized by the utilization).",
     )
-    max_inflight_requests: int = Field(256, gt=0, description="Generate calls admitted at once; beyond: RESOURCE_EXHAUSTED.")
+    max_inflight_requests: int = Field(
+        256, gt=0, description="Generate calls admitted at once; beyond: RESOURCE_EXHAUSTED."
+    )
     max_samples_per_request: int = Field(64, gt=0, description="Upper limit of n in one request.")
     recompute_kv_on_update: bool = Field(
         True, description="Drop KV cache on a weight update so later tokens see only new weights."
@@ -134,30 +142,39 @@ class RolloutConfig(_Strict):
     return_routed_experts: Literal["auto", "on", "off"] = Field(
         "auto", description="Return routed experts for R3: auto = on with a GPU (vLLM on CPU refuses it)."
     )
-    tensor_parallel_size: int = Field(1, gt=0, description="vLLM tensor parallel size of one server (GPUs per replica / PP).")
+    tensor_parallel_size: int = Field(
+        1, gt=0, description="vLLM tensor parallel size of one server (GPUs per replica / PP)."
+    )
     pipeline_parallel_size: int = Field(1, gt=0, description="vLLM pipeline parallel size of one server.")
     enable_expert_parallel: bool = Field(False, description="vLLM expert parallelism for MoE layers (EP = TP x DP).")
     max_num_seqs: int = Field(256, gt=0, description="vLLM: sequences scheduled at once per server.")
     seed: int = Field(0, description="Engine seed.")
     gpu_memory_utilization: float = Field(
-        0.9, gt=0.0, le=1.0, description="GPU: fraction of the device's memory this engine may take (weights, "
+        0.9,
+        gt=0.0,
+        le=1.0,
+        description="GPU: fraction of the device's memory this engine may take (weights, "
         "activations, CUDA graphs, KV cache). Lower it when a trainer or another engine shares the GPU.",
     )
     enforce_eager: bool = Field(
-        False, description="GPU: run eager instead of CUDA graphs + torch.compile (faster start, slower decode). "
+        False,
+        description="GPU: run eager instead of CUDA graphs + torch.compile (faster start, slower decode). "
         "The CPU engine always runs eager.",
     )
     enable_prefix_caching: Literal["auto", "on", "off"] = Field(
-        "auto", description="Share KV blocks of equal prompt prefixes across requests (agent sessions, GRPO groups). "
+        "auto",
+        description="Share KV blocks of equal prompt prefixes across requests (agent sessions, GRPO groups). "
         "auto = on with a GPU. Only with recompute_kv_on_update, which clears the cache at every weight update: kept "
         "blocks would hand a request the old weights' KV under the new version's label.",
     )
     quantization: Literal["none", "mxfp8"] = Field(
-        "none", description="GPU: serve with vLLM's online quantization. 'mxfp8': weights quantized to E4M3 + E8M0 "
+        "none",
+        description="GPU: serve with vLLM's online quantization. 'mxfp8': weights quantized to E4M3 + E8M0 "
         "per 32 at load and at every weight update (Hopper: MXFP8 weights, bf16 math through Marlin).",
     )
     load_format: Literal["auto", "dummy"] = Field(
-        "auto", description="vLLM load format; 'dummy' starts on random weights without reading the checkpoint "
+        "auto",
+        description="vLLM load format; 'dummy' starts on random weights without reading the checkpoint "
         "(benchmarks; the first weight update brings the real ones).",
     )
 
@@ -189,7 +206,9 @@ class MegatronConfig(_Strict):
     )
     expert_model_parallel_size: int = Field(1, ge=1, description="EP: ranks that split the MoE experts.")
     expert_tensor_parallel_size: int | None = Field(
-        None, ge=1, description="ETP: ranks that split each expert's matrices; None = the TP size (megatron's default). "
+        None,
+        ge=1,
+        description="ETP: ranks that split each expert's matrices; None = the TP size (megatron's default). "
         "EP x ETP must divide the ranks of one pipeline stage.",
     )
     context_parallel_size: int = Field(
@@ -259,7 +278,9 @@ class TrainerConfig(_Strict):
     seed: int = Field(0, description="Torch seed.")
     lr_warmup_steps: int = Field(0, ge=0, description="Linear LR warm-up steps from 0 to lr; constant after.")
     mini_batches: int = Field(
-        1, gt=0, description="Optimizer steps per training step (PPO mini-batches of whole groups); pi_old is the "
+        1,
+        gt=0,
+        description="Optimizer steps per training step (PPO mini-batches of whole groups); pi_old is the "
         "policy at the step's start and one version is published per step.",
     )
     micro_batch_tokens: int = Field(
@@ -272,13 +293,16 @@ class TrainerConfig(_Strict):
         1, gt=0, description="Steps between checkpoints; queue entries are acknowledged only at a checkpoint."
     )
     keep_last_checkpoints: int = Field(2, gt=0, description="Checkpoints kept on disk (older ones are deleted).")
-    ckpt_dir: str = Field("", description="Checkpoint directory; '' = <out_dir>/checkpoints (runs/<run_id>/... without out_dir).")
+    ckpt_dir: str = Field(
+        "", description="Checkpoint directory; '' = <out_dir>/checkpoints (runs/<run_id>/... without out_dir)."
+    )
     resume: str = Field(
         "latest", description="'latest' (resume from the newest checkpoint if any), 'none', or a checkpoint path."
     )
     metrics_port: int = Field(0, ge=0, description="Prometheus /metrics port of the trainer; 0 = off.")
     measure_replay_mismatch: bool = Field(
-        False, description="Per step with rollout routes, report the on-policy |trainer - rollout| logprob with the "
+        False,
+        description="Per step with rollout routes, report the on-policy |trainer - rollout| logprob with the "
         "routes replayed (R3) and with natural routing (on_policy_abs_logprob_diff_r3 / _natural); two extra forwards.",
     )
     megatron: MegatronConfig = Field(
@@ -286,10 +310,14 @@ class TrainerConfig(_Strict):
     )
     lora: LoraConfig = Field(default_factory=LoraConfig, description="LoRA adapters; rank 0 = full fine-tuning.")
     num_processes: int = Field(
-        1, ge=1, description="Trainer ranks per node (torchrun --nproc-per-node); > 1 needs backend 'megatron'.",
+        1,
+        ge=1,
+        description="Trainer ranks per node (torchrun --nproc-per-node); > 1 needs backend 'megatron'.",
     )
     num_nodes: int = Field(
-        1, ge=1, description="Trainer nodes. The world size is num_nodes x num_processes; megatron's TP x PP x CP "
+        1,
+        ge=1,
+        description="Trainer nodes. The world size is num_nodes x num_processes; megatron's TP x PP x CP "
         "must divide it and what is left is data parallel. `fleetrl run` launches one node; deploy/ launches more.",
     )
 
@@ -297,7 +325,9 @@ class TrainerConfig(_Strict):
     def _ranks_fit_backend(self) -> TrainerConfig:
         world_size = self.num_nodes * self.num_processes
         if world_size > 1 and self.backend != "megatron":
-            raise ValueError(f"trainer world size {world_size} (num_nodes x num_processes) needs trainer.backend='megatron'")
+            raise ValueError(
+                f"trainer world size {world_size} (num_nodes x num_processes) needs trainer.backend='megatron'"
+            )
         model_parallel = (
             self.megatron.tensor_model_parallel_size
             * self.megatron.pipeline_model_parallel_size
@@ -380,7 +410,9 @@ class WeightBusConfig(_Strict):
         120.0, gt=0, description="nccl: deadline for forming or re-forming the broadcast group."
     )
     heartbeat_timeout_s: float = Field(
-        10.0, gt=0, description="nccl: a subscriber whose heartbeat in Redis is older than this is left out of a rebuilt group."
+        10.0,
+        gt=0,
+        description="nccl: a subscriber whose heartbeat in Redis is older than this is left out of a rebuilt group.",
     )
 
     @model_validator(mode="after")
@@ -399,7 +431,8 @@ class RunConfig(_Strict):
     run_id: str = Field("demo", description="Namespace of the run's Redis keys.")
     model_path: str = Field("", description="HF checkpoint directory; '' = build (and cache) the demo's tiny model.")
     tiny_model: Literal["qwen3-moe", "beam", "qwen3-moe-1b"] = Field(
-        "qwen3-moe", description="Which model the demo builds when model_path is '': the tiny Qwen3-MoE, the tiny "
+        "qwen3-moe",
+        description="Which model the demo builds when model_path is '': the tiny Qwen3-MoE, the tiny "
         "Beam, or the GPU demo's 0.94 B Qwen3-MoE (bf16; warmed up on the GPU). All have the echo vocabulary.",
     )
     redis_url: str = Field("", description="Redis URL; '' = start an embedded valkey server.")

@@ -31,8 +31,7 @@ class Array(msgspec.Struct, array_like=True, gc=False, frozen=True):
         expected = int(np.prod(self.shape, dtype=np.int64)) * np.dtype(self.dtype).itemsize
         if len(self.data) != expected:
             raise ValueError(
-                f"Array.data has {len(self.data)} bytes, dtype {self.dtype} shape {self.shape} "
-                f"needs {expected}"
+                f"Array.data has {len(self.data)} bytes, dtype {self.dtype} shape {self.shape} needs {expected}"
             )
         return np.frombuffer(self.data, dtype=self.dtype).reshape(self.shape)
 

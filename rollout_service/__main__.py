@@ -21,8 +21,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--model", required=True, help="HF checkpoint directory")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=50051, help="gRPC port; 0 = a free one (see --address-file)")
-    parser.add_argument("--address-file", default="",
-                        help="write host:port here once serving (how a launcher learns the port of --port 0)")
+    parser.add_argument(
+        "--address-file",
+        default="",
+        help="write host:port here once serving (how a launcher learns the port of --port 0)",
+    )
     parser.add_argument("--config", default=None, help="run config (YAML/JSON); its rollout/weight_bus sections apply")
     parser.add_argument("--server-id", default="")
     parser.add_argument("--redis-url", default="", help="follow weight announcements of this Redis")
@@ -49,8 +52,8 @@ async def watch_engine(engine, stop: asyncio.Event, interval_s: float = 1.0) -> 
 
 
 async def run(args: argparse.Namespace) -> None:
-    from rollout_service.engine import RolloutEngine
     from rollout_service import metrics
+    from rollout_service.engine import RolloutEngine
     from rollout_service.server import RolloutServicer, drain_and_stop, start_grpc_server
 
     run_config = load_run_config(args.config, args.overrides)
@@ -73,9 +76,14 @@ async def run(args: argparse.Namespace) -> None:
 
         client = aioredis.Redis.from_url(args.redis_url, socket_timeout=30)
         keys = RedisKeys(args.run_id or run_config.run_id)
-        follower = WeightFollower(engine, client, keys, bus_config, f"{args.host}:{args.port}",
-                                  nccl_subscriber_factory=nccl_subscriber_factory(args.redis_url, keys, bus_config,
-                                                                                  engine.server_id))
+        follower = WeightFollower(
+            engine,
+            client,
+            keys,
+            bus_config,
+            f"{args.host}:{args.port}",
+            nccl_subscriber_factory=nccl_subscriber_factory(args.redis_url, keys, bus_config, engine.server_id),
+        )
     # 3) serve gRPC (health turns SERVING only now)
     servicer = RolloutServicer(engine, follower)
     server, port, health_servicer = await start_grpc_server(servicer, args.host, args.port)
@@ -124,16 +132,23 @@ def nccl_subscriber_factory(redis_url: str, keys: RedisKeys, config: WeightBusCo
     import torch
 
     if not torch.cuda.is_available():
-        raise ValueError("weight_bus.transport='nccl' needs a GPU in every rollout server (one NCCL rank each); "
-                         "use weight_bus.transport='tcp' on CPU machines")
+        raise ValueError(
+            "weight_bus.transport='nccl' needs a GPU in every rollout server (one NCCL rank each); "
+            "use weight_bus.transport='tcp' on CPU machines"
+        )
 
     def make():
         import redis
 
         from weight_bus.nccl import NcclWeightSubscriber
 
-        return NcclWeightSubscriber(redis.Redis.from_url(redis_url, socket_timeout=30), keys, config, server_id,
-                                    torch.device("cuda", torch.cuda.current_device()))
+        return NcclWeightSubscriber(
+            redis.Redis.from_url(redis_url, socket_timeout=30),
+            keys,
+            config,
+            server_id,
+            torch.device("cuda", torch.cuda.current_device()),
+        )
 
     return make
 

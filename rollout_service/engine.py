@@ -144,9 +144,13 @@ class RolloutEngine:
         if self.features.engine_weight_versions:
             await self._llm.update_weight_version(str(self.policy_version))
         logger.info(
-            "engine %s up in %.1fs (vLLM %s%s, vocab %d, routed experts %s)", self.server_id,
-            time.monotonic() - started, self.features.version, ", fleetrl version spans" if self.features.fallback
-            else "", self.vocab_size, "on" if self.routed_experts_available else "off",
+            "engine %s up in %.1fs (vLLM %s%s, vocab %d, routed experts %s)",
+            self.server_id,
+            time.monotonic() - started,
+            self.features.version,
+            ", fleetrl version spans" if self.features.fallback else "",
+            self.vocab_size,
+            "on" if self.routed_experts_available else "off",
         )
 
     def engine_kwargs(self, on_cpu: bool) -> dict:
@@ -344,7 +348,9 @@ class RolloutEngine:
                 if ipc_record is None:
                     await self.llm.collective_rpc("fleetrl_load_staged_weights", args=(staging_path, manifest_bytes))
                 else:
-                    loaded = await self.llm.collective_rpc("fleetrl_load_ipc_weights", args=(ipc_record, manifest_bytes))
+                    loaded = await self.llm.collective_rpc(
+                        "fleetrl_load_ipc_weights", args=(ipc_record, manifest_bytes)
+                    )
                     if any(count < 0 for count in loaded):
                         raise IpcUnavailable(f"v{version}: a worker could not open the IPC buckets")
                 if self.features.engine_weight_versions or self.cross_check_spans:

@@ -45,7 +45,12 @@ _UPDATE_ERRORS = (
     (WeightUnavailableError, grpc.StatusCode.UNAVAILABLE),
     (OSError, grpc.StatusCode.UNAVAILABLE),
 )
-_PAUSE = {pb.PAUSE_MODE_UNSPECIFIED: "keep", pb.PAUSE_MODE_KEEP: "keep", pb.PAUSE_MODE_WAIT: "wait", pb.PAUSE_MODE_ABORT: "abort"}
+_PAUSE = {
+    pb.PAUSE_MODE_UNSPECIFIED: "keep",
+    pb.PAUSE_MODE_KEEP: "keep",
+    pb.PAUSE_MODE_WAIT: "wait",
+    pb.PAUSE_MODE_ABORT: "abort",
+}
 
 
 def chunk_to_proto(chunk: SampleChunk) -> pb.GenerateResponse:
@@ -84,10 +89,14 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"server {self.engine.server_id} is shutting down")
         if self.inflight >= limit:
             metrics.REJECTED.labels("busy").inc()
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{self.inflight} requests in flight (limit {limit})")
+            await context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED, f"{self.inflight} requests in flight (limit {limit})"
+            )
         try:
             sampling = validate_generate(
-                request, self.engine.vocab_size, self.engine.config.max_model_len,
+                request,
+                self.engine.vocab_size,
+                self.engine.config.max_model_len,
                 self.engine.config.max_samples_per_request,
             )
         except ValueError as error:
@@ -154,7 +163,9 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
     async def _weight_step(self, context, step):
         """Run one weight-update step of the follower, mapping its failures to a status."""
         if self.follower is None:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this server has no weight bus connection (--redis-url)")
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION, "this server has no weight bus connection (--redis-url)"
+            )
         try:
             return await step(self.follower)
         except Exception as error:  # noqa: BLE001 - mapped below or re-raised as INTERNAL by grpc
@@ -171,7 +182,8 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
     async def BeginWeightUpdate(self, request, context):
         pending = await self._weight_step(context, lambda f: f.begin(request.version))
         return pb.BeginWeightUpdateResponse(
-            version=pending.version, num_bytes=sum(pending.manifest.bucket_nbytes),
+            version=pending.version,
+            num_bytes=sum(pending.manifest.bucket_nbytes),
             num_tensors=len(pending.manifest.tensors),
         )
 
@@ -213,9 +225,7 @@ async def start_grpc_server(
 _REFUSAL_WINDOW_S = 1.0
 
 
-async def drain_and_stop(
-    server: grpc.aio.Server, servicer: RolloutServicer, health_servicer, grace_s: float
-) -> None:
+async def drain_and_stop(server: grpc.aio.Server, servicer: RolloutServicer, health_servicer, grace_s: float) -> None:
     """Graceful stop: NOT_SERVING, refuse new calls, give in-flight calls ``grace_s``, then cancel the rest.
 
     The server keeps listening while it drains so a new call gets our UNAVAILABLE "shutting down" (a client

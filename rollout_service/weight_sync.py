@@ -83,8 +83,15 @@ class WeightFollower:
 
     async def report(self, status: ReportStatus = ReportStatus.OK, message: str = "") -> None:
         await rendezvous.report_version(
-            self.client, self.keys, self.engine.server_id, self.address,
-            self.engine.policy_version, status, message, self.last_update_s, self.last_paused_s,
+            self.client,
+            self.keys,
+            self.engine.server_id,
+            self.address,
+            self.engine.policy_version,
+            status,
+            message,
+            self.last_update_s,
+            self.last_paused_s,
         )
 
     async def begin(self, version: int) -> PendingUpdate:
@@ -129,7 +136,10 @@ class WeightFollower:
             metrics.UPDATE_SECONDS.observe(self.last_update_s)
             logger.info(
                 "server %s policy_version=%d committed in %.2fs (paused %.2fs)",
-                self.engine.server_id, target, self.last_update_s, paused_s,
+                self.engine.server_id,
+                target,
+                self.last_update_s,
+                paused_s,
             )
             return target
 
@@ -252,8 +262,11 @@ class WeightFollower:
                     if manifest.version > self.engine.policy_version:
                         self.pending = PendingUpdate(manifest.version, manifest, path, loaded=True, source="nccl")
                         await self._commit_locked(self.pending, started)
-                        logger.info("server %s policy_version=%d committed from the nccl broadcast",
-                                    self.engine.server_id, manifest.version)
+                        logger.info(
+                            "server %s policy_version=%d committed from the nccl broadcast",
+                            self.engine.server_id,
+                            manifest.version,
+                        )
         finally:
             await asyncio.to_thread(subscriber.close)
 
@@ -275,8 +288,12 @@ class WeightFollower:
                 if announced is not None:
                     await self._try_update(0)
             except (RedisConnectionError, RedisTimeoutError) as error:
-                logger.warning("server %s (v%d): Redis unreachable, following again once it is back: %s",
-                               self.engine.server_id, self.engine.policy_version, error)
+                logger.warning(
+                    "server %s (v%d): Redis unreachable, following again once it is back: %s",
+                    self.engine.server_id,
+                    self.engine.policy_version,
+                    error,
+                )
                 catch_up = True
                 try:
                     await asyncio.wait_for(stop.wait(), timeout=1.0)

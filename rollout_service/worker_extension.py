@@ -21,8 +21,8 @@ class WeightLoaderExtension:
 
     def fleetrl_load_staged_weights(self, staging_path: str, manifest_bytes: bytes) -> int:
         """Load every tensor listed in the manifest from the staging file; returns the count loaded."""
-        from weight_bus.packing import iter_tensors
         from protos.records import decode_manifest
+        from weight_bus.packing import iter_tensors
 
         manifest = decode_manifest(manifest_bytes)
         dequantize_to = self._fleetrl_dequantize_target(manifest)
@@ -80,7 +80,7 @@ class WeightLoaderExtension:
             self.model_runner.reload_weights(weights_iterator=counted(), is_checkpoint_format=True)
             torch.cuda.synchronize(self.model_runner.device)  # done reading the trainer's memory
         finally:
-            del buckets
+            buckets.clear()  # the closure above holds the list: drop the opened allocations
             torch.cuda.ipc_collect()
         return loaded
 

@@ -60,7 +60,10 @@ def run_sections(args: argparse.Namespace) -> dict:
             # Its own session: on a timeout the whole group goes (vLLM's engine processes hold GPU memory).
             child = subprocess.Popen(
                 [sys.executable, "-u", __file__, "--section", name, "--result", str(result_path), "--out", str(out)],
-                stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                cwd=ROOT,
+                start_new_session=True,
             )
             try:
                 code = child.wait(timeout=LIMITS_S[name])
@@ -103,8 +106,15 @@ def check_model() -> str:
 def engine_config(**overrides):
     from protos.config import RolloutConfig
 
-    values = dict(dtype="bfloat16", max_model_len=256, gpu_memory_utilization=0.3, kv_cache_gib=8,
-                  stream_interval=16, return_routed_experts="on", max_num_seqs=256)
+    values = dict(
+        dtype="bfloat16",
+        max_model_len=256,
+        gpu_memory_utilization=0.3,
+        kv_cache_gib=8,
+        stream_interval=16,
+        return_routed_experts="on",
+        max_num_seqs=256,
+    )
     if DRY:
         values.update(dtype="float32", max_model_len=256, kv_cache_gib=1, return_routed_experts="off")
         overrides.pop("quantization", None)
@@ -130,8 +140,21 @@ async def generate_groups(engine, prompts: list[list[int]], n: int, max_tokens: 
     from rollout_service.engine import SamplingRequest
 
     async def one(index: int, prompt: list[int]):
-        request = SamplingRequest(prompt, n, max_tokens, temperature, 1.0, -1, 0.0, [], index, 0, True,
-                                  request_id=f"check-{time.monotonic_ns()}-{index}", stream_interval=16)
+        request = SamplingRequest(
+            prompt,
+            n,
+            max_tokens,
+            temperature,
+            1.0,
+            -1,
+            0.0,
+            [],
+            index,
+            0,
+            True,
+            request_id=f"check-{time.monotonic_ns()}-{index}",
+            stream_interval=16,
+        )
         samples = {}
         async for chunk in engine.generate(request):
             sample = samples.setdefault(chunk.sample_index, {"ids": [], "lps": [], "final": None})
@@ -142,15 +165,27 @@ async def generate_groups(engine, prompts: list[list[int]], n: int, max_tokens: 
         for k in range(n):
             s = samples[k]
             routes = s["final"].routed_experts
-            records.append(Sample(
-                Array.from_numpy(np.asarray(s["ids"], np.int32)), Array.from_numpy(np.asarray(s["lps"], np.float32)),
-                [VersionSpan(*span) for span in s["final"].version_spans], FinishReason.LENGTH,
-                float(k % 2),  # any non-uniform rewards: advantages that move the weights
-                routed_experts=None if routes is None else Array.from_numpy(np.asarray(routes)),
-            ))
-        return TrajectoryGroup(f"check-{index}-{time.monotonic_ns()}", f"p{index}",
-                               Array.from_numpy(np.asarray(prompt, np.int32)), records, "check", index,
-                               engine.policy_version, time.time(), sampling_temperature=temperature)
+            records.append(
+                Sample(
+                    Array.from_numpy(np.asarray(s["ids"], np.int32)),
+                    Array.from_numpy(np.asarray(s["lps"], np.float32)),
+                    [VersionSpan(*span) for span in s["final"].version_spans],
+                    FinishReason.LENGTH,
+                    float(k % 2),  # any non-uniform rewards: advantages that move the weights
+                    routed_experts=None if routes is None else Array.from_numpy(np.asarray(routes)),
+                )
+            )
+        return TrajectoryGroup(
+            f"check-{index}-{time.monotonic_ns()}",
+            f"p{index}",
+            Array.from_numpy(np.asarray(prompt, np.int32)),
+            records,
+            "check",
+            index,
+            engine.policy_version,
+            time.time(),
+            sampling_temperature=temperature,
+        )
 
     return await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
 
@@ -189,8 +224,11 @@ def route_agreement(model_dir: str, groups) -> dict:
     del model
     torch.cuda.empty_cache()
     same_L, shifted_L = torch.stack(same).mean(0), torch.stack(shifted).mean(0)
-    return {"per_layer": [round(float(x), 4) for x in same_L], "min": float(same_L.min()),
-            "shifted_mean": float(shifted_L.mean())}
+    return {
+        "per_layer": [round(float(x), 4) for x in same_L],
+        "min": float(same_L.min()),
+        "shifted_mean": float(shifted_L.mean()),
+    }
 
 
 def megatron_trainer(model_dir: str):
@@ -198,19 +236,37 @@ def megatron_trainer(model_dir: str):
     from trainer_service.megatron_backend import MegatronBackend
     from trainer_service.trainer import Trainer
 
-    config = TrainerConfig(backend="megatron", lr=3e-4, geo_mask=None, token_tis_cap=2.0,
-                           megatron=MegatronConfig(params_dtype="float32" if DRY else "bfloat16", routing_replay=True))
+    config = TrainerConfig(
+        backend="megatron",
+        lr=3e-4,
+        geo_mask=None,
+        token_tis_cap=2.0,
+        megatron=MegatronConfig(params_dtype="float32" if DRY else "bfloat16", routing_replay=True),
+    )
     backend = MegatronBackend(model_dir, config, temperature=1.0, device="cpu" if DRY else "cuda")
     return backend, Trainer(backend, max_staleness=1, measure_replay_mismatch=True)
 
 
 # (substring of a parameter name, group): vLLM fuses q/k/v and the experts' gate/up, so sums are compared per
 # (layer, group) on both sides; the first match wins.
-_GROUPS = (("q_norm", "qk_norm"), ("k_norm", "qk_norm"), ("q_proj", "attn_in"), ("k_proj", "attn_in"),
-           ("v_proj", "attn_in"), ("qkv_proj", "attn_in"), ("o_proj", "attn_out"), ("w13", "experts_in"),
-           ("gate_up", "experts_in"), ("experts", None), ("mlp.gate.", "router"), ("input_layernorm", "norm_in"),
-           ("post_attention_layernorm", "norm_post"), ("embed_tokens", "embed"), ("lm_head", "lm_head"),
-           ("model.norm", "norm"))
+_GROUPS = (
+    ("q_norm", "qk_norm"),
+    ("k_norm", "qk_norm"),
+    ("q_proj", "attn_in"),
+    ("k_proj", "attn_in"),
+    ("v_proj", "attn_in"),
+    ("qkv_proj", "attn_in"),
+    ("o_proj", "attn_out"),
+    ("w13", "experts_in"),
+    ("gate_up", "experts_in"),
+    ("experts", None),
+    ("mlp.gate.", "router"),
+    ("input_layernorm", "norm_in"),
+    ("post_attention_layernorm", "norm_post"),
+    ("embed_tokens", "embed"),
+    ("lm_head", "lm_head"),
+    ("model.norm", "norm"),
+)
 
 
 def weight_group(name: str) -> str:
@@ -246,8 +302,11 @@ def expected_sums(named_tensors, codec) -> dict[str, float]:
 async def served_equals(engine, expected: dict[str, float]) -> dict:
     """Compare the engine's parameters with the expected sums, group by group."""
     served = grouped_sums((await engine.llm.collective_rpc("fleetrl_param_sums"))[0])
-    unequal = {key: [served.get(key), value] for key, value in expected.items()
-               if abs(served.get(key, float("nan")) - value) > 1e-6 * max(1.0, abs(value))}
+    unequal = {
+        key: [served.get(key), value]
+        for key, value in expected.items()
+        if abs(served.get(key, float("nan")) - value) > 1e-6 * max(1.0, abs(value))
+    }
     return {"groups": len(expected), "unequal": dict(list(unequal.items())[:8]), "equal": not unequal}
 
 
@@ -290,14 +349,21 @@ async def update_engine(engine, backend, version: int, bus, keys, redis_url: str
         nbytes = publisher.last_stats.num_bytes
     finally:
         publisher.close()
-    comparison = await served_equals(engine, expected_sums(backend.export_hf_weights(),
-                                                           packing.WireCodec.from_config(bus)))
+    comparison = await served_equals(
+        engine, expected_sums(backend.export_hf_weights(), packing.WireCodec.from_config(bus))
+    )
     copy_s = device_copy_s(nbytes)
     result[label] = {
-        "version": engine.policy_version, "source": follower.last_source, "bytes": nbytes,
-        "publish_s": round(publish_s, 3), "load_s": round(load_s, 3), "paused_s": round(follower.last_paused_s, 3),
-        "GBps": round(nbytes / (publish_s + load_s) / 1e9, 2), "device_copy_s": round(copy_s, 5),
-        "device_copy_GBps": round(nbytes / copy_s / 1e9, 1), "ratio_to_device_copy": round(copy_s / (publish_s + load_s), 4),
+        "version": engine.policy_version,
+        "source": follower.last_source,
+        "bytes": nbytes,
+        "publish_s": round(publish_s, 3),
+        "load_s": round(load_s, 3),
+        "paused_s": round(follower.last_paused_s, 3),
+        "GBps": round(nbytes / (publish_s + load_s) / 1e9, 2),
+        "device_copy_s": round(copy_s, 5),
+        "device_copy_GBps": round(nbytes / copy_s / 1e9, 1),
+        "ratio_to_device_copy": round(copy_s / (publish_s + load_s), 4),
         "weights_equal_trainer": comparison,
     }
 
@@ -323,27 +389,62 @@ async def section_engine(result: Result) -> None:
     groups = await generate_groups(engine, echo_prompts(32), 8, 32)
     sample = groups[0].samples[0]
     routes = sample.routed_experts
-    result["routes"] = {"shape": list(routes.shape) if routes else None, "dtype": routes.dtype if routes else None,
-                        "expected_shape": [4 + 32 - 1, 12, 4]}
+    result["routes"] = {
+        "shape": list(routes.shape) if routes else None,
+        "dtype": routes.dtype if routes else None,
+        "expected_shape": [4 + 32 - 1, 12, 4],
+    }
     result["spans"] = [[s.version, s.start, s.end] for s in sample.version_spans]
     result["route_agreement"] = None if DRY else route_agreement(model, groups)
     result["decode_tok_s_bf16"] = round(await decode_tok_s(engine), 1)
     backend, trainer = megatron_trainer(model)
     values = trainer.step(list(groups))  # the mismatch figures are of pi_old = the weights the engine serves
-    result["r3"] = {k: values.get(k) for k in ("on_policy_abs_logprob_diff_r3", "on_policy_abs_logprob_diff_natural",
-                                              "on_policy_tokens", "r3_replayed", "mean_abs_logprob_diff")}
+    result["r3"] = {
+        k: values.get(k)
+        for k in (
+            "on_policy_abs_logprob_diff_r3",
+            "on_policy_abs_logprob_diff_natural",
+            "on_policy_tokens",
+            "r3_replayed",
+            "mean_abs_logprob_diff",
+        )
+    }
     redis_server = EmbeddedRedis().start()
     try:
         keys = RedisKeys("gpu-check")
         redis.Redis.from_url(redis_server.url).flushall()
-        await update_engine(engine, backend, 1, WeightBusConfig(transport="tcp", bucket_mib=256), keys,
-                            redis_server.url, result, "update_tcp")
+        await update_engine(
+            engine,
+            backend,
+            1,
+            WeightBusConfig(transport="tcp", bucket_mib=256),
+            keys,
+            redis_server.url,
+            result,
+            "update_tcp",
+        )
         backend.train_step(build_batch(list(groups)))  # new weights for each transport
-        await update_engine(engine, backend, 2, WeightBusConfig(transport="ipc", bucket_mib=256), keys,
-                            redis_server.url, result, "update_ipc")
+        await update_engine(
+            engine,
+            backend,
+            2,
+            WeightBusConfig(transport="ipc", bucket_mib=256),
+            keys,
+            redis_server.url,
+            result,
+            "update_ipc",
+        )
         backend.train_step(build_batch(list(groups)))
-        await update_engine(engine, backend, 3, WeightBusConfig(transport="tcp", bucket_mib=256, codec="mxfp8"), keys,
-                            redis_server.url, result, "update_tcp_mxfp8")
+        await update_engine(
+            engine,
+            backend,
+            3,
+            WeightBusConfig(transport="tcp", bucket_mib=256, codec="mxfp8"),
+            keys,
+            redis_server.url,
+            result,
+            "update_tcp_mxfp8",
+        )
         after = await generate_groups(engine, echo_prompts(8, seed=3), 4, 16)
         result["spans_after_updates"] = [[s.version, s.start, s.end] for s in after[0].samples[0].version_spans]
     finally:
@@ -378,13 +479,25 @@ async def section_mxfp8(result: Result) -> None:
         redis.Redis.from_url(redis_server.url).flushall()
         for version, codec in ((1, "bf16"), (2, "mxfp8")):
             label = f"update_{codec}_wire"
-            await update_engine(engine, backend, version, WeightBusConfig(bucket_mib=256, codec=codec), keys,
-                                redis_server.url, result, label)
+            await update_engine(
+                engine,
+                backend,
+                version,
+                WeightBusConfig(bucket_mib=256, codec=codec),
+                keys,
+                redis_server.url,
+                result,
+                label,
+            )
             after = await generate_groups(engine, probe, 1, 16, temperature=0.0)
             # the trainer took a step, so outputs move; what matters is that re-quantizing at load runs and is fast
-            result[label] = {**result[label], "greedy_changed": sum(
-                list(a.samples[0].response_token_ids.to_numpy()) != list(b.samples[0].response_token_ids.to_numpy())
-                for a, b in zip(after, before, strict=True))}
+            result[label] = {
+                **result[label],
+                "greedy_changed": sum(
+                    list(a.samples[0].response_token_ids.to_numpy()) != list(b.samples[0].response_token_ids.to_numpy())
+                    for a, b in zip(after, before, strict=True)
+                ),
+            }
     finally:
         redis_server.stop()
         engine.shutdown()
@@ -427,15 +540,23 @@ async def section_smoke(result: Result) -> None:
     from rollout_service.engine import RolloutEngine
 
     model = str(init_tiny(Path("/tmp/fleetrl-smoke-tiny")))
-    config = RolloutConfig(dtype="bfloat16", max_model_len=256, gpu_memory_utilization=0.1, kv_cache_gib=1,
-                           enforce_eager=True, return_routed_experts="on")
+    config = RolloutConfig(
+        dtype="bfloat16",
+        max_model_len=256,
+        gpu_memory_utilization=0.1,
+        kv_cache_gib=1,
+        enforce_eager=True,
+        return_routed_experts="on",
+    )
     engine = RolloutEngine(model, config, server_id="gpu-smoke")
     started = time.monotonic()
     await engine.start()
     result["engine_start_s"] = round(time.monotonic() - started, 1)
     result["vllm"] = engine.features.version
-    result["features"] = {"engine_weight_versions": engine.features.engine_weight_versions,
-                          "request_stream_interval": engine.features.request_stream_interval}
+    result["features"] = {
+        "engine_weight_versions": engine.features.engine_weight_versions,
+        "request_stream_interval": engine.features.request_stream_interval,
+    }
     try:
         groups = await generate_groups(engine, echo_prompts(4), 2, 20)
     finally:
@@ -449,13 +570,19 @@ async def section_smoke(result: Result) -> None:
 def section_loop(result: Result, out: Path) -> None:
     env = {**os.environ, "FLEETRL_CACHE": os.environ.get("FLEETRL_CACHE", "/tmp/fleetrl-cache")}
     run_dir = Path("/tmp/fleetrl-gpu-loop")  # outside OUT: only the summary and log tails come back
-    code = subprocess.run([sys.executable, "-m", "coordinator.cli", "demo", "--config", "recipes/gpu-h200.yaml",
-                           "--out", str(run_dir)], cwd=ROOT, env=env, check=False).returncode
+    code = subprocess.run(
+        [sys.executable, "-m", "coordinator.cli", "demo", "--config", "recipes/gpu-h200.yaml", "--out", str(run_dir)],
+        cwd=ROOT,
+        env=env,
+        check=False,
+    ).returncode
     result["exit"] = code
     summary = run_dir / "summary.json"
     if summary.exists():
         result["summary"] = json.loads(summary.read_text())
-    result["log_tails"] = {log.name: log.read_text(errors="replace")[-2500:] for log in (run_dir / "logs").glob("*.log")}
+    result["log_tails"] = {
+        log.name: log.read_text(errors="replace")[-2500:] for log in (run_dir / "logs").glob("*.log")
+    }
 
 
 def register_beam_plugin() -> None:
@@ -485,8 +612,14 @@ async def section_beam(result: Result) -> None:
 
     register_beam_plugin()
     model = str(init_tiny_beam(Path(os.environ.get("FLEETRL_CACHE", "/tmp/fleetrl-cache")) / "gpu-check-beam"))
-    config = RolloutConfig(dtype="float32", max_model_len=256, gpu_memory_utilization=0.2, kv_cache_gib=2,
-                           enforce_eager=True, return_routed_experts="on")
+    config = RolloutConfig(
+        dtype="float32",
+        max_model_len=256,
+        gpu_memory_utilization=0.2,
+        kv_cache_gib=2,
+        enforce_eager=True,
+        return_routed_experts="on",
+    )
     engine = RolloutEngine(model, config, server_id="gpu-check-beam")
     await engine.start()
     try:
@@ -508,18 +641,39 @@ async def section_beam(result: Result) -> None:
         overlap = (moe.unsqueeze(-1) == reference[: len(moe)].unsqueeze(-2)).any(-1).float().mean()
         agreement.append(float(overlap))
     result["routes_shape"] = list(groups[0].samples[0].routed_experts.shape)
-    result["layers"] = {"decoder": hf.config.num_hidden_layers, "dense_first": dense,
-                        "top_k": hf.config.num_experts_per_tok}
+    result["layers"] = {
+        "decoder": hf.config.num_hidden_layers,
+        "dense_first": dense,
+        "top_k": hf.config.num_experts_per_tok,
+    }
     result["dense_rows_zero"] = dense_rows_zero
     result["moe_agreement_with_hf"] = sum(agreement) / len(agreement)
 
 
 def section_overhead(result: Result) -> None:
     model = check_model()
-    command = [sys.executable, "benchmarks/rollout_overhead.py", "--model", model, "--requests", "128", "--n", "8",
-               "--max-tokens", "224", "--rounds", "3", "--stream-interval", "16", "rollout.dtype=bfloat16",
-               "rollout.gpu_memory_utilization=0.4", "rollout.kv_cache_gib=16", "rollout.stream_interval=16",
-               "rollout.max_num_seqs=1024", "rollout.max_model_len=256"]
+    command = [
+        sys.executable,
+        "benchmarks/rollout_overhead.py",
+        "--model",
+        model,
+        "--requests",
+        "128",
+        "--n",
+        "8",
+        "--max-tokens",
+        "224",
+        "--rounds",
+        "3",
+        "--stream-interval",
+        "16",
+        "rollout.dtype=bfloat16",
+        "rollout.gpu_memory_utilization=0.4",
+        "rollout.kv_cache_gib=16",
+        "rollout.stream_interval=16",
+        "rollout.max_num_seqs=1024",
+        "rollout.max_model_len=256",
+    ]
     output = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
     print(output.stdout[-4000:], output.stderr[-4000:])
     lines = [line for line in output.stdout.splitlines() if line.startswith("{")]

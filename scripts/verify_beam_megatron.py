@@ -74,8 +74,10 @@ def main() -> None:
     shift_expert_biases(fp32)
     natural = megatron_logits(fp32, ids_dev, mask_dev)
     replayed = megatron_logits(fp32, ids_dev, mask_dev, routes)  # on the CPU, as batches carry them
-    result["r3"] = {"natural_moved_by": (natural - recorded).abs().max().item(),
-                    "replayed_off_by": (replayed - recorded).abs().max().item()}
+    result["r3"] = {
+        "natural_moved_by": (natural - recorded).abs().max().item(),
+        "replayed_off_by": (replayed - recorded).abs().max().item(),
+    }
     del fp32
 
     result["lora"] = verify_lora(beam_dir, config("float32", lora=LoraConfig(rank=8, alpha=16)), device, work)
@@ -89,7 +91,10 @@ def verify_temperatures(backend, reference_BTV: torch.Tensor, ids_BT: torch.Tens
     expected = torch.log_softmax(tempered, dim=-1).gather(-1, ids_BT[:, 1:, None]).squeeze(-1)
     actual = backend.token_logprobs(ids_BT, mask_BT, temperature=temperatures_B)
     mask = mask_BT[:, 1:].bool()
-    return {"temperatures": temperatures_B.tolist(), "max_abs_logprob_diff": (actual - expected)[mask].abs().max().item()}
+    return {
+        "temperatures": temperatures_B.tolist(),
+        "max_abs_logprob_diff": (actual - expected)[mask].abs().max().item(),
+    }
 
 
 def verify_lora(beam_dir: str, config, device: str, work: Path) -> dict:
@@ -109,14 +114,20 @@ def verify_lora(beam_dir: str, config, device: str, work: Path) -> dict:
     merged_dir = work / "merged"
     shutil.copytree(beam_dir, merged_dir)
     state = load_file(str(merged_dir / "model.safetensors"))
-    save_file({**state, **{name: t.contiguous() for name, t in published.items()}}, str(merged_dir / "model.safetensors"))
+    save_file(
+        {**state, **{name: t.contiguous() for name, t in published.items()}}, str(merged_dir / "model.safetensors")
+    )
     merged = AutoModelForCausalLM.from_pretrained(str(merged_dir), dtype=torch.float32).to(device).eval()
     with torch.no_grad():
         reference = token_logprobs(merged, batch.input_ids_BT.to(device), batch.attention_mask_BT.to(device), 1.0)
     adapted = backend.token_logprobs(batch.input_ids_BT, batch.attention_mask_BT)
     mask = batch.attention_mask_BT[:, 1:].bool()
-    return {"published_tensors": len(published), "checkpoint_tensors": len(state), "grad_norm": metrics["grad_norm"],
-            "max_abs_logprob_diff": (adapted - reference.cpu())[mask].abs().max().item()}
+    return {
+        "published_tensors": len(published),
+        "checkpoint_tensors": len(state),
+        "grad_norm": metrics["grad_norm"],
+        "max_abs_logprob_diff": (adapted - reference.cpu())[mask].abs().max().item(),
+    }
 
 
 if __name__ == "__main__":

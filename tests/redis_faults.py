@@ -94,6 +94,7 @@ def redis_proxy(redis_url: str, marker: bytes | None = None) -> Iterator[tuple[s
     try:
         yield f"redis://127.0.0.1:{port}/0", proxy
     finally:
+
         async def shutdown() -> None:  # every relay ends before the loop does
             holder["server"].close()
             relays = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]

@@ -15,11 +15,15 @@ import pytest
 
 from modeling.tiny_model import init_tiny
 
-
 # How the launcher's role processes and vLLM's engine processes look in `ps` (not, say, a pytest run of
 # tests/rollout_service/). Anything else starting vLLM on this machine meanwhile would count too.
-ROLE_COMMANDS = ("-m rollout_service serve", "-m trainer_service train", "valkey-server", "-m coordinator run",
-                 "VLLM::")
+ROLE_COMMANDS = (
+    "-m rollout_service serve",
+    "-m trainer_service train",
+    "valkey-server",
+    "-m coordinator run",
+    "VLLM::",
+)
 
 
 @pytest.mark.timeout(600)
@@ -28,11 +32,24 @@ def test_short_demo_trains_publishes_and_stays_within_staleness_bound(tmp_path):
     out = tmp_path / "run"
     before = {p.pid for p in psutil.process_iter()}
     result = subprocess.run(
-        [sys.executable, "-m", "coordinator.cli", "demo", "--steps", "3", "--out", str(out),
-         f"model_path={model}", "coordinator.groups_per_step=4", "coordinator.group_size=4",
-         "coordinator.admin_port=0",  # a free port: another demo on this machine may hold the default
-         "weight_bus.codec=mxfp8"],
-        capture_output=True, text=True, timeout=580,
+        [
+            sys.executable,
+            "-m",
+            "coordinator.cli",
+            "demo",
+            "--steps",
+            "3",
+            "--out",
+            str(out),
+            f"model_path={model}",
+            "coordinator.groups_per_step=4",
+            "coordinator.group_size=4",
+            "coordinator.admin_port=0",  # a free port: another demo on this machine may hold the default
+            "weight_bus.codec=mxfp8",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=580,
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
@@ -45,7 +62,8 @@ def test_short_demo_trains_publishes_and_stays_within_staleness_bound(tmp_path):
     assert set(summary["rollout_server_versions"].values()) == {3}
     # Every process the demo started is gone (no orphaned engines or Redis).
     leftovers = [
-        p for p in psutil.process_iter(["pid", "cmdline"])
+        p
+        for p in psutil.process_iter(["pid", "cmdline"])
         if p.pid not in before and any(s in " ".join(p.info["cmdline"] or []) for s in ROLE_COMMANDS)
     ]
     assert not leftovers, [p.info["cmdline"] for p in leftovers]
@@ -61,12 +79,30 @@ def test_short_beam_demo_with_a_two_rank_megatron_lora_trainer_keeps_vllm_equal_
     model = init_tiny_beam(tmp_path / "beam")
     out = tmp_path / "run"
     result = subprocess.run(
-        [sys.executable, "-m", "coordinator.cli", "demo", "--steps", "3", "--out", str(out),
-         f"model_path={model}", "coordinator.groups_per_step=4", "coordinator.group_size=4",
-         "coordinator.admin_port=0", "coordinator.max_staleness=0",
-         "trainer.backend=megatron", "trainer.num_processes=2", "trainer.megatron.pipeline_model_parallel_size=2",
-         "trainer.lora.rank=8", "trainer.lora.alpha=16", "trainer.lr=5e-2"],
-        capture_output=True, text=True, timeout=580,
+        [
+            sys.executable,
+            "-m",
+            "coordinator.cli",
+            "demo",
+            "--steps",
+            "3",
+            "--out",
+            str(out),
+            f"model_path={model}",
+            "coordinator.groups_per_step=4",
+            "coordinator.group_size=4",
+            "coordinator.admin_port=0",
+            "coordinator.max_staleness=0",
+            "trainer.backend=megatron",
+            "trainer.num_processes=2",
+            "trainer.megatron.pipeline_model_parallel_size=2",
+            "trainer.lora.rank=8",
+            "trainer.lora.alpha=16",
+            "trainer.lr=5e-2",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=580,
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())

@@ -26,7 +26,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--config", default=None)
     parser.add_argument("--model", required=True)
     parser.add_argument("--redis-url", required=True)
-    parser.add_argument("--linger-s", type=float, default=60.0, help="keep serving weights this long after the last step")
+    parser.add_argument(
+        "--linger-s", type=float, default=60.0, help="keep serving weights this long after the last step"
+    )
     parser.add_argument("overrides", nargs="*")
     return parser.parse_intermixed_args(argv)
 
@@ -52,7 +54,9 @@ def make_backend(model_path: str, config):
     return TorchBackend(model_path, tcfg, temperature=temperature, device=device)
 
 
-def read_new_groups(queue, trainer, num_groups: int, timeout_s: float, entry_ids: list[str], on_wait, stop=None) -> list:
+def read_new_groups(
+    queue, trainer, num_groups: int, timeout_s: float, entry_ids: list[str], on_wait, stop=None
+) -> list:
     """Read until ``num_groups`` groups the ledger has not seen; every entry read joins ``entry_ids``.
 
     ``on_wait()`` runs about once a second while the queue is short (control commands). Returns [] when ``stop``
@@ -95,8 +99,14 @@ def run(args: argparse.Namespace, stop: threading.Event) -> None:
     checkpoints = CheckpointManager(checkpoint_root(config), tcfg.keep_last_checkpoints)
     restored = ranks.resolve_checkpoint(checkpoints, tcfg.resume)
     state = CheckpointManager.load(restored, backend) if restored else TrainerState(step=0, policy_version=0)
-    trainer = Trainer(backend, ccfg.max_staleness, state.policy_version, ledger=state.ledger,
-                      mini_batches=tcfg.mini_batches, measure_replay_mismatch=tcfg.measure_replay_mismatch)
+    trainer = Trainer(
+        backend,
+        ccfg.max_staleness,
+        state.policy_version,
+        ledger=state.ledger,
+        mini_batches=tcfg.mini_batches,
+        measure_replay_mismatch=tcfg.measure_replay_mismatch,
+    )
     side = RedisSide(args, config, trainer, stop) if ranks.world_rank() == 0 else None
     publisher = side.publisher if side else None
 
@@ -126,15 +136,17 @@ def run(args: argparse.Namespace, stop: threading.Event) -> None:
         ckpt_s = 0.0
         if step % tcfg.ckpt_interval == 0 or step == tcfg.num_steps:
             ckpt_started = time.monotonic()
-            ranks.save_checkpoint(checkpoints, backend, TrainerState(step, trainer.policy_version, trainer.ledger,
-                                                                     _totals(trainer)))
+            ranks.save_checkpoint(
+                checkpoints, backend, TrainerState(step, trainer.policy_version, trainer.ledger, _totals(trainer))
+            )
             if side:
                 side.ack_consumed()
             ckpt_s = time.monotonic() - ckpt_started
         # 6) log and report
         if side:
-            side.report(step, values, wait_s=wait_s, publish_s=publish_s, checkpoint_s=ckpt_s,
-                        step_s=time.monotonic() - started)
+            side.report(
+                step, values, wait_s=wait_s, publish_s=publish_s, checkpoint_s=ckpt_s, step_s=time.monotonic() - started
+            )
     if side:
         side.finish(args.linger_s, stop)
 
@@ -154,9 +166,17 @@ def catch_up_published(side, trainer, publish_current, restored, step: int) -> N
     if ranks.world_size() > 1:
         published = ranks.broadcast_json(published)
     if side:
-        logger.info("trainer start: step %d, policy_version=%d (checkpoint %s), published v%d, %d entries reclaimed, "
-                    "ledger %d groups, %d ranks", step, trainer.policy_version, restored, published, side.reclaimed,
-                    len(trainer.ledger), ranks.world_size())
+        logger.info(
+            "trainer start: step %d, policy_version=%d (checkpoint %s), published v%d, %d entries reclaimed, "
+            "ledger %d groups, %d ranks",
+            step,
+            trainer.policy_version,
+            restored,
+            published,
+            side.reclaimed,
+            len(trainer.ledger),
+            ranks.world_size(),
+        )
     if published > trainer.policy_version:
         if side:  # before the publish: the coordinator must not see the new version without the jump
             record_version_offset(side, published + 1, step)
@@ -204,8 +224,15 @@ class RedisSide:
     def read_groups(self) -> list:
         self.poll_control()
         tcfg = self.config.trainer
-        return read_new_groups(self.queue, self.trainer, self.config.coordinator.groups_per_step,
-                               tcfg.batch_timeout_s, self.unacked, self.poll_control, stop=self.stop)
+        return read_new_groups(
+            self.queue,
+            self.trainer,
+            self.config.coordinator.groups_per_step,
+            tcfg.batch_timeout_s,
+            self.unacked,
+            self.poll_control,
+            stop=self.stop,
+        )
 
     def ack_consumed(self) -> None:
         """After the checkpoint that holds them is complete on every rank (``ranks.save_checkpoint``)."""
@@ -221,17 +248,26 @@ class RedisSide:
             metrics.PUBLISH_SECONDS.observe(seconds["publish_s"])
         if seconds["checkpoint_s"]:
             metrics.CHECKPOINT_SECONDS.observe(seconds["checkpoint_s"])
-        values.update(seconds, queue_depth=float(self.queue.depth()),
-                      weight_versions_published=float(self.publisher.num_published))
+        values.update(
+            seconds,
+            queue_depth=float(self.queue.depth()),
+            weight_versions_published=float(self.publisher.num_published),
+        )
         values.update({f"staleness_groups/{k}": float(c) for k, c in trainer.totals.staleness_counts.items()})
         metrics.record_step(values, trainer.last_staleness)
         metrics.QUEUE_DEPTH.set(values["queue_depth"])
         metrics.POLICY_VERSION.set(trainer.policy_version)
         report = MetricsReport("trainer", step, trainer.policy_version, time.time(), values)
         send_report(self.client, self.keys, report)
-        logger.info("step %d policy_version=%d reward=%.3f staleness_max=%d loss=%.4f step_s=%.2f", step,
-                    trainer.policy_version, values["reward_mean"], values["staleness_max"], values.get("loss", 0.0),
-                    values["step_s"])
+        logger.info(
+            "step %d policy_version=%d reward=%.3f staleness_max=%d loss=%.4f step_s=%.2f",
+            step,
+            trainer.policy_version,
+            values["reward_mean"],
+            values["staleness_max"],
+            values.get("loss", 0.0),
+            values["step_s"],
+        )
 
     def finish(self, linger_s: float, stop: threading.Event) -> None:
         from protos.records import MetricsReport
@@ -252,17 +288,25 @@ def send_report(client, keys, report, timeout_s: float = 30.0) -> None:
 
     payload = encode(report)
     try:
-        retry_until_reachable(lambda: client.xadd(keys.metrics("trainer"), {"m": payload}, maxlen=100000,
-                                                  approximate=True), f"metrics report of step {report.step}", timeout_s)
+        retry_until_reachable(
+            lambda: client.xadd(keys.metrics("trainer"), {"m": payload}, maxlen=100000, approximate=True),
+            f"metrics report of step {report.step}",
+            timeout_s,
+        )
     except (redis.ConnectionError, redis.TimeoutError) as error:
-        logger.error("metrics report of step %d dropped, Redis unreachable for %.0fs: %s", report.step, timeout_s,
-                     error)
+        logger.error(
+            "metrics report of step %d dropped, Redis unreachable for %.0fs: %s", report.step, timeout_s, error
+        )
 
 
 def _totals(trainer) -> dict[str, float]:
     totals = trainer.totals
-    return {"samples_trained": totals.samples_trained, "stale_dropped": totals.stale_dropped,
-            "duplicates_skipped": totals.duplicates_skipped, "steps_skipped": totals.steps_skipped}
+    return {
+        "samples_trained": totals.samples_trained,
+        "stale_dropped": totals.stale_dropped,
+        "duplicates_skipped": totals.duplicates_skipped,
+        "steps_skipped": totals.steps_skipped,
+    }
 
 
 def apply_commands(trainer, publish, sync: bool, settings: list[tuple[str, str]]) -> None:

@@ -77,8 +77,9 @@ def apply_lora(model: nn.Module, config: LoraConfig) -> int:
     for parameter in model.parameters():
         parameter.requires_grad_(False)
     targets = set(config.target_modules)
-    adapted = [(name, module, leaf)
-               for name, module, leaf in _named_leaf_parameters(model) if target_of(name) in targets]
+    adapted = [
+        (name, module, leaf) for name, module, leaf in _named_leaf_parameters(model) if target_of(name) in targets
+    ]
     if not adapted:
         raise ValueError(f"trainer.lora.target_modules {sorted(targets)} match no weight of {type(model).__name__}")
     for _name, module, leaf in adapted:
@@ -101,11 +102,7 @@ def adapter_state(model: nn.Module) -> dict[str, torch.Tensor]:
 
 def merged_state(model: nn.Module) -> dict[str, torch.Tensor]:
     """The model's state with every adapted weight merged (W + scale * B @ A), under its plain name."""
-    state = {
-        name: tensor.detach()
-        for name, tensor in model.state_dict().items()
-        if ".parametrizations." not in name
-    }
+    state = {name: tensor.detach() for name, tensor in model.state_dict().items() if ".parametrizations." not in name}
     with torch.no_grad():
         for module_name, module in model.named_modules():
             if parametrize.is_parametrized(module):

@@ -45,10 +45,7 @@ def _group_view(rewards_B: torch.Tensor, group_size: int) -> torch.Tensor:
     if rewards_B.dim() != 1:
         raise ValueError(f"rewards_B must be 1-D, got shape {tuple(rewards_B.shape)}")
     if rewards_B.numel() % group_size != 0:
-        raise ValueError(
-            f"rewards_B length {rewards_B.numel()} is not divisible by "
-            f"group_size {group_size}"
-        )
+        raise ValueError(f"rewards_B length {rewards_B.numel()} is not divisible by group_size {group_size}")
     return rewards_B.reshape(-1, group_size)
 
 
@@ -119,10 +116,7 @@ def overlong_penalty(
     if buffer_len <= 0:
         raise ValueError(f"buffer_len must be > 0, got {buffer_len}")
     if buffer_len > max_response_len:
-        raise ValueError(
-            f"buffer_len ({buffer_len}) must be <= max_response_len "
-            f"({max_response_len})"
-        )
+        raise ValueError(f"buffer_len ({buffer_len}) must be <= max_response_len ({max_response_len})")
     lengths = response_lengths_B.to(torch.float32)
     expected = float(max_response_len - buffer_len)
     ramp = (expected - lengths) / buffer_len * factor
@@ -215,9 +209,7 @@ def _validate_policy_inputs(
         if t.shape != shape:
             raise ValueError(f"{name} shape {tuple(t.shape)} != logprobs_BT shape {tuple(shape)}")
     if advantages_B.shape != shape[:1]:
-        raise ValueError(
-            f"advantages_B shape {tuple(advantages_B.shape)} != ({shape[0]},)"
-        )
+        raise ValueError(f"advantages_B shape {tuple(advantages_B.shape)} != ({shape[0]},)")
 
 
 def _geo_sequence_mask(
@@ -240,8 +232,7 @@ def _geo_sequence_mask(
     n_seq = max(1, int(has_tokens_B.sum().item()))
     if bounds is None:
         keep_B = torch.ones_like(mask_BT[:, 0])
-        zero = {"geo_mask_masked_ratio": 0.0, "geo_mask_over_high_ratio": 0.0,
-                "geo_mask_under_low_ratio": 0.0}
+        zero = {"geo_mask_masked_ratio": 0.0, "geo_mask_over_high_ratio": 0.0, "geo_mask_under_low_ratio": 0.0}
         return keep_B, zero
     low, high = bounds
     mean_log_B = (log_rho_BT * mask_BT).sum(dim=1) / mask_BT.sum(dim=1).clamp(min=1.0)
@@ -280,8 +271,7 @@ def _off_policy_correction(
     on_BT = mask_BT > 0
     num_tokens = max(1.0, float(mask_BT.sum().item()))
     # where() keeps padding garbage (e.g. -inf log-probs) out of every term.
-    log_rho_BT = torch.where(on_BT, old_logprobs_BT - rollout_logprobs_BT,
-                             torch.zeros_like(mask_BT)).to(mask_BT.dtype)
+    log_rho_BT = torch.where(on_BT, old_logprobs_BT - rollout_logprobs_BT, torch.zeros_like(mask_BT)).to(mask_BT.dtype)
     rho_BT = torch.exp(log_rho_BT)
     keep_B, metrics = _geo_sequence_mask(log_rho_BT, mask_BT, cfg.geo_mask)
     eff_mask_BT = mask_BT * keep_B.unsqueeze(1)
@@ -388,22 +378,19 @@ def policy_loss(
     Raises:
         ValueError: On mismatched input shapes.
     """
-    _validate_policy_inputs(logprobs_BT, old_logprobs_BT, rollout_logprobs_BT,
-                            advantages_B, loss_mask_BT)
+    _validate_policy_inputs(logprobs_BT, old_logprobs_BT, rollout_logprobs_BT, advantages_B, loss_mask_BT)
     mask_BT = loss_mask_BT.to(logprobs_BT.dtype)
     on_BT = mask_BT > 0
     num_tokens = mask_BT.sum().clamp(min=1.0)
     # where() keeps padding garbage (e.g. -inf log-probs) out of the ratio.
-    log_ratio_BT = torch.where(on_BT, logprobs_BT - old_logprobs_BT.detach(),
-                               torch.zeros_like(mask_BT))
+    log_ratio_BT = torch.where(on_BT, logprobs_BT - old_logprobs_BT.detach(), torch.zeros_like(mask_BT))
     ratio_BT = torch.exp(log_ratio_BT.clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO))
     adv_BT = advantages_B.detach().to(ratio_BT.dtype).unsqueeze(1)
     unclipped_BT = -adv_BT * ratio_BT
     clipped_BT = -adv_BT * ratio_BT.clamp(1.0 - cfg.clip_low, 1.0 + cfg.clip_high)
     loss_BT = torch.maximum(unclipped_BT, clipped_BT)
 
-    eff_mask_BT, tis_BT, metrics = _off_policy_correction(
-        old_logprobs_BT, rollout_logprobs_BT, mask_BT, cfg)
+    eff_mask_BT, tis_BT, metrics = _off_policy_correction(old_logprobs_BT, rollout_logprobs_BT, mask_BT, cfg)
     with torch.no_grad():
         clip_frac = ((clipped_BT > unclipped_BT) & on_BT).sum() / num_tokens
     loss = _aggregate(loss_BT * tis_BT, eff_mask_BT, mask_BT, cfg.loss_agg)

@@ -35,8 +35,13 @@ import torch
 
 from protos.config import MegatronConfig, TrainerConfig
 from trainer_service import lora, megatron_beam, megatron_checkpoint, megatron_cpu_shims, megatron_lora, ranks
-from trainer_service.batch import (TrainBatch, data_parallel_shard, logit_divisors, pad_to_common_shape,
-                                   split_micro_batches)
+from trainer_service.batch import (
+    TrainBatch,
+    data_parallel_shard,
+    logit_divisors,
+    pad_to_common_shape,
+    split_micro_batches,
+)
 from trainer_service.losses import loss_denominator, policy_loss
 from trainer_service.routing_replay import NO_ROUTE, megatron_forced_routing
 from trainer_service.torch_backend import loss_config, temper
@@ -69,9 +74,7 @@ def init_distributed(device: str, timeout_s: float = 1800.0) -> None:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    dist.init_process_group(
-        backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1, timeout=timeout
-    )
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1, timeout=timeout)
 
 
 def init_model_parallel(config: MegatronConfig) -> None:
@@ -267,8 +270,13 @@ class MegatronBackend:
         routes = None if routes_BTLK is None else pad_sequence_dim(routes_BTLK, multiple, NO_ROUTE)
         return pad_sequence_dim(input_ids_BT, multiple, 0), pad_sequence_dim(attention_mask_BT, multiple, 0), routes
 
-    def _stage_output(self, model, input_ids_BT: torch.Tensor, attention_mask_BT: torch.Tensor,
-                      temperature: float | torch.Tensor | None) -> torch.Tensor:
+    def _stage_output(
+        self,
+        model,
+        input_ids_BT: torch.Tensor,
+        attention_mask_BT: torch.Tensor,
+        temperature: float | torch.Tensor | None,
+    ) -> torch.Tensor:
         """This pipeline stage's forward: hidden states [T, B, H] (sent on), or log-probs [B, T-1] on the last stage.
 
         Earlier stages' hidden states arrive through megatron's ``set_input_tensor``; the ids, positions and mask
@@ -306,7 +314,10 @@ class MegatronBackend:
 
     @torch.no_grad()
     def token_logprobs(
-        self, input_ids_BT: torch.Tensor, attention_mask_BT: torch.Tensor, routed_experts: torch.Tensor | None = None,
+        self,
+        input_ids_BT: torch.Tensor,
+        attention_mask_BT: torch.Tensor,
+        routed_experts: torch.Tensor | None = None,
         temperature: float | torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The torch backend's ``token_logprobs`` (eval mode, no grad): [B, T-1] on the CPU, the same on every rank.
@@ -348,8 +359,12 @@ class MegatronBackend:
 
     def policy_logprobs(self, batch: TrainBatch) -> torch.Tensor:
         """[B, T] logprobs of the current policy for the whole batch (pi_old of a step in mini-batches)."""
-        return self.token_logprobs(batch.input_ids_BT, batch.attention_mask_BT, batch.routed_experts_BTLK,
-                                   logit_divisors(batch, self.temperature))
+        return self.token_logprobs(
+            batch.input_ids_BT,
+            batch.attention_mask_BT,
+            batch.routed_experts_BTLK,
+            logit_divisors(batch, self.temperature),
+        )
 
     # -- step ----------------------------------------------------------------------------------------------
 
@@ -426,7 +441,9 @@ class MegatronBackend:
         if mpu.is_pipeline_last_stage() and mpu.get_data_parallel_world_size() > 1:
             keys = sorted(metrics)
             group = mpu.get_data_parallel_group()
-            values = torch.tensor([metrics[key] for key in keys], dtype=torch.float64, device=ranks.collective_device(group))
+            values = torch.tensor(
+                [metrics[key] for key in keys], dtype=torch.float64, device=ranks.collective_device(group)
+            )
             dist.all_reduce(values, group=group)
             metrics = dict(zip(keys, values.tolist(), strict=True))
         if mpu.get_pipeline_model_parallel_world_size() > 1:

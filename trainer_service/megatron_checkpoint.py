@@ -59,8 +59,10 @@ def load(model: list, optimizer, directory: str | Path) -> None:
 
     state = torch.load(Path(directory) / f"rank{dist.get_rank():05d}.pt", weights_only=False)
     if state.get("adapters_only", False) != _has_frozen_base(model):
-        raise ValueError(f"{directory}: checkpoint written with{'' if state.get('adapters_only') else 'out'} LoRA; "
-                         "trainer.lora.rank must match the run that wrote it")
+        raise ValueError(
+            f"{directory}: checkpoint written with{'' if state.get('adapters_only') else 'out'} LoRA; "
+            "trainer.lora.rank must match the run that wrote it"
+        )
     for chunk, chunk_state in zip(model, state["model"], strict=True):
         _load_model_state(chunk, _adapter_wrapper_keys(chunk, chunk_state), state.get("adapters_only", False))
     # no_grad: the state is copied into views of the parameters.
@@ -95,17 +97,24 @@ def _load_model_state(chunk, chunk_state: dict, adapters_only: bool) -> None:
         return
     module = getattr(chunk, "module", chunk)  # megatron's DDP wrapper returns nothing from load_state_dict
     current = module.state_dict()
-    resized = [key for key, value in chunk_state.items()
-               if key in current and getattr(value, "shape", None) != getattr(current[key], "shape", None)]
+    resized = [
+        key
+        for key, value in chunk_state.items()
+        if key in current and getattr(value, "shape", None) != getattr(current[key], "shape", None)
+    ]
     if resized:
-        raise ValueError(f"LoRA checkpoint does not fit this model: {resized[0]} has shape "
-                         f"{tuple(chunk_state[resized[0]].shape)}, here {tuple(current[resized[0]].shape)} "
-                         "(trainer.lora.rank must match the run that wrote it)")
+        raise ValueError(
+            f"LoRA checkpoint does not fit this model: {resized[0]} has shape "
+            f"{tuple(chunk_state[resized[0]].shape)}, here {tuple(current[resized[0]].shape)} "
+            "(trainer.lora.rank must match the run that wrote it)"
+        )
     missing, unexpected = module.load_state_dict(chunk_state, strict=False)
     missing_adapters = [key for key in missing if ".adapter." in key]
     if unexpected or missing_adapters:
-        raise ValueError(f"LoRA checkpoint does not fit this model (trainer.lora rank / target_modules): unexpected "
-                         f"{unexpected[:3]}, missing adapters {missing_adapters[:3]}")
+        raise ValueError(
+            f"LoRA checkpoint does not fit this model (trainer.lora rank / target_modules): unexpected "
+            f"{unexpected[:3]}, missing adapters {missing_adapters[:3]}"
+        )
 
 
 def _adapter_wrapper_keys(chunk, chunk_state: dict) -> dict:
@@ -120,7 +129,7 @@ def _adapter_wrapper_keys(chunk, chunk_state: dict) -> dict:
     renamed = {}
     for key, value in chunk_state.items():
         prefix = next((p for p in wrapped if key.startswith(p) and not key.startswith(p + "adapter.")), None)
-        renamed[f"{prefix}to_wrap.{key[len(prefix):]}" if prefix else key] = value
+        renamed[f"{prefix}to_wrap.{key[len(prefix) :]}" if prefix else key] = value
     return renamed
 
 

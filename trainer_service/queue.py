@@ -48,7 +48,9 @@ class TrajectoryQueue:
             start, entries, *_ = self.client.xautoclaim(
                 self.keys.trajectories, self.keys.trainer_group, self.consumer, min_idle_ms, start, count=100
             )
-            self._reclaimed.extend((_id(entry_id), fields.get(b"g", b"")) for entry_id, fields in entries if fields is not None)
+            self._reclaimed.extend(
+                (_id(entry_id), fields.get(b"g", b"")) for entry_id, fields in entries if fields is not None
+            )
             if _id(start) == "0-0":
                 return len(self._reclaimed)
 
@@ -73,12 +75,16 @@ class TrajectoryQueue:
                     self._orphans_possible = False
                     continue
                 reply = self.client.xreadgroup(
-                    self.keys.trainer_group, self.consumer, {self.keys.trajectories: ">"},
-                    count=num_groups - len(batch), block=min(remaining_ms, 1000),
+                    self.keys.trainer_group,
+                    self.consumer,
+                    {self.keys.trajectories: ">"},
+                    count=num_groups - len(batch),
+                    block=min(remaining_ms, 1000),
                 )
             except (RedisConnectionError, RedisTimeoutError) as error:
-                logger.warning("reading %s failed, retrying for %.1fs more: %s", self.keys.trajectories,
-                               remaining_ms / 1000, error)
+                logger.warning(
+                    "reading %s failed, retrying for %.1fs more: %s", self.keys.trajectories, remaining_ms / 1000, error
+                )
                 self._orphans_possible = True  # the broken read may have delivered entries
                 time.sleep(min(1.0, remaining_ms / 1000))  # one warning a second while Redis is away
                 continue
@@ -94,8 +100,14 @@ class TrajectoryQueue:
         The pending list gives ids only: the payloads of the entries in hand (a whole step's) are not read again.
         """
         known = self._in_hand | {entry_id for entry_id, _ in self._reclaimed}
-        pending = self.client.xpending_range(self.keys.trajectories, self.keys.trainer_group, min="-", max="+",
-                                             count=len(known) + 1000, consumername=self.consumer)
+        pending = self.client.xpending_range(
+            self.keys.trajectories,
+            self.keys.trainer_group,
+            min="-",
+            max="+",
+            count=len(known) + 1000,
+            consumername=self.consumer,
+        )
         for entry in pending:
             entry_id = _id(entry["message_id"])
             if len(batch) >= num_groups or entry_id in known:
@@ -122,8 +134,11 @@ class TrajectoryQueue:
         """
         if not entry_ids:
             return
-        retry_until_reachable(lambda: self.client.xack(self.keys.trajectories, self.keys.trainer_group, *entry_ids),
-                              f"acknowledging {len(entry_ids)} entries", timeout_s)
+        retry_until_reachable(
+            lambda: self.client.xack(self.keys.trajectories, self.keys.trainer_group, *entry_ids),
+            f"acknowledging {len(entry_ids)} entries",
+            timeout_s,
+        )
         self._in_hand.difference_update(entry_ids)
         if self.trim:
             try:

@@ -72,7 +72,9 @@ def broadcast_bytes(payload: bytes | None, src: int = 0, group=None) -> bytes:
     length = torch.tensor([len(payload) if sender else 0], dtype=torch.int64, device=device)
     dist.broadcast(length, src=src, group=group)
     if sender:
-        buffer = torch.frombuffer(bytearray(payload), dtype=torch.uint8) if payload else torch.empty(0, dtype=torch.uint8)
+        buffer = (
+            torch.frombuffer(bytearray(payload), dtype=torch.uint8) if payload else torch.empty(0, dtype=torch.uint8)
+        )
         buffer = buffer.to(device)
     else:
         buffer = torch.empty(int(length.item()), dtype=torch.uint8, device=device)
@@ -122,8 +124,11 @@ class OrderFeed:
     receive. ``apply_commands(sync, settings)`` acts on control commands on every rank at the same point.
     """
 
-    def __init__(self, read_groups: Callable[[], list[TrajectoryGroup]] | None,
-                 apply_commands: Callable[[bool, list[tuple[str, str]]], None]):
+    def __init__(
+        self,
+        read_groups: Callable[[], list[TrajectoryGroup]] | None,
+        apply_commands: Callable[[bool, list[tuple[str, str]]], None],
+    ):
         self.read_groups = read_groups
         self.apply_commands = apply_commands
         self.multi_rank = world_size() > 1

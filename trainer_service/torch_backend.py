@@ -35,8 +35,9 @@ def loss_config(config: TrainerConfig) -> PolicyLossConfig:
     )
 
 
-def token_logprobs(model, input_ids_BT: torch.Tensor, attention_mask_BT: torch.Tensor,
-                   temperature: float | torch.Tensor | None) -> torch.Tensor:
+def token_logprobs(
+    model, input_ids_BT: torch.Tensor, attention_mask_BT: torch.Tensor, temperature: float | torch.Tensor | None
+) -> torch.Tensor:
     """Log-probability of every next token: [B, T-1] for inputs [B, T], at ``temperature`` (one, or [B] per row)."""
     logits = model(input_ids=input_ids_BT, attention_mask=attention_mask_BT, use_cache=False).logits[:, :-1]
     logprobs = torch.log_softmax(temper(logits.float(), temperature), dim=-1)
@@ -69,7 +70,9 @@ class TorchBackend:
         self.model.train()
         if config.lora.enabled:
             adapted = lora.apply_lora(self.model, config.lora)
-            logger.info("LoRA rank %d on %d weights (%s)", config.lora.rank, adapted, ", ".join(config.lora.target_modules))
+            logger.info(
+                "LoRA rank %d on %d weights (%s)", config.lora.rank, adapted, ", ".join(config.lora.target_modules)
+            )
         self.trainable = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(
             self.trainable, lr=config.lr, weight_decay=config.weight_decay, betas=(0.9, 0.99)
@@ -103,21 +106,31 @@ class TorchBackend:
         else:
             self.optimizer.step()
             self.scheduler.step()
-        metrics.update(loss=loss_sum, grad_norm=grad_norm, skipped=float(skipped),
-                       micro_batches=float(len(micro_batches)), lr=self.scheduler.get_last_lr()[0])
+        metrics.update(
+            loss=loss_sum,
+            grad_norm=grad_norm,
+            skipped=float(skipped),
+            micro_batches=float(len(micro_batches)),
+            lr=self.scheduler.get_last_lr()[0],
+        )
         return metrics
 
     def _micro_step(self, micro: TrainBatch) -> tuple[torch.Tensor, dict[str, float]]:
         ids = micro.input_ids_BT.to(self.device)
         routes = None if micro.routed_experts_BTLK is None else micro.routed_experts_BTLK.to(self.device)
         with forced_routing(self.model, routes):  # R3: the experts the rollout engine chose (None: natural)
-            logprobs = token_logprobs(self.model, ids, micro.attention_mask_BT.to(self.device),
-                                      logit_divisors(micro, self.temperature))
+            logprobs = token_logprobs(
+                self.model, ids, micro.attention_mask_BT.to(self.device), logit_divisors(micro, self.temperature)
+            )
         # pi_old: fixed at the training step's start (mini-batches), else the current policy before this update.
         old = logprobs.detach() if micro.old_logprobs_BT is None else micro.old_logprobs_BT.to(self.device)
         return policy_loss(
-            logprobs, old, micro.rollout_logprobs_BT.to(self.device),
-            micro.advantages_B.to(self.device), micro.loss_mask_BT.to(self.device), self.loss_config,
+            logprobs,
+            old,
+            micro.rollout_logprobs_BT.to(self.device),
+            micro.advantages_B.to(self.device),
+            micro.loss_mask_BT.to(self.device),
+            self.loss_config,
         )
 
     @torch.no_grad()
@@ -129,7 +142,9 @@ class TorchBackend:
             routes = None if micro.routed_experts_BTLK is None else micro.routed_experts_BTLK.to(self.device)
             with forced_routing(self.model, routes), parametrize.cached():
                 logprobs = token_logprobs(
-                    self.model, micro.input_ids_BT.to(self.device), micro.attention_mask_BT.to(self.device),
+                    self.model,
+                    micro.input_ids_BT.to(self.device),
+                    micro.attention_mask_BT.to(self.device),
                     logit_divisors(micro, self.temperature),
                 )
             out[rows : rows + logprobs.shape[0], : logprobs.shape[1]] = logprobs.cpu()
@@ -151,8 +166,10 @@ class TorchBackend:
         from safetensors.torch import save_file, save_model
 
         if self.config.lora.enabled:
-            save_file({k: v.contiguous() for k, v in lora.adapter_state(self.model).items()},
-                      str(directory / "adapters.safetensors"))
+            save_file(
+                {k: v.contiguous() for k, v in lora.adapter_state(self.model).items()},
+                str(directory / "adapters.safetensors"),
+            )
         else:
             save_model(self.model, str(directory / "model.safetensors"))
         state = {
@@ -182,7 +199,9 @@ class TorchBackend:
         from safetensors.torch import load_file
 
         if not path.exists():
-            raise FileNotFoundError(f"{path}: no adapters in this checkpoint (was it written with trainer.lora.rank=0?)")
+            raise FileNotFoundError(
+                f"{path}: no adapters in this checkpoint (was it written with trainer.lora.rank=0?)"
+            )
         saved = load_file(str(path), device=str(self.device))
         current = lora.adapter_state(self.model)
         if saved.keys() != current.keys():
@@ -193,6 +212,8 @@ class TorchBackend:
         with torch.no_grad():
             for name, tensor in current.items():
                 if saved[name].shape != tensor.shape:
-                    raise ValueError(f"{path}: {name} has shape {tuple(saved[name].shape)}, trainer.lora.rank gives "
-                                     f"{tuple(tensor.shape)}")
+                    raise ValueError(
+                        f"{path}: {name} has shape {tuple(saved[name].shape)}, trainer.lora.rank gives "
+                        f"{tuple(tensor.shape)}"
+                    )
                 tensor.copy_(saved[name])

@@ -35,8 +35,13 @@ class Trainer:
     """Owns the backend, the policy version and the ledger; ``step`` trains on one step's groups."""
 
     def __init__(
-        self, backend, max_staleness: int, policy_version: int = 0, ledger: dict[str, str] | None = None,
-        mini_batches: int = 1, measure_replay_mismatch: bool = False,
+        self,
+        backend,
+        max_staleness: int,
+        policy_version: int = 0,
+        ledger: dict[str, str] | None = None,
+        mini_batches: int = 1,
+        measure_replay_mismatch: bool = False,
     ):
         self.backend = backend
         self.mini_batches = mini_batches
@@ -102,7 +107,9 @@ class Trainer:
         staleness = [staleness_of(g, self.policy_version) for g in groups]
         self.last_staleness = staleness
         fresh = [g for g, s in zip(groups, staleness, strict=True) if s <= self.max_staleness]
-        totals.stale_dropped += sum(len(g.samples) for g, s in zip(groups, staleness, strict=True) if s > self.max_staleness)
+        totals.stale_dropped += sum(
+            len(g.samples) for g, s in zip(groups, staleness, strict=True) if s > self.max_staleness
+        )
         totals.max_staleness_seen = max(totals.max_staleness_seen, *staleness)
         for value in staleness:
             totals.staleness_counts[value] = totals.staleness_counts.get(value, 0) + 1

@@ -50,11 +50,33 @@ def share_bucket(bucket: torch.Tensor) -> CudaIpcBucket:
     from torch.multiprocessing.reductions import reduce_tensor
 
     _, args = reduce_tensor(bucket)
-    (_cls, size, _stride, offset, _storage_cls, _dtype, _device, handle, storage_size_bytes, storage_offset_bytes,
-     _requires_grad, ref_counter_handle, ref_counter_offset, event_handle, event_sync_required) = args
+    (
+        _cls,
+        size,
+        _stride,
+        offset,
+        _storage_cls,
+        _dtype,
+        _device,
+        handle,
+        storage_size_bytes,
+        storage_offset_bytes,
+        _requires_grad,
+        ref_counter_handle,
+        ref_counter_offset,
+        event_handle,
+        event_sync_required,
+    ) = args
     return CudaIpcBucket(
-        int(size[0]), int(offset), bytes(handle), int(storage_size_bytes), int(storage_offset_bytes),
-        bytes(ref_counter_handle), int(ref_counter_offset), bytes(event_handle or b""), bool(event_sync_required),
+        int(size[0]),
+        int(offset),
+        bytes(handle),
+        int(storage_size_bytes),
+        int(storage_offset_bytes),
+        bytes(ref_counter_handle),
+        int(ref_counter_offset),
+        bytes(event_handle or b""),
+        bool(event_sync_required),
     )
 
 
@@ -80,13 +102,25 @@ def open_version(record: CudaIpcVersion, device: torch.device) -> list[torch.Ten
     buckets = []
     try:
         for bucket in record.buckets:
-            buckets.append(rebuild_cuda_tensor(
-                torch.Tensor, (bucket.nbytes,), (1,), bucket.storage_offset, torch.storage.TypedStorage,
-                torch.uint8, device.index if device.index is not None else torch.cuda.current_device(),
-                bucket.handle, bucket.storage_size_bytes, bucket.storage_offset_bytes, False,
-                bucket.ref_counter_handle, bucket.ref_counter_offset, bucket.event_handle or None,
-                bucket.event_sync_required,
-            ))
+            buckets.append(
+                rebuild_cuda_tensor(
+                    torch.Tensor,
+                    (bucket.nbytes,),
+                    (1,),
+                    bucket.storage_offset,
+                    torch.storage.TypedStorage,
+                    torch.uint8,
+                    device.index if device.index is not None else torch.cuda.current_device(),
+                    bucket.handle,
+                    bucket.storage_size_bytes,
+                    bucket.storage_offset_bytes,
+                    False,
+                    bucket.ref_counter_handle,
+                    bucket.ref_counter_offset,
+                    bucket.event_handle or None,
+                    bucket.event_sync_required,
+                )
+            )
     except RuntimeError as error:  # cudaIpcOpenMemHandle refused: the allocation is gone or not ours to map
         raise IpcUnavailable(f"v{record.version}: opening bucket {len(buckets)} failed: {error}") from error
     return buckets

@@ -265,8 +265,12 @@ class NcclWeightSubscriber:
                     return manifest
             else:
                 record = ng.read_round(self.client, self.nkeys)
-                if self.comm is not None and record is not None and record.generation == self.generation \
-                        and record.version > min_version:
+                if (
+                    self.comm is not None
+                    and record is not None
+                    and record.generation == self.generation
+                    and record.version > min_version
+                ):
                     view = memoryview(buffer_for(sum(record.bucket_nbytes))).cast("B")
                     if self._receive_round(record, view) is ng.Outcome.DONE:
                         received = record

@@ -74,12 +74,22 @@ def library() -> ctypes.CDLL:
     lib.ncclGetErrorString.restype = ctypes.c_char_p
     lib.ncclGetErrorString.argtypes = [ctypes.c_int]
     lib.ncclCommInitRankConfig.argtypes = [
-        ctypes.POINTER(ctypes.c_void_p), ctypes.c_int, _UniqueId, ctypes.c_int, ctypes.POINTER(_Config)
+        ctypes.POINTER(ctypes.c_void_p),
+        ctypes.c_int,
+        _UniqueId,
+        ctypes.c_int,
+        ctypes.POINTER(_Config),
     ]
     lib.ncclCommGetAsyncError.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_int)]
     lib.ncclCommAbort.argtypes = [ctypes.c_void_p]
     lib.ncclBroadcast.argtypes = [
-        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p
+        ctypes.c_void_p,
+        ctypes.c_void_p,
+        ctypes.c_size_t,
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_void_p,
+        ctypes.c_void_p,
     ]
     return lib
 

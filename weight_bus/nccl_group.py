@@ -25,7 +25,15 @@ from dataclasses import dataclass
 
 import redis
 
-from protos.records import NcclGroup, NcclMember, NcclRound, decode_nccl_group, decode_nccl_member, decode_nccl_round, encode
+from protos.records import (
+    NcclGroup,
+    NcclMember,
+    NcclRound,
+    decode_nccl_group,
+    decode_nccl_member,
+    decode_nccl_round,
+    encode,
+)
 from protos.redis_keys import RedisKeys
 
 HEARTBEAT_S = 1.0

@@ -174,8 +174,14 @@ def iter_buckets(
             yield _fill(previous_bucket, pending, previous_used, alloc)
             pending = []
         entry = TensorEntry(
-            name, _dtype_name(payload.dtype), tuple(payload.shape), entry_codec,
-            bucket, offset, data.nbytes, zlib.crc32(data),
+            name,
+            _dtype_name(payload.dtype),
+            tuple(payload.shape),
+            entry_codec,
+            bucket,
+            offset,
+            data.nbytes,
+            zlib.crc32(data),
         )
         pending.append((offset, entry, data))
     yield _fill(placer.bucket, pending, placer.used, alloc)

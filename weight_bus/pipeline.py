@@ -63,7 +63,7 @@ class SendPipeline:
             except queue.Empty:
                 if not self._thread.is_alive():
                     self._raise_if_failed()
-                    raise RuntimeError("weight bus: the sender thread stopped without an error")
+                    raise RuntimeError("weight bus: the sender thread stopped without an error") from None
 
     def submit(self, slot: int, item: Any) -> None:
         """Hand the packed ``slot`` to the sender; it is freed once ``send`` returns."""

@@ -34,7 +34,10 @@ def receive_into(manifest: WeightManifest, into: memoryview, timeout_s: float, s
             raise
         logger.warning(
             "weight bus: v%d unavailable from publisher %s (%s); loading the snapshot in %s",
-            manifest.version, manifest.publisher_address, error, snapshot_dir,
+            manifest.version,
+            manifest.publisher_address,
+            error,
+            snapshot_dir,
         )
     snapshot.load_into(snapshot_dir, manifest, into)
     packing.verify(manifest, into)

@@ -6,8 +6,8 @@ import logging
 import time
 
 import msgspec
-import redis.asyncio as aioredis
 import redis as syncredis
+import redis.asyncio as aioredis
 
 from protos.records import (
     ReportStatus,
@@ -43,7 +43,9 @@ def retry_while_unreachable(call, what: str, timeout_s: float = 60.0, pause_s: f
             time.sleep(pause_s)
 
 
-def publish_manifest(client: syncredis.Redis, keys: RedisKeys, manifest: WeightManifest, timeout_s: float = 60.0) -> None:
+def publish_manifest(
+    client: syncredis.Redis, keys: RedisKeys, manifest: WeightManifest, timeout_s: float = 60.0
+) -> None:
     """Trainer side: store the manifest, then move the version pointer and announce it (one transaction); the
     manifest it supersedes starts to expire. The trainer's rank 0 is the only writer of the version pointer.
 

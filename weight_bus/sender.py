@@ -89,7 +89,12 @@ class WeightSender:
         )
         logger.info(
             "weight bus: published v%d (%d tensors, %.1f MiB in %d buckets, codec %s) in %.2fs",
-            version, stats.num_tensors, stats.num_bytes / 2**20, stats.num_buckets, self.codec.name, stats.seconds,
+            version,
+            stats.num_tensors,
+            stats.num_bytes / 2**20,
+            stats.num_buckets,
+            self.codec.name,
+            stats.seconds,
         )
         return stats
 

@@ -61,7 +61,7 @@ class _Handler(socketserver.BaseRequestHandler):
             publisher.end_send(version)
 
     def _send(self, publisher: TcpWeightPublisher, sock: socket.socket, version: int, buckets: list) -> None:
-        peer = "%s:%s" % self.client_address[:2]
+        peer = "{}:{}".format(*self.client_address[:2])
         try:
             sock.sendall(_HEADER.pack(sum(len(b) for b in buckets)))
             for bucket in buckets:

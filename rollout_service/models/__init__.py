@@ -9,8 +9,9 @@ from __future__ import annotations
 
 def register() -> None:
     """Make ``model_type: "beam"`` / ``BeamForCausalLM`` checkpoints loadable by vLLM."""
-    import modeling.beam  # noqa: F401  (registers BeamConfig with transformers' AutoConfig)
     from vllm import ModelRegistry
+
+    import modeling.beam  # noqa: F401  (registers BeamConfig with transformers' AutoConfig)
 
     if "BeamForCausalLM" not in ModelRegistry.get_supported_archs():
         ModelRegistry.register_model("BeamForCausalLM", "rollout_service.models.beam:BeamForCausalLM")

@@ -131,7 +131,7 @@ def test_sync_asks_the_trainer_and_reports_its_publish(admin, capsys, redis_url)
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
             for _stream, entries in client.xread({keys.control: cursor}, block=200) or []:
-                for cursor, fields in entries:
+                for cursor, fields in entries:  # noqa: B007 - the next read starts after the last entry
                     if fields[b"c"] == b"sync":
                         manifest = WeightManifest(7, [], [], "127.0.0.1:0", "tcp", time.time())
                         rendezvous.publish_manifest(client, keys, manifest)
@@ -155,8 +155,12 @@ def test_server_verbs_name_an_unknown_or_unreachable_server(admin, capsys):
 
 def test_an_unreachable_coordinator_is_a_clear_error_with_a_nonzero_exit():
     address = f"127.0.0.1:{free_port()}"
-    result = subprocess.run([sys.executable, "-m", "coordinator.cli", "status", "--admin", address, "--timeout-s", "2"],
-                            capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        [sys.executable, "-m", "coordinator.cli", "status", "--admin", address, "--timeout-s", "2"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert result.returncode == 3
     message = f"fleetrl status: cannot reach the coordinator admin API at {address}; is the coordinator running?"
     assert message in result.stderr

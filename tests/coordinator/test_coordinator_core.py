@@ -76,8 +76,9 @@ def test_versions_skipped_by_a_restarted_trainer_shift_the_slot_arithmetic_and_t
 def test_on_policy_admission_goes_on_after_steps_that_published_nothing():
     from coordinator.__main__ import Pipeline, follow_version_jumps
 
-    scheduler = make_scheduler(start_version=5, overrides=("coordinator.max_staleness=0",
-                                                             "coordinator.eval.datasets=[a.jsonl]"))
+    scheduler = make_scheduler(
+        start_version=5, overrides=("coordinator.max_staleness=0", "coordinator.eval.datasets=[a.jsonl]")
+    )
     evals = EvalRunner(scheduler.config, scheduler.fleet, [], scorer=None)
     evals.schedule([7])  # the round after 2 steps
     pipeline = Pipeline(scheduler, evals, executor=None)
@@ -95,8 +96,9 @@ def test_a_restarted_coordinator_counts_the_groups_still_queued_and_produces_onl
     from coordinator.__main__ import remaining_groups
     from protos.records import Array, TrajectoryGroup
 
-    config = load_run_config(overrides=["coordinator.groups_per_step=4", "coordinator.max_staleness=1",
-                                        "trainer.num_steps=10"])
+    config = load_run_config(
+        overrides=["coordinator.groups_per_step=4", "coordinator.max_staleness=1", "trainer.num_steps=10"]
+    )
     keys = RedisKeys("restart-unit")
 
     async def scenario():
@@ -113,16 +115,24 @@ def test_a_restarted_coordinator_counts_the_groups_still_queued_and_produces_onl
 
     total, queued = asyncio.run(scenario())
     assert (total, queued) == (40 - 14, 14 - 8)
-    scheduler = Scheduler(make_scheduler().config, Fleet([]), make_scheduler().queue, EchoTask(), total,
-                          start_version=2, queued_at_start=queued)
+    scheduler = Scheduler(
+        make_scheduler().config,
+        Fleet([]),
+        make_scheduler().queue,
+        EchoTask(),
+        total,
+        start_version=2,
+        queued_at_start=queued,
+    )
     # 6 queued groups: steps 3 and (half of) 4 are theirs; this coordinator's slot 0 completes step 4's batch
     assert scheduler.train_version(0) == 2 + (0 + 6) // 4 and scheduler.train_version(2) == 2 + (2 + 6) // 4
     assert admit_all(scheduler) == (0 + 1 + 1) * 4 - 6  # the bound counts the queued groups too
 
 
 @pytest.mark.parametrize("kind", ["echo", "dataset"])
-def test_a_restarted_coordinator_continues_the_prompts_after_the_groups_it_pushed(kind, redis_server, tiny_tokenizer,
-                                                                                  tmp_path):
+def test_a_restarted_coordinator_continues_the_prompts_after_the_groups_it_pushed(
+    kind, redis_server, tiny_tokenizer, tmp_path
+):
     from coordinator.__main__ import resume_prompts
     from protos.records import Array, FinishReason, Sample, TrajectoryGroup, VersionSpan
 
@@ -134,8 +144,13 @@ def test_a_restarted_coordinator_continues_the_prompts_after_the_groups_it_pushe
     config = load_run_config(overrides=overrides).coordinator
 
     def group(slot: int) -> TrajectoryGroup:
-        sample = Sample(Array.from_numpy(np.zeros(1, np.int32)), Array.from_numpy(np.zeros(1, np.float32)),
-                        [VersionSpan(0, 0, 1)], FinishReason.STOP, 1.0)
+        sample = Sample(
+            Array.from_numpy(np.zeros(1, np.int32)),
+            Array.from_numpy(np.zeros(1, np.float32)),
+            [VersionSpan(0, 0, 1)],
+            FinishReason.STOP,
+            1.0,
+        )
         return TrajectoryGroup(f"g{slot}", "p", Array.from_numpy(np.zeros(1, np.int32)), [sample], "unit", slot, 0, 0.0)
 
     async def scenario():
@@ -184,8 +199,13 @@ def test_pause_stops_admission_resume_restarts_it_and_drain_is_final():
 
 
 def test_eval_versions_every_interval_steps_and_at_start():
-    config = load_run_config(overrides=["coordinator.eval.datasets=[a.jsonl]", "coordinator.eval.interval_steps=3",
-                                        "coordinator.eval.at_start=true"]).coordinator
+    config = load_run_config(
+        overrides=[
+            "coordinator.eval.datasets=[a.jsonl]",
+            "coordinator.eval.interval_steps=3",
+            "coordinator.eval.at_start=true",
+        ]
+    ).coordinator
     assert eval_versions(config.eval, start_version=2, num_steps=10) == [2, 5, 8, 11]
     # A coordinator restarted after 4 steps (trainer at v6): the rounds after steps 6 and 9 only, at their versions.
     assert eval_versions(config.eval, start_version=6, num_steps=10, steps_done=4) == [8, 11]
@@ -205,10 +225,14 @@ def test_a_restarted_coordinator_finds_the_eval_rounds_reported_before(redis_ser
     async def scenario():
         client = aioredis.Redis.from_url(redis_server.url)
         await client.delete(keys.metrics("coordinator"))
-        for version, values in ((2, {"groups_pushed": 4.0}), (5, {"eval/aime/pass@1": 0.5, "eval/version": 5.0}),
-                                (6, {"groups_pushed": 20.0})):
-            await client.xadd(keys.metrics("coordinator"), {"m": encode(MetricsReport("coordinator", 0, version, 0.0,
-                                                                                      values))})
+        for version, values in (
+            (2, {"groups_pushed": 4.0}),
+            (5, {"eval/aime/pass@1": 0.5, "eval/version": 5.0}),
+            (6, {"groups_pushed": 20.0}),
+        ):
+            await client.xadd(
+                keys.metrics("coordinator"), {"m": encode(MetricsReport("coordinator", 0, version, 0.0, values))}
+            )
         found = await reported_eval_versions(client, keys)
         await client.aclose()
         return found
@@ -298,8 +322,13 @@ def write_plain(path: Path, problems: list[tuple[str, str]]) -> Path:
 
 def test_dataset_prompts_use_the_chat_template_with_its_kwargs(tiny_tokenizer, tmp_path):
     path = write_plain(tmp_path / "arith.jsonl", [("what is 1+1", "2")])
-    config = load_run_config(overrides=[f"coordinator.task={path}", "coordinator.prompt_template='{problem}?'",
-                                        "coordinator.chat_template_kwargs={reasoning_effort: high}"]).coordinator
+    config = load_run_config(
+        overrides=[
+            f"coordinator.task={path}",
+            "coordinator.prompt_template='{problem}?'",
+            "coordinator.chat_template_kwargs={reasoning_effort: high}",
+        ]
+    ).coordinator
     task = build_task(config, 256, tiny_tokenizer, None)
     prompt = task.next_prompt()
     assert tiny_tokenizer.decode(prompt.prompt_token_ids) == "<bos>what is 1+1?h"  # the tiny template's effort mark
@@ -327,10 +356,14 @@ def test_prompts_longer_than_the_model_allows_are_skipped_and_counted(tiny_token
 
 def test_dataset_rewards_come_from_the_plugin_plus_the_overlong_penalty(tiny_tokenizer, tmp_path):
     path = write_plain(tmp_path / "p.jsonl", [("q", "1")])
-    config = load_run_config(overrides=[
-        f"coordinator.task={path}", "coordinator.reward_fn=tests.coordinator.reward_plugins:always_one",
-        "coordinator.sampling.max_tokens=8", "coordinator.overlong={enabled: true, buffer_len: 4, penalty_factor: 1.0}",
-    ]).coordinator
+    config = load_run_config(
+        overrides=[
+            f"coordinator.task={path}",
+            "coordinator.reward_fn=tests.coordinator.reward_plugins:always_one",
+            "coordinator.sampling.max_tokens=8",
+            "coordinator.overlong={enabled: true, buffer_len: 4, penalty_factor: 1.0}",
+        ]
+    ).coordinator
     task = build_task(config, 256, tiny_tokenizer, None)
     assert isinstance(task, DatasetTask)
     results = asyncio.run(task.score(task.next_prompt(), [[5] * 2, [5] * 6, [5] * 8]))

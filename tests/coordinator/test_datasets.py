@@ -57,18 +57,16 @@ def test_plain_jsonl_uses_template(data_dir: Path) -> None:
     assert content.endswith(INSTRUCTION)
     custom = load_dataset(data_dir / "aime-2025.jsonl", prompt_template="Q: {problem} A:", limit=2)
     assert custom[0].messages == [
-        {"role": "user", "content": "Q: Find the sum of all integer bases $b>9$ for which "
-                                    "$17_{b}$ is a divisor of $97_{b}$. A:"}
+        {
+            "role": "user",
+            "content": "Q: Find the sum of all integer bases $b>9$ for which $17_{b}$ is a divisor of $97_{b}$. A:",
+        }
     ]
 
 
 def test_name_only_used_without_data_source_column(data_dir: Path) -> None:
-    assert load_dataset(data_dir / "aime-2025.jsonl", name="aime25", limit=1)[0].data_source == (
-        "aime25"
-    )
-    assert load_dataset(data_dir / "aime-2024.parquet", name="x", limit=1)[0].data_source == (
-        "aime24"
-    )
+    assert load_dataset(data_dir / "aime-2025.jsonl", name="aime25", limit=1)[0].data_source == ("aime25")
+    assert load_dataset(data_dir / "aime-2024.parquet", name="x", limit=1)[0].data_source == ("aime24")
 
 
 def test_verl_parquet_matches_jsonl_answers(data_dir: Path) -> None:
@@ -102,11 +100,14 @@ def _write_jsonl(path: Path, lines: list[str]) -> Path:
 
 
 def test_question_alias_and_default_source(tmp_path: Path) -> None:
-    path = _write_jsonl(tmp_path / "mini.jsonl", [
-        json.dumps({"question": "1+1?", "answer": 2}),
-        "",
-        json.dumps({"id": "b", "problem": "2+2?", "answer": "4"}),
-    ])
+    path = _write_jsonl(
+        tmp_path / "mini.jsonl",
+        [
+            json.dumps({"question": "1+1?", "answer": 2}),
+            "",
+            json.dumps({"id": "b", "problem": "2+2?", "answer": "4"}),
+        ],
+    )
     problems = load_dataset(path)
     assert [p.problem_id for p in problems] == ["line-1", "b"]
     assert [p.ground_truth for p in problems] == ["2", "4"]
@@ -123,10 +124,13 @@ def test_malformed_json_line_names_line(tmp_path: Path) -> None:
 
 
 def test_missing_field_names_line_and_field(tmp_path: Path) -> None:
-    path = _write_jsonl(tmp_path / "gap.jsonl", [
-        json.dumps({"problem": "p", "answer": "1"}),
-        json.dumps({"problem": "q"}),
-    ])
+    path = _write_jsonl(
+        tmp_path / "gap.jsonl",
+        [
+            json.dumps({"problem": "p", "answer": "1"}),
+            json.dumps({"problem": "q"}),
+        ],
+    )
     with pytest.raises(ValueError, match=r"gap\.jsonl: line 2: missing field 'answer'"):
         load_dataset(path)
     path = _write_jsonl(tmp_path / "noq.jsonl", [json.dumps({"answer": "1"})])
@@ -138,10 +142,16 @@ def test_malformed_parquet_row_names_row_and_field(tmp_path: Path) -> None:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    good = {"data_source": "s", "prompt": [{"role": "user", "content": "x"}],
-            "reward_model": {"ground_truth": "1", "style": "rule"}}
-    bad = {"data_source": "s", "prompt": [{"role": "user", "content": "y"}],
-           "reward_model": {"ground_truth": None, "style": "rule"}}
+    good = {
+        "data_source": "s",
+        "prompt": [{"role": "user", "content": "x"}],
+        "reward_model": {"ground_truth": "1", "style": "rule"},
+    }
+    bad = {
+        "data_source": "s",
+        "prompt": [{"role": "user", "content": "y"}],
+        "reward_model": {"ground_truth": None, "style": "rule"},
+    }
     path = tmp_path / "bad.parquet"
     pq.write_table(pa.Table.from_pylist([good, bad]), path)
     with pytest.raises(ValueError, match=r"bad\.parquet: row 1: .*reward_model\.ground_truth"):

@@ -150,8 +150,9 @@ def test_listed_coordinator_metrics_are_served_on_its_metrics_endpoint():
         scheduler = Scheduler(config, Fleet([]), queue, EchoTask(), 10)
         evals = EvalRunner(config, scheduler.fleet, [], scorer=None)
         evals.latest = {"eval/aime-2025/acc": 0.25, "eval/aime-2025/pass@4": 0.5}
-        runner, port = await start_metrics_server(MetricsReporter(scheduler, evals, queue, queue.client, keys),
-                                                  "127.0.0.1", 0)
+        runner, port = await start_metrics_server(
+            MetricsReporter(scheduler, evals, queue, queue.client, keys), "127.0.0.1", 0
+        )
         try:
             url = f"http://127.0.0.1:{port}/metrics"
             return await asyncio.to_thread(lambda: urllib.request.urlopen(url, timeout=10).read().decode())

@@ -19,9 +19,15 @@ def test_nccl_on_a_machine_without_a_gpu_per_rank_is_refused_with_the_alternativ
 
 
 def test_speed_figures_are_medians_after_the_first_step_with_the_replay_mismatch_means():
-    steps = [{"train_s": 9.0, "step_s": 20.0, "publish_s": 5.0, "on_policy_abs_logprob_diff_r3": 0.004,
-              "on_policy_abs_logprob_diff_natural": 0.02}] + [
-        {"train_s": t, "step_s": 2 * t, "publish_s": 1.0} for t in (1.0, 2.0, 3.0)]
+    steps = [
+        {
+            "train_s": 9.0,
+            "step_s": 20.0,
+            "publish_s": 5.0,
+            "on_policy_abs_logprob_diff_r3": 0.004,
+            "on_policy_abs_logprob_diff_natural": 0.02,
+        }
+    ] + [{"train_s": t, "step_s": 2 * t, "publish_s": 1.0} for t in (1.0, 2.0, 3.0)]
     reports = [VersionReport("rollout-0", "a", 4, ReportStatus.OK, "", 0.0, update_s=0.5, paused_s=0.25)]
     figures = _speed_figures(steps, [0.0, 100.0, 300.0], reports)
     assert (figures["train_s_per_step"], figures["step_s"], figures["publish_s"]) == (2.0, 4.0, 1.0)

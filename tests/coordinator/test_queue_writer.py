@@ -8,19 +8,33 @@ the real server (tests/redis_faults.py) breaks the connection exactly there.
 from __future__ import annotations
 
 import asyncio
+
 import numpy as np
 import redis.asyncio as aioredis
 
 from coordinator.queue_writer import RolloutQueue
-from protos.records import (Array, FinishReason, PromptCursor, Sample, TrajectoryGroup, VersionSpan, decode_cursor,
-                            decode_group)
+from protos.records import (
+    Array,
+    FinishReason,
+    PromptCursor,
+    Sample,
+    TrajectoryGroup,
+    VersionSpan,
+    decode_cursor,
+    decode_group,
+)
 from protos.redis_keys import RedisKeys
 from tests.redis_faults import reply_dropping_proxy
 
 
 def group(group_id: str) -> TrajectoryGroup:
-    sample = Sample(Array.from_numpy(np.arange(3, dtype=np.int32)), Array.from_numpy(np.zeros(3, np.float32)),
-                    [VersionSpan(0, 0, 3)], FinishReason.STOP, 1.0)
+    sample = Sample(
+        Array.from_numpy(np.arange(3, dtype=np.int32)),
+        Array.from_numpy(np.zeros(3, np.float32)),
+        [VersionSpan(0, 0, 3)],
+        FinishReason.STOP,
+        1.0,
+    )
     return TrajectoryGroup(group_id, "p", Array.from_numpy(np.array([1, 2], np.int32)), [sample], "unit", 0, 0, 0.0)
 
 

@@ -114,7 +114,7 @@ def test_overlong_penalty_edge_settings() -> None:
         overlong_penalty_reward(0.0, 1, 100, 200, 1.0)
 
 
-PLUGIN = '''
+PLUGIN = """
 import asyncio
 import math
 import threading
@@ -153,7 +153,7 @@ class Scorer:
     @staticmethod
     def score(problem, response_text, response_len):
         return 0.25
-'''
+"""
 
 
 @pytest.fixture

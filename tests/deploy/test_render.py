@@ -48,7 +48,7 @@ def main_args(workload: dict) -> list[str]:
 
 def role_argv(args: list[str], module: str) -> list[str]:
     """What the role's own parser sees: the arguments after ``-m <module>``."""
-    return args[args.index(module) + 1:]
+    return args[args.index(module) + 1 :]
 
 
 @pytest.mark.parametrize(("recipe", "trainer_gpus", "rollout_gpus"), BEAM_LAYOUTS)
@@ -89,13 +89,16 @@ def test_multi_node_trainer_runs_torchrun_with_the_node_layout(tmp_path):
 
     job = render_to(tmp_path, BEAM / "dapo-full-ft.yaml")[("Job", "trainer")]
     args = main_args(job)
-    torchrun = args[:args.index("trainer_service")]
+    torchrun = args[: args.index("trainer_service")]
     assert torchrun[:3] == ["python", "-m", "torch.distributed.run"]
-    flags = dict(zip(torchrun[3::2], torchrun[4::2]))
+    flags = dict(zip(torchrun[3::2], torchrun[4::2], strict=False))
     assert flags["--nnodes"] == "4" and flags["--nproc-per-node"] == "8"
     assert flags["--rdzv-backend"] == "c10d" and flags["--rdzv-endpoint"] == "trainer-0.trainer:29400"
     assert flags["--node-rank"] == "$(NODE_RANK)"
-    env = {e["name"]: e["valueFrom"]["fieldRef"]["fieldPath"] for e in job["spec"]["template"]["spec"]["containers"][0]["env"]}
+    env = {
+        e["name"]: e["valueFrom"]["fieldRef"]["fieldPath"]
+        for e in job["spec"]["template"]["spec"]["containers"][0]["env"]
+    }
     assert env["NODE_RANK"] == "metadata.annotations['batch.kubernetes.io/job-completion-index']"
     assert job["spec"]["completionMode"] == "Indexed" and job["spec"]["template"]["spec"]["subdomain"] == "trainer"
     parsed = parse_args(role_argv(args, "trainer_service"))
@@ -160,12 +163,15 @@ def test_redis_url_in_the_config_is_used_instead_of_a_redis_pod(tmp_path):
     assert args[args.index("--redis-url") + 1] == "redis://shared-redis:6379/3"
 
 
-@pytest.mark.parametrize(("override", "field"), [
-    ("trainer.num_procesess=8", "num_procesess"),  # misspelt key: pydantic names it
-    ("trainer.num_processes=16", "trainer.num_processes"),  # more ranks than one node has GPUs
-    ("trainer.ckpt_dir=/tmp/ckpt", "trainer.ckpt_dir"),  # not on the shared volume
-    ("model_path=", "model_path"),
-])
+@pytest.mark.parametrize(
+    ("override", "field"),
+    [
+        ("trainer.num_procesess=8", "num_procesess"),  # misspelt key: pydantic names it
+        ("trainer.num_processes=16", "trainer.num_processes"),  # more ranks than one node has GPUs
+        ("trainer.ckpt_dir=/tmp/ckpt", "trainer.ckpt_dir"),  # not on the shared volume
+        ("model_path=", "model_path"),
+    ],
+)
 def test_bad_override_fails_naming_the_field(tmp_path, capsys, override, field):
     argv = [str(BEAM / "dapo-mxfp8.yaml"), override, *CLUSTER, "--out", str(tmp_path / "out")]
     assert render.main(argv) == 2
@@ -212,11 +218,16 @@ def test_wait_for_rollout_init_script_waits_for_grpc_health(tmp_path):
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
     try:
-        ready = subprocess.run([sys.executable, "-c", WAIT_FOR_ROLLOUT, f"127.0.0.1:{port}", "30"],
-                               capture_output=True, text=True, timeout=30)
+        ready = subprocess.run(
+            [sys.executable, "-c", WAIT_FOR_ROLLOUT, f"127.0.0.1:{port}", "30"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
         assert ready.returncode == 0, ready.stderr
     finally:
         server.stop(0)
-    closed = subprocess.run([sys.executable, "-c", WAIT_FOR_ROLLOUT, f"127.0.0.1:{port}", "0"],
-                            capture_output=True, text=True, timeout=30)
+    closed = subprocess.run(
+        [sys.executable, "-c", WAIT_FOR_ROLLOUT, f"127.0.0.1:{port}", "0"], capture_output=True, text=True, timeout=30
+    )
     assert closed.returncode != 0 and "not SERVING" in closed.stderr

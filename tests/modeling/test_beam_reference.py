@@ -125,7 +125,7 @@ def test_grouped_topk_picks_experts_only_from_the_top_groups():
     biased = logits.sigmoid() + router.e_score_correction_bias
     group_scores = biased.view(256, 4, 4).topk(2, dim=-1).values.sum(-1)
     top_groups = group_scores.topk(2, dim=-1).indices
-    assert all(set(e // 4 for e in row) <= set(g) for row, g in zip(ids.tolist(), top_groups.tolist()))
+    assert all(set(e // 4 for e in row) <= set(g) for row, g in zip(ids.tolist(), top_groups.tolist(), strict=False))
 
 
 def test_parity_threshold_detects_a_single_wrong_detail(monkeypatch):
@@ -146,7 +146,7 @@ def test_parity_threshold_detects_a_single_wrong_detail(monkeypatch):
     for gate in gates:
         gate.e_score_correction_bias.zero_()
     figures["correction bias ignored"] = _mean_kl(reference, _logprobs(model, ids))
-    for gate, bias in zip(gates, biases):
+    for gate, bias in zip(gates, biases, strict=False):
         gate.e_score_correction_bias.copy_(bias)
     with monkeypatch.context() as patch:
         for gate in gates:

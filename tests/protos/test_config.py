@@ -115,8 +115,14 @@ def test_demo_echo_recipe_loads():
 
 
 def test_text_fields_keep_override_values_as_strings():
-    config = load_run_config(overrides=["run_id=42", "coordinator.task=2024.jsonl", "trainer.resume=none",
-                                        "coordinator.prompt_template='{problem}?'"])
+    config = load_run_config(
+        overrides=[
+            "run_id=42",
+            "coordinator.task=2024.jsonl",
+            "trainer.resume=none",
+            "coordinator.prompt_template='{problem}?'",
+        ]
+    )
     assert (config.run_id, config.coordinator.task, config.trainer.resume) == ("42", "2024.jsonl", "none")
     assert config.coordinator.prompt_template == "{problem}?"  # YAML quotes still come off
     assert load_run_config(overrides=["trainer.lr=1e-6"]).trainer.lr == 1e-6  # numbers still parse
@@ -126,17 +132,32 @@ def test_trainer_ranks_must_fit_the_backend_and_the_megatron_layout():
     with pytest.raises(ValueError, match="needs trainer.backend='megatron'"):
         load_run_config(None, ["trainer.num_processes=2"])
     with pytest.raises(ValueError, match="not a multiple of megatron TP x PP x CP = 4"):
-        load_run_config(None, ["trainer.backend=megatron", "trainer.num_processes=6",
-                               "trainer.megatron.pipeline_model_parallel_size=4"])
+        load_run_config(
+            None,
+            ["trainer.backend=megatron", "trainer.num_processes=6", "trainer.megatron.pipeline_model_parallel_size=4"],
+        )
     with pytest.raises(ValueError, match="EP x ETP = 8 does not divide the 4 ranks"):
-        load_run_config(None, ["trainer.backend=megatron", "trainer.num_processes=8",
-                               "trainer.megatron.pipeline_model_parallel_size=2",
-                               "trainer.megatron.expert_model_parallel_size=8"])
-    config = load_run_config(None, ["trainer.backend=megatron", "trainer.num_nodes=2", "trainer.num_processes=8",
-                                    "trainer.megatron.tensor_model_parallel_size=4",
-                                    "trainer.megatron.pipeline_model_parallel_size=2",
-                                    "trainer.megatron.expert_model_parallel_size=8",
-                                    "trainer.megatron.expert_tensor_parallel_size=1"])
+        load_run_config(
+            None,
+            [
+                "trainer.backend=megatron",
+                "trainer.num_processes=8",
+                "trainer.megatron.pipeline_model_parallel_size=2",
+                "trainer.megatron.expert_model_parallel_size=8",
+            ],
+        )
+    config = load_run_config(
+        None,
+        [
+            "trainer.backend=megatron",
+            "trainer.num_nodes=2",
+            "trainer.num_processes=8",
+            "trainer.megatron.tensor_model_parallel_size=4",
+            "trainer.megatron.pipeline_model_parallel_size=2",
+            "trainer.megatron.expert_model_parallel_size=8",
+            "trainer.megatron.expert_tensor_parallel_size=1",
+        ],
+    )
     assert config.trainer.num_nodes * config.trainer.num_processes == 16
 
 

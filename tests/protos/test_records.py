@@ -79,8 +79,16 @@ def _manifest() -> WeightManifest:
 
 
 def _report() -> VersionReport:
-    return VersionReport("rollout-0", "127.0.0.1:7000", 5, ReportStatus.STALE, "fetch timed out", 1700000002.0,
-                         update_s=1.5, paused_s=0.25)
+    return VersionReport(
+        "rollout-0",
+        "127.0.0.1:7000",
+        5,
+        ReportStatus.STALE,
+        "fetch timed out",
+        1700000002.0,
+        update_s=1.5,
+        paused_s=0.25,
+    )
 
 
 def _metrics() -> MetricsReport:
@@ -102,13 +110,11 @@ MANIFEST_HEX = (
 )
 # Written before ``update_s`` and ``paused_s`` were appended (v1): still decodes, with their defaults.
 REPORT_V1_HEX = (
-    "96a9726f6c6c6f75742d30ae3132372e302e302e313a373030300501af66657463682074696d6564206f7574cb41d954fc"
-    "40800000"
+    "96a9726f6c6c6f75742d30ae3132372e302e302e313a373030300501af66657463682074696d6564206f7574cb41d954fc40800000"
 )
 REPORT_HEX = REPORT_V1_HEX.replace("96a9", "98a9", 1) + "cb3ff8000000000000cb3fd0000000000000"
 METRICS_HEX = (
-    "95a7747261696e65720a05cb41d954fc40e0000082a46c6f7373cb3fe0000000000000ab7265776172645f6d65616ecb3f"
-    "e8000000000000"
+    "95a7747261696e65720a05cb41d954fc40e0000082a46c6f7373cb3fe0000000000000ab7265776172645f6d65616ecb3fe8000000000000"
 )
 
 
@@ -169,8 +175,9 @@ def test_manifest_report_and_metrics_round_trip():
 
 
 def test_sample_without_version_spans_has_min_version_minus_one():
-    sample = Sample(Array.from_numpy(np.zeros(0, np.int32)), Array.from_numpy(np.zeros(0, np.float32)), [],
-                    FinishReason.ABORT, 0.0)
+    sample = Sample(
+        Array.from_numpy(np.zeros(0, np.int32)), Array.from_numpy(np.zeros(0, np.float32)), [], FinishReason.ABORT, 0.0
+    )
     assert sample.min_version == -1
 
 
@@ -257,10 +264,22 @@ class _TrajectoryGroupV1(msgspec.Struct, array_like=True, frozen=True):
 
 def test_new_reader_fills_defaults_for_fields_an_old_writer_did_not_send():
     old = _TrajectoryGroupV1(
-        "g-old", "p-old", Array.from_numpy(np.array([1], np.int32)),
-        [_SampleV1(Array.from_numpy(np.array([4], np.int32)), Array.from_numpy(np.array([-0.1], np.float32)),
-                   [VersionSpan(2, 0, 1)], FinishReason.STOP, 0.5)],
-        "echo", 0, 2, 3.0,
+        "g-old",
+        "p-old",
+        Array.from_numpy(np.array([1], np.int32)),
+        [
+            _SampleV1(
+                Array.from_numpy(np.array([4], np.int32)),
+                Array.from_numpy(np.array([-0.1], np.float32)),
+                [VersionSpan(2, 0, 1)],
+                FinishReason.STOP,
+                0.5,
+            )
+        ],
+        "echo",
+        0,
+        2,
+        3.0,
     )
     group = decode_group(encode(old))
     (sample,) = group.samples
@@ -282,12 +301,23 @@ NCCL_MEMBER_HEX = "95a9726f6c6c6f75742d300307cb41d954fc40800000cb41d954fc40a0000
 
 
 def test_nccl_records_encode_to_golden_bytes_and_back():
-    from protos.records import NcclGroup, NcclMember, NcclRound, decode_nccl_group, decode_nccl_member, decode_nccl_round
+    from protos.records import (
+        NcclGroup,
+        NcclMember,
+        NcclRound,
+        decode_nccl_group,
+        decode_nccl_member,
+        decode_nccl_round,
+    )
 
     group = NcclGroup(3, bytes(range(8)), ["rollout-0", "rollout-1"], 1700000000.5)
     round_ = NcclRound(3, 7, [4096, 64], 1 << 20, 1700000001.25)
     member = NcclMember("rollout-0", 3, 7, 1700000002.0, 1700000002.5)
-    assert (encode(group).hex(), encode(round_).hex(), encode(member).hex()) == (NCCL_GROUP_HEX, NCCL_ROUND_HEX, NCCL_MEMBER_HEX)
+    assert (encode(group).hex(), encode(round_).hex(), encode(member).hex()) == (
+        NCCL_GROUP_HEX,
+        NCCL_ROUND_HEX,
+        NCCL_MEMBER_HEX,
+    )
     assert decode_nccl_group(bytes.fromhex(NCCL_GROUP_HEX)) == group
     assert decode_nccl_round(bytes.fromhex(NCCL_ROUND_HEX)) == round_
     assert decode_nccl_member(bytes.fromhex(NCCL_MEMBER_HEX)) == member
@@ -317,10 +347,22 @@ def test_step_orders_encode_to_golden_bytes_and_back():
     from protos.records import OrderKind, StepOrder, decode_order
 
     group = TrajectoryGroup(
-        "g1", "p1", Array.from_numpy(np.array([1, 2], np.int32)),
-        [Sample(Array.from_numpy(np.array([3], np.int32)), Array.from_numpy(np.array([-0.5], np.float32)),
-                [VersionSpan(2, 0, 1)], FinishReason.STOP, 1.0)],
-        "echo", 4, 2, 1700000000.5,
+        "g1",
+        "p1",
+        Array.from_numpy(np.array([1, 2], np.int32)),
+        [
+            Sample(
+                Array.from_numpy(np.array([3], np.int32)),
+                Array.from_numpy(np.array([-0.5], np.float32)),
+                [VersionSpan(2, 0, 1)],
+                FinishReason.STOP,
+                1.0,
+            )
+        ],
+        "echo",
+        4,
+        2,
+        1700000000.5,
     )
     orders = {
         ORDER_TRAIN_HEX: StepOrder(OrderKind.TRAIN, groups=[group]),
@@ -332,7 +374,9 @@ def test_step_orders_encode_to_golden_bytes_and_back():
         assert decode_order(bytes.fromhex(golden)) == order
 
 
-CURSOR_HEX = "93a461696d65a870332d65312d313284a47365656407a565706f636801a8706f736974696f6e03ac6e756d5f70726f626c656d731e"
+CURSOR_HEX = (
+    "93a461696d65a870332d65312d313284a47365656407a565706f636801a8706f736974696f6e03ac6e756d5f70726f626c656d731e"
+)
 
 
 def test_prompt_cursor_encodes_to_golden_bytes_and_back():

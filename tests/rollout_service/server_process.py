@@ -50,7 +50,8 @@ class ServerProcess:
 
     def _assert_alive(self) -> None:
         assert self.process.poll() is None, (
-            f"rollout server exited ({self.process.returncode}): {self.log_path.read_text(errors='replace')[-3000:]}")
+            f"rollout server exited ({self.process.returncode}): {self.log_path.read_text(errors='replace')[-3000:]}"
+        )
 
 
 def spawn_rollout_server(model: str, log_path: Path, *args: str, env: dict[str, str] | None = None) -> ServerProcess:
@@ -58,9 +59,22 @@ def spawn_rollout_server(model: str, log_path: Path, *args: str, env: dict[str, 
     address_file = log_path.with_suffix(".address")  # ServerProcess.address_file
     address_file.unlink(missing_ok=True)
     process = subprocess.Popen(
-        [sys.executable, "-m", "rollout_service", "serve", "--model", str(model), "--port", "0",
-         "--address-file", str(address_file), *args],
-        stdout=open(log_path, "wb"), stderr=subprocess.STDOUT, start_new_session=True,
+        [
+            sys.executable,
+            "-m",
+            "rollout_service",
+            "serve",
+            "--model",
+            str(model),
+            "--port",
+            "0",
+            "--address-file",
+            str(address_file),
+            *args,
+        ],
+        stdout=open(log_path, "wb"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
         env={**os.environ, **(env or {})},
     )
     return ServerProcess(process, log_path)

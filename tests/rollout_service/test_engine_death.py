@@ -29,10 +29,13 @@ def test_dead_engine_core_turns_calls_unavailable_and_stops_the_server(tmp_path)
         channel = grpc.insecure_channel(server.wait_serving(timeout_s=240).address)
         stub = pb_grpc.RolloutServiceStub(channel)
         stub.Pause(pb.PauseRequest(mode=pb.PAUSE_MODE_KEEP), timeout=30)  # the call below stays in flight
-        call = stub.Generate(pb.GenerateRequest(prompt_token_ids=[1, 4, 5],
-                                                sampling=pb.SamplingParams(max_tokens=200, ignore_eos=True)), timeout=120)
-        engine_cores = [p for p in psutil.Process(process.pid).children(recursive=True)
-                        if "EngineCore" in " ".join(p.cmdline())]
+        call = stub.Generate(
+            pb.GenerateRequest(prompt_token_ids=[1, 4, 5], sampling=pb.SamplingParams(max_tokens=200, ignore_eos=True)),
+            timeout=120,
+        )
+        engine_cores = [
+            p for p in psutil.Process(process.pid).children(recursive=True) if "EngineCore" in " ".join(p.cmdline())
+        ]
         assert engine_cores, "no VLLM::EngineCore child found"
         for core in engine_cores:
             os.kill(core.pid, signal.SIGKILL)

@@ -216,17 +216,20 @@ def test_a_follower_on_the_nccl_transport_commits_each_broadcast_version(engine_
 
     engine, loop, model, native = engine_on_loop
     keys, hub, cpu = RedisKeys("nccl-follower"), LoopbackNccl(), torch.device("cpu")
-    config = WeightBusConfig(transport="nccl", bucket_mib=0.05, send_timeout_s=5.0, group_timeout_s=10.0,
-                             heartbeat_timeout_s=3.0)
+    config = WeightBusConfig(
+        transport="nccl", bucket_mib=0.05, send_timeout_s=5.0, group_timeout_s=10.0, heartbeat_timeout_s=3.0
+    )
     sync_client = redis.Redis.from_url(redis_url)
 
     def subscriber():
         return NcclWeightSubscriber(redis.Redis.from_url(redis_url), keys, config, "server-0", cpu, hub.comm)
 
-    follower = WeightFollower(engine, aioredis.Redis.from_url(redis_url), keys, config, "127.0.0.1:0",
-                              nccl_subscriber_factory=subscriber)
-    publisher = NcclWeightPublisher(sync_client, keys, config, cpu, comm_factory=hub.comm,
-                                    unique_id_factory=hub.unique_id)
+    follower = WeightFollower(
+        engine, aioredis.Redis.from_url(redis_url), keys, config, "127.0.0.1:0", nccl_subscriber_factory=subscriber
+    )
+    publisher = NcclWeightPublisher(
+        sync_client, keys, config, cpu, comm_factory=hub.comm, unique_id_factory=hub.unique_id
+    )
     backend = TorchBackend(model, TrainerConfig())
     stop = asyncio.Event()
     receiving = asyncio.run_coroutine_threadsafe(follower.follow_broadcasts(stop, poll_s=0.2), loop.loop)

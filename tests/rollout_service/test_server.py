@@ -53,9 +53,20 @@ def server(model_dir, redis_server, tmp_path_factory):
     log_path = tmp_path_factory.mktemp("logs") / "rollout.log"
     # manual: weights change only through the gRPC calls the tests make, never on an announcement
     spawned = spawn_rollout_server(
-        model_dir, log_path, "--server-id", "test-0", "--redis-url", redis_server.url, "--run-id", RUN_ID,
-        "--metrics-port", str(metrics_port), "--grace-s", str(GRACE_S),
-        f"rollout.max_inflight_requests={MAX_INFLIGHT}", "rollout.weight_updates=manual",
+        model_dir,
+        log_path,
+        "--server-id",
+        "test-0",
+        "--redis-url",
+        redis_server.url,
+        "--run-id",
+        RUN_ID,
+        "--metrics-port",
+        str(metrics_port),
+        "--grace-s",
+        str(GRACE_S),
+        f"rollout.max_inflight_requests={MAX_INFLIGHT}",
+        "rollout.weight_updates=manual",
     )
     process = spawned.process
     channel = grpc.insecure_channel(spawned.wait_serving(timeout_s=240).address)
@@ -67,10 +78,11 @@ def server(model_dir, redis_server, tmp_path_factory):
         process.wait(timeout=60)
 
 
-
 def _generate(stub, prompt=PROMPT, **sampling):
     params = {"n": 1, "max_tokens": 6, "temperature": 0.0, "ignore_eos": True, **sampling}
-    chunks = list(stub.Generate(pb.GenerateRequest(prompt_token_ids=prompt, sampling=pb.SamplingParams(**params)), timeout=60))
+    chunks = list(
+        stub.Generate(pb.GenerateRequest(prompt_token_ids=prompt, sampling=pb.SamplingParams(**params)), timeout=60)
+    )
     samples: dict[int, dict] = {}
     for chunk in chunks:
         sample = samples.setdefault(chunk.sample_index, {"tokens": [], "logprobs": [], "final": None})
@@ -177,9 +189,15 @@ def test_malformed_requests_get_invalid_argument_and_server_keeps_serving(server
 def _hf_greedy(model, prompt, num_tokens):
     ids = torch.tensor([prompt])
     with torch.no_grad():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                             max_new_tokens=num_tokens, min_new_tokens=num_tokens, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            do_sample=False,
+            max_new_tokens=num_tokens,
+            min_new_tokens=num_tokens,
+            pad_token_id=0,
+        )
+    return out[0, len(prompt) :].tolist()
 
 
 def _perturb(backend: TorchBackend, seed: int) -> None:
@@ -256,8 +274,10 @@ def test_an_operator_pause_outlasts_a_weight_update(server, model_dir, redis_ser
     length = 250  # the longest the tiny model's 256 positions allow
 
     def stream(tokens: list[int], final: list) -> None:  # a request generating when the operator pauses
-        request = pb.GenerateRequest(prompt_token_ids=PROMPT, sampling=pb.SamplingParams(
-            max_tokens=length, temperature=0.0, ignore_eos=True, stream_interval=1))
+        request = pb.GenerateRequest(
+            prompt_token_ids=PROMPT,
+            sampling=pb.SamplingParams(max_tokens=length, temperature=0.0, ignore_eos=True, stream_interval=1),
+        )
         for chunk in stub.Generate(request, timeout=120):
             tokens.extend(chunk.token_ids)
             final.extend([chunk] if chunk.finished else [])
@@ -391,8 +411,13 @@ def test_metrics_endpoint_reports_throughput_ttft_rejections_and_version(server)
     assert values[("rollout_time_to_first_token_s_count", ())] >= 1
     assert values[("rollout_requests_rejected_total", (("reason", "invalid"),))] >= 1
     assert values[("rollout_policy_version", ())] == _info(stub).policy_version
-    for name in ("rollout_requests_running", "rollout_requests_waiting", "rollout_kv_cache_usage_ratio",
-                 "rollout_weight_update_s_count", "rollout_weight_update_pause_s_count"):
+    for name in (
+        "rollout_requests_running",
+        "rollout_requests_waiting",
+        "rollout_kv_cache_usage_ratio",
+        "rollout_weight_update_s_count",
+        "rollout_weight_update_pause_s_count",
+    ):
         assert (name, ()) in values, name
 
 
@@ -427,10 +452,14 @@ def test_mxfp8_weight_update_is_dequantized_into_the_engine_and_matches_hf(serve
     codec = WireCodec("mxfp8")
     assert sum(codec.quantizes(name, tensor) for name, tensor in weights) > 40
     # The reference: HF transformers with every MXFP8-eligible weight replaced by dequantize(quantize(w)).
-    reference = _hf_model_with(model_dir, {
-        name: dequantize(*quantize(tensor), tensor.dtype) if codec.quantizes(name, tensor) else tensor
-        for name, tensor in weights
-    }, tmp_path)
+    reference = _hf_model_with(
+        model_dir,
+        {
+            name: dequantize(*quantize(tensor), tensor.dtype) if codec.quantizes(name, tensor) else tensor
+            for name, tensor in weights
+        },
+        tmp_path,
+    )
     expected = _hf_greedy(reference, PROMPT, 8)
     publisher = WeightPublisher(
         redis.Redis.from_url(redis_server.url), RedisKeys(RUN_ID), WeightBusConfig(codec="mxfp8")
@@ -447,8 +476,8 @@ def test_mxfp8_weight_update_is_dequantized_into_the_engine_and_matches_hf(serve
     engine_lp = samples[0]["logprobs"]
     reference_lp = _hf_token_logprobs(reference, PROMPT, expected)
     original_lp = _hf_token_logprobs(backend.model, PROMPT, expected)
-    off_reference = max(abs(a - b) for a, b in zip(engine_lp, reference_lp))
-    off_original = max(abs(a - b) for a, b in zip(engine_lp, original_lp))
+    off_reference = max(abs(a - b) for a, b in zip(engine_lp, reference_lp, strict=False))
+    off_original = max(abs(a - b) for a, b in zip(engine_lp, original_lp, strict=False))
     assert off_reference < 1e-3 and off_reference < off_original / 10, (off_reference, off_original)
 
 
@@ -488,8 +517,9 @@ def test_an_ipc_version_this_engine_cannot_open_arrives_over_tcp(server, model_d
 
 
 @pytest.mark.parametrize("target_modules", [["linear_qkv", "linear_fc2"], ["linear_proj", "linear_fc1"]])
-def test_lora_update_of_the_adapted_layers_only_matches_the_merged_model(server, model_dir, redis_server,
-                                                                          target_modules):
+def test_lora_update_of_the_adapted_layers_only_matches_the_merged_model(
+    server, model_dir, redis_server, target_modules
+):
     """A LoRA trainer publishes only the adapted layers; the engine keeps the rest and equals HF's merged model."""
     stub = server.stub
     version = _info(stub).policy_version + 1
@@ -508,7 +538,10 @@ def test_lora_update_of_the_adapted_layers_only_matches_the_merged_model(server,
     _publish_and_update(stub, redis_server, version + 1, weights)
     _, samples = _generate(stub, max_tokens=8, logprobs=0)
     assert samples[0]["tokens"] == expected
-    off = max(abs(a - b) for a, b in zip(samples[0]["logprobs"], _hf_token_logprobs(backend.model, PROMPT, expected)))
+    off = max(
+        abs(a - b)
+        for a, b in zip(samples[0]["logprobs"], _hf_token_logprobs(backend.model, PROMPT, expected), strict=False)
+    )
     assert off < 1e-3, off
 
 
@@ -517,7 +550,9 @@ def test_sigterm_refuses_new_calls_finishes_in_flight_ones_then_exits(server):
     stub = server.stub
     in_flight = stub.Generate(
         # 4 x 200 tokens: long enough to be still running when the signal lands, also on a loaded machine
-        pb.GenerateRequest(prompt_token_ids=PROMPT, sampling=pb.SamplingParams(n=4, temperature=1.0, max_tokens=200, ignore_eos=True)),
+        pb.GenerateRequest(
+            prompt_token_ids=PROMPT, sampling=pb.SamplingParams(n=4, temperature=1.0, max_tokens=200, ignore_eos=True)
+        ),
         timeout=120,
     )
     chunks = [next(in_flight)]  # admitted and streaming
@@ -525,7 +560,11 @@ def test_sigterm_refuses_new_calls_finishes_in_flight_ones_then_exits(server):
     deadline = time.monotonic() + 20
     while True:  # a call that raced the signal may still be admitted; the next ones are refused
         try:
-            list(stub.Generate(pb.GenerateRequest(prompt_token_ids=PROMPT, sampling=pb.SamplingParams(max_tokens=2)), timeout=10))
+            list(
+                stub.Generate(
+                    pb.GenerateRequest(prompt_token_ids=PROMPT, sampling=pb.SamplingParams(max_tokens=2)), timeout=10
+                )
+            )
         except grpc.RpcError as error:
             assert error.code() == grpc.StatusCode.UNAVAILABLE, error.details()
             break

@@ -38,8 +38,16 @@ def test_a_redis_outage_neither_stops_a_following_server_nor_leaves_it_behind(re
     backend = TorchBackend(model, TrainerConfig())
     publisher = WeightPublisher(redis.Redis.from_url(redis_server.url), keys, WeightBusConfig())
     with redis_proxy(redis_server.url) as (proxy_url, proxy):
-        server = spawn_rollout_server(model, tmp_path / "rollout.log", "--server-id", "follower",
-                                      "--redis-url", proxy_url, "--run-id", keys.run_id)
+        server = spawn_rollout_server(
+            model,
+            tmp_path / "rollout.log",
+            "--server-id",
+            "follower",
+            "--redis-url",
+            proxy_url,
+            "--run-id",
+            keys.run_id,
+        )
         channel = None
         try:
             channel = grpc.insecure_channel(server.wait_serving(timeout_s=300).address)

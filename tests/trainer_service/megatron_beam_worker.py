@@ -34,8 +34,9 @@ def gather_vocab_shards(logits_BTV: torch.Tensor) -> torch.Tensor:
 
 def main(beam_dir: str, tp: int, ep: int, out_path: str) -> None:
     parallel = MegatronConfig(tensor_model_parallel_size=tp, expert_model_parallel_size=ep)
-    config = TrainerConfig(backend="megatron", lr=1e-2, geo_mask=None, megatron=parallel,
-                           num_processes=int(os.environ["WORLD_SIZE"]))  # set by torchrun
+    config = TrainerConfig(
+        backend="megatron", lr=1e-2, geo_mask=None, megatron=parallel, num_processes=int(os.environ["WORLD_SIZE"])
+    )  # set by torchrun
     backend = MegatronBackend(beam_dir, config)
     ids, mask = long_rows_BT()
     logits = gather_vocab_shards(megatron_logits(backend, ids, mask))

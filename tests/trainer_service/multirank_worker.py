@@ -27,7 +27,12 @@ LR, GRAD_CLIP = 1.0, 1e-9
 
 def trainer_config(pp: int = 1, num_processes: int = 1, micro_batch_tokens: int = MICRO_BATCH_TOKENS) -> TrainerConfig:
     return TrainerConfig(
-        backend="megatron", lr=LR, grad_clip=GRAD_CLIP, geo_mask=None, micro_batch_tokens=micro_batch_tokens, num_processes=num_processes,
+        backend="megatron",
+        lr=LR,
+        grad_clip=GRAD_CLIP,
+        geo_mask=None,
+        micro_batch_tokens=micro_batch_tokens,
+        num_processes=num_processes,
         megatron=MegatronConfig(pipeline_model_parallel_size=pp),
     )
 
@@ -98,8 +103,10 @@ def layout_figures(layout: str, out: Path, qwen_dir: str, beam_dir: str | None) 
             results[name] = model_figures(backend, routes_shape, out / f"ckpt-{layout}-{name}", rebuild)
             if name == "qwen":
                 results[name]["nan_step"] = non_finite_step(backend)
-    results["layout"] = {"pp": backend.model[0].module.config.pipeline_model_parallel_size,
-                         "world": dist.get_world_size()}
+    results["layout"] = {
+        "pp": backend.model[0].module.config.pipeline_model_parallel_size,
+        "world": dist.get_world_size(),
+    }
     return results
 
 

@@ -16,9 +16,18 @@ def make_group(index: int, version: int = 0, group_size: int = 4, seed: int = 0)
         length = int(rng.integers(2, 10))
         response = rng.integers(3, 64, length).astype(np.int32)
         logprobs = -rng.uniform(0.5, 4.0, length).astype(np.float32)
-        samples.append(Sample(Array.from_numpy(response), Array.from_numpy(logprobs),
-                              [VersionSpan(version, 0, length)], FinishReason.LENGTH, float(rng.integers(0, 2))))
-    return TrajectoryGroup(f"g{index}", f"p{index}", Array.from_numpy(prompt), samples, "synthetic", index, version, 0.0)
+        samples.append(
+            Sample(
+                Array.from_numpy(response),
+                Array.from_numpy(logprobs),
+                [VersionSpan(version, 0, length)],
+                FinishReason.LENGTH,
+                float(rng.integers(0, 2)),
+            )
+        )
+    return TrajectoryGroup(
+        f"g{index}", f"p{index}", Array.from_numpy(prompt), samples, "synthetic", index, version, 0.0
+    )
 
 
 def with_nonfinite_rewards(group: TrajectoryGroup) -> TrajectoryGroup:
@@ -26,8 +35,9 @@ def with_nonfinite_rewards(group: TrajectoryGroup) -> TrajectoryGroup:
     skipped."""
     import msgspec
 
-    return msgspec.structs.replace(group, samples=[msgspec.structs.replace(s, reward=float("nan"))
-                                                   for s in group.samples])
+    return msgspec.structs.replace(
+        group, samples=[msgspec.structs.replace(s, reward=float("nan")) for s in group.samples]
+    )
 
 
 def push_groups(url: str, keys, indices: list[int], seed: int = 11, nonfinite: tuple[int, ...] = ()) -> None:

@@ -29,8 +29,9 @@ def model_dir(request, tmp_path_factory):
 
 
 def _config(rank: int = 4, target_modules=ALL_TARGETS, **kwargs) -> TrainerConfig:
-    return TrainerConfig(lr=1e-2, geo_mask=None, lora=LoraConfig(rank=rank, alpha=8, target_modules=target_modules),
-                         **kwargs)
+    return TrainerConfig(
+        lr=1e-2, geo_mask=None, lora=LoraConfig(rank=rank, alpha=8, target_modules=target_modules), **kwargs
+    )
 
 
 def _batch(seed: int = 0):
@@ -80,8 +81,9 @@ def test_merged_export_reproduces_the_adapted_models_logprobs(model_dir, tmp_pat
     with torch.no_grad():
         adapted = token_logprobs(backend.model, batch.input_ids_BT, batch.attention_mask_BT, 1.0)
         reference = token_logprobs(plain, batch.input_ids_BT, batch.attention_mask_BT, 1.0)
-        untrained = token_logprobs(TorchBackend(model_dir, TrainerConfig()).model.eval(),
-                                   batch.input_ids_BT, batch.attention_mask_BT, 1.0)
+        untrained = token_logprobs(
+            TorchBackend(model_dir, TrainerConfig()).model.eval(), batch.input_ids_BT, batch.attention_mask_BT, 1.0
+        )
     mask = batch.attention_mask_BT[:, 1:].bool()
     assert (adapted - reference)[mask].abs().max() < 1e-5
     assert (adapted - untrained)[mask].abs().max() > 1e-3  # the adapters did change the policy

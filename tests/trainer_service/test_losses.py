@@ -101,8 +101,7 @@ def test_dynamic_sampling_rejects_indivisible_length():
 def test_ppo_clips_high_for_positive_and_low_for_negative_advantage():
     logprobs = _log([[1.5, 1.0, 0.5], [1.5, 1.0, 0.5]])
     zeros = torch.zeros(2, 3)
-    loss, metrics, grad = _run(logprobs, zeros, zeros, [1.0, -1.0], [[1] * 3] * 2,
-                               NO_CORRECTION)
+    loss, metrics, grad = _run(logprobs, zeros, zeros, [1.0, -1.0], [[1] * 3] * 2, NO_CORRECTION)
     # per token: A=+1 -> [-1.28, -1.0, -0.5]; A=-1 -> [1.5, 1.0, 0.8]; sum 0.52
     assert loss.item() == pytest.approx(0.52 / 6, abs=1e-6)
     assert metrics["pg_loss"] == pytest.approx(0.08666667, abs=1e-6)
@@ -125,11 +124,14 @@ AGG_LOGPROBS = [[1.1, 0.9, 1.0], [1.2, 1.0, 1.0]]
 AGG_MASK = [[1, 1, 0], [1, 0, 0]]
 
 
-@pytest.mark.parametrize("loss_agg, expected", [
-    ("token-mean", -2.8 / 3),          # (-2.2 - 1.8 + 1.2) / 3
-    ("seq-mean-token-mean", -0.4),     # mean(-4.0 / 2, 1.2 / 1)
-    ("seq-mean-token-sum", -1.4),      # mean(-4.0, 1.2)
-])
+@pytest.mark.parametrize(
+    "loss_agg, expected",
+    [
+        ("token-mean", -2.8 / 3),  # (-2.2 - 1.8 + 1.2) / 3
+        ("seq-mean-token-mean", -0.4),  # mean(-4.0 / 2, 1.2 / 1)
+        ("seq-mean-token-sum", -1.4),  # mean(-4.0, 1.2)
+    ],
+)
 def test_loss_aggregation_modes(loss_agg, expected):
     cfg = PolicyLossConfig(geo_mask=None, loss_agg=loss_agg)
     zeros = torch.zeros(2, 3)
@@ -138,10 +140,13 @@ def test_loss_aggregation_modes(loss_agg, expected):
     assert metrics["num_tokens"] == 3.0
 
 
-@pytest.mark.parametrize("loss_agg, expected", [
-    ("seq-mean-token-mean", -0.4),
-    ("seq-mean-token-sum", -1.4),
-])
+@pytest.mark.parametrize(
+    "loss_agg, expected",
+    [
+        ("seq-mean-token-mean", -0.4),
+        ("seq-mean-token-sum", -1.4),
+    ],
+)
 def test_seq_mean_aggregation_excludes_sequences_without_tokens(loss_agg, expected):
     cfg = PolicyLossConfig(geo_mask=None, loss_agg=loss_agg)
     zeros = torch.zeros(3, 3)
@@ -171,8 +176,7 @@ def test_geo_mask_uses_only_response_tokens_in_geometric_mean():
     # masked token has a huge log_rho that would otherwise reject the sequence
     log_rho = _t([[0.005, 5.0, 0.0], [0.0, 0.0, 0.0]])
     zeros = torch.zeros(2, 3)
-    _, metrics, grad = _run(zeros, zeros, -log_rho, [1.0, 1.0], [[1, 0, 0], [1, 1, 1]],
-                            PolicyLossConfig())
+    _, metrics, grad = _run(zeros, zeros, -log_rho, [1.0, 1.0], [[1, 0, 0], [1, 1, 1]], PolicyLossConfig())
     assert metrics["geo_mask_masked_ratio"] == 0.0
     _assert_close(grad, [[-0.25, 0.0, 0.0], [-0.25, -0.25, -0.25]])
 
@@ -200,8 +204,7 @@ def test_icepop_zeroes_tokens_with_ratio_outside_bounds():
 def test_mean_abs_logprob_diff_and_approx_kl_over_response_tokens():
     log_rho = _t([[0.1, -0.2, 5.0], [0.0, 0.3, -0.1]])
     zeros = torch.zeros(2, 3)
-    _, metrics, _ = _run(zeros, zeros, -log_rho, [1.0, 1.0], [[1, 1, 0], [1, 1, 1]],
-                         NO_CORRECTION)
+    _, metrics, _ = _run(zeros, zeros, -log_rho, [1.0, 1.0], [[1, 1, 0], [1, 1, 1]], NO_CORRECTION)
     assert metrics["mean_abs_logprob_diff"] == pytest.approx(0.7 / 5, abs=1e-6)
     # k3 = e^x - 1 - x: 0.005170918 + 0.018730753 + 0 + 0.049858808 + 0.004837418
     assert metrics["approx_kl"] == pytest.approx(0.078597897 / 5, abs=1e-6)
@@ -252,17 +255,20 @@ def test_policy_loss_rejects_mismatched_advantages_shape():
 # ------------------------------------------------------------------- config
 
 
-@pytest.mark.parametrize("kwargs, field", [
-    ({"clip_low": 1.0}, "clip_low"),
-    ({"clip_low": -0.1}, "clip_low"),
-    ({"clip_high": -0.1}, "clip_high"),
-    ({"loss_agg": "sum"}, "loss_agg"),
-    ({"geo_mask": (1.01, 0.99)}, "geo_mask"),
-    ({"geo_mask": (0.0, 1.01)}, "geo_mask"),
-    ({"token_tis_cap": 0.0}, "token_tis_cap"),
-    ({"icepop": (2.0, 0.5)}, "icepop"),
-    ({"icepop": (-1.0, 2.0)}, "icepop"),
-])
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        ({"clip_low": 1.0}, "clip_low"),
+        ({"clip_low": -0.1}, "clip_low"),
+        ({"clip_high": -0.1}, "clip_high"),
+        ({"loss_agg": "sum"}, "loss_agg"),
+        ({"geo_mask": (1.01, 0.99)}, "geo_mask"),
+        ({"geo_mask": (0.0, 1.01)}, "geo_mask"),
+        ({"token_tis_cap": 0.0}, "token_tis_cap"),
+        ({"icepop": (2.0, 0.5)}, "icepop"),
+        ({"icepop": (-1.0, 2.0)}, "icepop"),
+    ],
+)
 def test_policy_loss_config_validation_names_field(kwargs, field):
     with pytest.raises(ValueError, match=field):
         PolicyLossConfig(**kwargs)

@@ -92,10 +92,12 @@ def test_each_group_is_scored_at_the_temperature_it_was_sampled_at_in_both_backe
     unrecorded = _group([1, 9], [[13, 14, 15, 16, 17], [18]], [0.0, 1.0])  # older coordinator: the backend's own
     batch = build_batch([hot, unrecorded])
     with torch.no_grad():
-        expected = torch.cat([
-            token_logprobs(torch_backend.model, batch.input_ids_BT[:2], batch.attention_mask_BT[:2], 0.5),
-            token_logprobs(torch_backend.model, batch.input_ids_BT[2:], batch.attention_mask_BT[2:], 1.0),
-        ])
+        expected = torch.cat(
+            [
+                token_logprobs(torch_backend.model, batch.input_ids_BT[:2], batch.attention_mask_BT[:2], 0.5),
+                token_logprobs(torch_backend.model, batch.input_ids_BT[2:], batch.attention_mask_BT[2:], 1.0),
+            ]
+        )
     real_targets = batch.attention_mask_BT[:, 1:].bool()
     for backend in (torch_backend, megatron):
         assert backend.temperature == 1.0

@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 import redis
 import torch
-from safetensors.torch import load_file
 from multirank_worker import GRAD_CLIP, LR, random_routes, step_batch, trainer_config
+from safetensors.torch import load_file
 from synthetic import make_group, push_groups
 
 from modeling.beam.tiny import init_tiny_beam
@@ -52,8 +52,13 @@ def _launch_worker(out: Path, qwen_dir: str, beam_dir: str) -> subprocess.Popen:
     worker = Path(__file__).with_name("multirank_worker.py")
     out.mkdir(parents=True, exist_ok=True)
     log = open(out / "log.txt", "wb")
-    return subprocess.Popen([*TORCHRUN, str(worker), str(out), qwen_dir, beam_dir], cwd=worker.parent, env=ENV,
-                            stdout=log, stderr=subprocess.STDOUT)
+    return subprocess.Popen(
+        [*TORCHRUN, str(worker), str(out), qwen_dir, beam_dir],
+        cwd=worker.parent,
+        env=ENV,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
 
 
 def _ranks_results(process: subprocess.Popen, out: Path) -> list[dict]:
@@ -112,7 +117,9 @@ def test_pipeline_and_data_parallel_ranks_match_world_size_1(model_dirs, tmp_pat
         _assert_same_as_world_size_1([r[layout][name] for r in ranks], references[name])
     assert all(r[layout]["qwen"]["resume_exact"] for r in ranks for layout in ("pp", "dp"))
     # A NaN in one shard's rows: every rank skips the step alike and keeps its weights.
-    assert all(r[layout]["qwen"]["nan_step"] == {"skipped": 1.0, "kept": True} for r in ranks for layout in ("pp", "dp"))
+    assert all(
+        r[layout]["qwen"]["nan_step"] == {"skipped": 1.0, "kept": True} for r in ranks for layout in ("pp", "dp")
+    )
 
 
 # -- the trainer loop as two ranks ----------------------------------------------------------------------------
@@ -121,19 +128,41 @@ RUN_ID = "multirank-test"
 GROUPS_PER_STEP = 2
 
 
-
-
 def _start_trainer(model_dir: str, url: str, ckpt_dir: Path, log: Path, num_steps: int, linger_s: float):
     command = [
-        *TORCHRUN, "-m", "trainer_service", "train", "--model", model_dir, "--redis-url", url, "--linger-s", str(linger_s),
-        f"run_id={RUN_ID}", f"trainer.ckpt_dir={ckpt_dir}", f"trainer.num_steps={num_steps}",
-        f"coordinator.groups_per_step={GROUPS_PER_STEP}", "coordinator.max_staleness=1000", "trainer.geo_mask=null",
-        "trainer.batch_timeout_s=60", "trainer.backend=megatron", "trainer.num_processes=2",
-        "trainer.megatron.pipeline_model_parallel_size=2", "trainer.micro_batch_tokens=40",
-        f"trainer.lr={LR}", f"trainer.grad_clip={GRAD_CLIP}", "trainer.mini_batches=2",
+        *TORCHRUN,
+        "-m",
+        "trainer_service",
+        "train",
+        "--model",
+        model_dir,
+        "--redis-url",
+        url,
+        "--linger-s",
+        str(linger_s),
+        f"run_id={RUN_ID}",
+        f"trainer.ckpt_dir={ckpt_dir}",
+        f"trainer.num_steps={num_steps}",
+        f"coordinator.groups_per_step={GROUPS_PER_STEP}",
+        "coordinator.max_staleness=1000",
+        "trainer.geo_mask=null",
+        "trainer.batch_timeout_s=60",
+        "trainer.backend=megatron",
+        "trainer.num_processes=2",
+        "trainer.megatron.pipeline_model_parallel_size=2",
+        "trainer.micro_batch_tokens=40",
+        f"trainer.lr={LR}",
+        f"trainer.grad_clip={GRAD_CLIP}",
+        "trainer.mini_batches=2",
     ]
-    return subprocess.Popen(command, stdout=open(log, "ab"), stderr=subprocess.STDOUT, env=ENV,
-                            cwd=Path(__file__).parents[2], start_new_session=True)
+    return subprocess.Popen(
+        command,
+        stdout=open(log, "ab"),
+        stderr=subprocess.STDOUT,
+        env=ENV,
+        cwd=Path(__file__).parents[2],
+        start_new_session=True,
+    )
 
 
 def _fetch_published(client: redis.Redis, keys: RedisKeys, version: int) -> dict[str, torch.Tensor]:
@@ -160,7 +189,9 @@ def _reference_weights(model_dir: str, num_steps: int) -> dict[str, torch.Tensor
 
     trainer = Trainer(MegatronBackend(model_dir, trainer_config()), 1000, mini_batches=2)
     for step in range(num_steps):
-        trainer.step([make_group(i, version=0, seed=11) for i in range(step * GROUPS_PER_STEP, (step + 1) * GROUPS_PER_STEP)])
+        trainer.step(
+            [make_group(i, version=0, seed=11) for i in range(step * GROUPS_PER_STEP, (step + 1) * GROUPS_PER_STEP)]
+        )
     return dict(trainer.backend.export_hf_weights())
 
 
@@ -211,7 +242,14 @@ def test_launcher_starts_a_multi_rank_trainer_under_torchrun_and_refuses_several
     assert trainer_command(RunConfig()) == ["-m", "trainer_service", "train"]
     two_ranks = RunConfig.model_validate({"trainer": {"backend": "megatron", "num_processes": 2}})
     assert trainer_command(two_ranks) == [
-        "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "trainer_service", "train"
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "-m",
+        "trainer_service",
+        "train",
     ]
     two_nodes = RunConfig.model_validate({"trainer": {"backend": "megatron", "num_nodes": 2}})
     with pytest.raises(ValueError, match="trainer.num_nodes=2"):

@@ -39,8 +39,14 @@ def _group(i: int) -> TrajectoryGroup:
         for j in range(2)
     ]
     return TrajectoryGroup(
-        group_id=f"g-{i}", prompt_id=f"p-{i}", prompt_token_ids=Array.from_numpy(np.array([1, 2, i], np.int32)),
-        samples=samples, data_source="echo", admission_index=i, admitted_at_version=i, created_s=100.0 + i,
+        group_id=f"g-{i}",
+        prompt_id=f"p-{i}",
+        prompt_token_ids=Array.from_numpy(np.array([1, 2, i], np.int32)),
+        samples=samples,
+        data_source="echo",
+        admission_index=i,
+        admitted_at_version=i,
+        created_s=100.0 + i,
     )
 
 
@@ -251,8 +257,6 @@ def test_undecodable_payload_is_dead_lettered_acked_and_skipped(redis_url, clien
     assert client.lrange(KEYS.dead_letters, 0, -1) == [b"junk", b""]
     assert queue.num_dead_letters == 2
     assert _pending(client) == 1  # only the valid group awaits its ack
-
-
 
 
 def test_reclaim_dead_letters_a_pending_entry_without_payload_field(client):

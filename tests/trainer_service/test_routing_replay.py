@@ -189,7 +189,7 @@ def test_beam_routes_over_every_decoder_layer_as_vllm_reports_them_replay_the_mo
         recorded = token_logprobs(model, ids, attention, 1.0)
     moe_routes = recorder.routes(*ids.shape)  # [B, T, MoE layers, K]
     all_layers = torch.zeros(*ids.shape, config.num_hidden_layers, moe_routes.shape[-1], dtype=torch.long)
-    all_layers[:, :, config.first_k_dense_replace:] = moe_routes  # dense rows stay 0, as vLLM leaves them
+    all_layers[:, :, config.first_k_dense_replace :] = moe_routes  # dense rows stay 0, as vLLM leaves them
     with torch.no_grad():
         routers = [m for m in model.modules() if hasattr(m, "e_score_correction_bias")]
         for router in routers:  # move natural routing away, so only a correct replay gives back `recorded`

@@ -19,12 +19,18 @@ def model_dir(tmp_path_factory):
 
 def _group(index: int, version: int, rewards=(0.0, 1.0)) -> TrajectoryGroup:
     samples = [
-        Sample(Array.from_numpy(np.array([5, 6, 7], np.int32)), Array.from_numpy(np.full(3, -4.0, np.float32)),
-               [VersionSpan(version, 0, 3)], FinishReason.LENGTH, reward)
+        Sample(
+            Array.from_numpy(np.array([5, 6, 7], np.int32)),
+            Array.from_numpy(np.full(3, -4.0, np.float32)),
+            [VersionSpan(version, 0, 3)],
+            FinishReason.LENGTH,
+            reward,
+        )
         for reward in rewards
     ]
-    return TrajectoryGroup(f"g{index}", f"p{index}", Array.from_numpy(np.array([1, 4, 5], np.int32)),
-                           samples, "test", index, version, 0.0)
+    return TrajectoryGroup(
+        f"g{index}", f"p{index}", Array.from_numpy(np.array([1, 4, 5], np.int32)), samples, "test", index, version, 0.0
+    )
 
 
 def test_trainer_drops_groups_beyond_staleness_bound_and_counts_them(model_dir):
@@ -67,9 +73,9 @@ def test_ledger_skips_groups_seen_before_or_twice_in_one_read(model_dir):
 
 
 def test_micro_batches_give_the_same_step_as_one_batch(model_dir):
-    import torch
 
     from synthetic import make_group
+
     from trainer_service.batch import build_batch, split_micro_batches
 
     groups = [make_group(i, seed=7) for i in range(4)]
@@ -100,11 +106,26 @@ def _with_rollout(group: TrajectoryGroup, routes_BTLK, logprobs_BT, attach_route
         length = len(sample.response_token_ids.to_numpy())
         rollout = logprobs_BT[row, prompt_len - 1 : prompt_len - 1 + length].numpy().astype(np.float32)
         routes = routes_BTLK[row, : prompt_len + length - 1].numpy().astype(np.int32)  # vLLM's layout
-        samples.append(Sample(sample.response_token_ids, Array.from_numpy(rollout), sample.version_spans,
-                              sample.finish_reason, sample.reward,
-                              routed_experts=Array.from_numpy(routes) if attach_routes else None))
-    return TrajectoryGroup(group.group_id, group.prompt_id, group.prompt_token_ids, samples, group.data_source,
-                           group.admission_index, group.admitted_at_version, group.created_s)
+        samples.append(
+            Sample(
+                sample.response_token_ids,
+                Array.from_numpy(rollout),
+                sample.version_spans,
+                sample.finish_reason,
+                sample.reward,
+                routed_experts=Array.from_numpy(routes) if attach_routes else None,
+            )
+        )
+    return TrajectoryGroup(
+        group.group_id,
+        group.prompt_id,
+        group.prompt_token_ids,
+        samples,
+        group.data_source,
+        group.admission_index,
+        group.admitted_at_version,
+        group.created_s,
+    )
 
 
 def test_trainer_replays_rollout_routes_so_its_logprobs_match_the_rollouts(model_dir):

@@ -20,7 +20,9 @@ from trainer_service.trainer import Trainer
 def test_sync_republishes_the_current_version_and_set_changes_staleness_and_temperature(redis_url, tmp_path):
     keys = RedisKeys("control-test")
     client = redis.Redis.from_url(redis_url)
-    trainer = Trainer(TorchBackend(str(init_tiny(tmp_path / "tiny")), TrainerConfig()), max_staleness=1, policy_version=3)
+    trainer = Trainer(
+        TorchBackend(str(init_tiny(tmp_path / "tiny")), TrainerConfig()), max_staleness=1, policy_version=3
+    )
     publisher = WeightPublisher(client, keys, WeightBusConfig())
 
     async def send(*commands):
@@ -30,18 +32,22 @@ def test_sync_republishes_the_current_version_and_set_changes_staleness_and_temp
         await channel.client.aclose()
 
     asyncio.run(send(lambda c: c.send("sync")))  # written before the trainer started: not for it
-    reader = ControlReader(client, keys, trainer, lambda: publisher.publish(trainer.policy_version, trainer.backend.export_hf_weights()))
+    reader = ControlReader(
+        client, keys, trainer, lambda: publisher.publish(trainer.policy_version, trainer.backend.export_hf_weights())
+    )
     reader.poll()
     assert publisher.num_published == 0
     try:
-        asyncio.run(send(
-            lambda c: c.announce_setting("coordinator.max_staleness", 4),
-            lambda c: c.announce_setting("coordinator.sampling.temperature", 0.7),
-            lambda c: c.announce_setting("coordinator.request_timeout_s", 9.0),  # another role's setting
-            lambda c: c.send("set", key="coordinator.max_staleness", value="not json"),  # ignored, logged
-            lambda c: c.send("sync"),
-            lambda c: c.send("sync"),  # two requests before one poll: one publish
-        ))
+        asyncio.run(
+            send(
+                lambda c: c.announce_setting("coordinator.max_staleness", 4),
+                lambda c: c.announce_setting("coordinator.sampling.temperature", 0.7),
+                lambda c: c.announce_setting("coordinator.request_timeout_s", 9.0),  # another role's setting
+                lambda c: c.send("set", key="coordinator.max_staleness", value="not json"),  # ignored, logged
+                lambda c: c.send("sync"),
+                lambda c: c.send("sync"),  # two requests before one poll: one publish
+            )
+        )
         reader.poll()
         assert trainer.max_staleness == 4 and trainer.backend.temperature == 0.7
         assert publisher.num_published == 1 and trainer.policy_version == 3  # same version number

@@ -25,14 +25,27 @@ RUN_ID = "fault-test"
 NUM_GROUPS, GROUPS_PER_STEP = 24, 2
 
 
-
-
 def _start_trainer(model_dir: str, url: str, ckpt_dir: Path, log: Path, *extra: str) -> subprocess.Popen:
     command = [
-        sys.executable, "-m", "trainer_service", "train", "--model", model_dir, "--redis-url", url,
-        "--linger-s", "0", f"run_id={RUN_ID}", f"trainer.ckpt_dir={ckpt_dir}", "trainer.ckpt_interval=3",
-        f"trainer.num_steps={NUM_GROUPS // GROUPS_PER_STEP}", f"coordinator.groups_per_step={GROUPS_PER_STEP}",
-        "coordinator.max_staleness=1000", "trainer.geo_mask=null", "trainer.batch_timeout_s=60", *extra,
+        sys.executable,
+        "-m",
+        "trainer_service",
+        "train",
+        "--model",
+        model_dir,
+        "--redis-url",
+        url,
+        "--linger-s",
+        "0",
+        f"run_id={RUN_ID}",
+        f"trainer.ckpt_dir={ckpt_dir}",
+        "trainer.ckpt_interval=3",
+        f"trainer.num_steps={NUM_GROUPS // GROUPS_PER_STEP}",
+        f"coordinator.groups_per_step={GROUPS_PER_STEP}",
+        "coordinator.max_staleness=1000",
+        "trainer.geo_mask=null",
+        "trainer.batch_timeout_s=60",
+        *extra,
     ]
     return subprocess.Popen(command, stdout=open(log, "ab"), stderr=subprocess.STDOUT, start_new_session=True)
 
@@ -114,8 +127,9 @@ def test_megatron_backend_runs_in_the_trainer_process_and_publishes(redis_server
     keys, client, model_dir = fresh_run
     push_groups(redis_server.url, keys, list(range(4)))
     log = tmp_path / "trainer.log"
-    trainer = _start_trainer(model_dir, redis_server.url, tmp_path / "ckpt", log,
-                             "trainer.backend=megatron", "trainer.num_steps=2")
+    trainer = _start_trainer(
+        model_dir, redis_server.url, tmp_path / "ckpt", log, "trainer.backend=megatron", "trainer.num_steps=2"
+    )
     assert trainer.wait(timeout=300) == 0, log.read_text()[-3000:]
     final = _latest_state(tmp_path / "ckpt")
     assert final["step"] == 2 and sorted(final["ledger"]) == [f"g{i}" for i in range(4)]
@@ -123,8 +137,9 @@ def test_megatron_backend_runs_in_the_trainer_process_and_publishes(redis_server
     assert _pending(client, keys) == 0
 
 
-def test_a_step_that_publishes_nothing_lowers_version_minus_steps_for_the_coordinator(redis_server, tmp_path,
-                                                                                     fresh_run):
+def test_a_step_that_publishes_nothing_lowers_version_minus_steps_for_the_coordinator(
+    redis_server, tmp_path, fresh_run
+):
     keys, client, model_dir = fresh_run
     # g5 has NaN rewards: step 3 (g4, g5) has a non-finite loss and is skipped, no version published.
     push_groups(redis_server.url, keys, list(range(NUM_GROUPS)), nonfinite=(5,))
@@ -156,8 +171,9 @@ def test_a_metrics_report_whose_reply_was_lost_is_sent_again_instead_of_stopping
     assert proxy.dropped == 1 and {r.step for r in reports} == {3}  # at least once (the lost one landed too)
 
 
-def test_a_redis_outage_while_the_trainer_waits_for_groups_neither_stops_it_nor_loses_a_group(redis_server, tmp_path,
-                                                                                            fresh_run):
+def test_a_redis_outage_while_the_trainer_waits_for_groups_neither_stops_it_nor_loses_a_group(
+    redis_server, tmp_path, fresh_run
+):
     from tests.redis_faults import redis_proxy
 
     keys, client, model_dir = fresh_run

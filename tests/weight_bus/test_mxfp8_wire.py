@@ -146,8 +146,12 @@ def test_mxfp8_entry_without_its_scale_is_an_error_naming_it(tiny_bf16):
     some = [(n, t) for n, t in tiny_bf16 if "layers.0.mlp.experts.0." in n]
     manifest, buckets = pack(some, 1, bytes_per_bucket=1 << 20, codec=MXFP8)
     stripped = type(manifest)(
-        manifest.version, [e for e in manifest.tensors if not e.name.endswith("_scale")],
-        manifest.bucket_nbytes, "", "tcp", 0.0,
+        manifest.version,
+        [e for e in manifest.tensors if not e.name.endswith("_scale")],
+        manifest.bucket_nbytes,
+        "",
+        "tcp",
+        0.0,
     )
     with pytest.raises(ValueError, match=r"down_proj\.weight: MXFP8 entry without its .*_scale companion"):
         list(iter_tensors(stripped, memoryview(_joined(buckets)), dequantize_to=torch.bfloat16))

@@ -28,7 +28,11 @@ def _beat(member: str, generation: int = 1, age_s: float = 0.0, progress_age_s: 
 def test_plan_chunks_splits_buckets_larger_than_a_device_buffer():
     chunks = ng.plan_chunks([100, 250, 0, 64], buffer_nbytes=100)
     assert [(c.bucket, c.start, c.nbytes, c.offset) for c in chunks] == [
-        (0, 0, 100, 0), (1, 0, 100, 100), (1, 100, 100, 200), (1, 200, 50, 300), (3, 0, 64, 350),
+        (0, 0, 100, 0),
+        (1, 0, 100, 100),
+        (1, 100, 100, 200),
+        (1, 200, 50, 300),
+        (3, 0, 64, 350),
     ]
     assert sum(c.nbytes for c in chunks) == 414
     with pytest.raises(ValueError, match="buffer_nbytes"):

@@ -99,11 +99,21 @@ class _LoopbackComm:
 
 def _config(**overrides) -> SimpleNamespace:
     values = dict(
-        host="127.0.0.1", port=0, bucket_mib=0.01, keep_versions=2, send_timeout_s=2.0, snapshot_dir="",
-        keep_snapshots=2, codec="mxfp8", mxfp8_rule="rceil", quantize_embeddings=False, quantize_lm_head=False,
+        host="127.0.0.1",
+        port=0,
+        bucket_mib=0.01,
+        keep_versions=2,
+        send_timeout_s=2.0,
+        snapshot_dir="",
+        keep_snapshots=2,
+        codec="mxfp8",
+        mxfp8_rule="rceil",
+        quantize_embeddings=False,
+        quantize_lm_head=False,
         # 1.5 s: a live member's heartbeat can lag a second on a loaded 2-core CI machine (one clean-clone run
         # dropped the healthy subscriber too at 1.0 s); a member stalled before a 2 s broadcast is still stale.
-        group_timeout_s=5.0, heartbeat_timeout_s=1.5,
+        group_timeout_s=5.0,
+        heartbeat_timeout_s=1.5,
     )
     return SimpleNamespace(**{**values, **overrides})
 
@@ -197,8 +207,8 @@ def test_stalled_subscriber_is_dropped_and_the_survivor_commits_the_version(bus)
 
 def test_publish_without_subscribers_still_serves_late_receivers_over_tcp(bus, redis_url):
     from protos.records import decode_manifest
-    from weight_bus.receiver import receive_into
     from weight_bus.packing import total_nbytes
+    from weight_bus.receiver import receive_into
 
     bus.publisher.publish(3, _weights(3))
     assert bus.publisher.group.members == [] and bus.publisher.comm is None

@@ -45,7 +45,7 @@ def _named_tensors() -> list[tuple[str, torch.Tensor]]:
 
 def _assert_same_tensors(expected: list[tuple[str, torch.Tensor]], got: list[tuple[str, torch.Tensor]]) -> None:
     assert [name for name, _ in got] == [name for name, _ in expected]
-    for (name, want), (_, have) in zip(expected, got):
+    for (name, want), (_, have) in zip(expected, got, strict=False):
         assert have.dtype == want.dtype, name
         assert have.shape == want.shape, name
         assert torch.equal(have, want), name
@@ -61,7 +61,7 @@ class _RawServer:
 
     def __init__(self, behaviour: Callable[[socket.socket], None]):
         self.listener = socket.create_server(("127.0.0.1", 0))
-        self.address = "127.0.0.1:%d" % self.listener.getsockname()[1]
+        self.address = f"127.0.0.1:{self.listener.getsockname()[1]}"
         self.behaviour = behaviour
         self.thread = threading.Thread(target=self._serve, daemon=True)
         self.thread.start()
@@ -134,8 +134,6 @@ def test_corrupted_bucket_is_refused_with_tensor_name():
         verify(manifest, memoryview(buffer))
 
 
-
-
 def test_zero_element_tensor_round_trips():
     tensors = [("empty", torch.zeros(0, 4)), ("w", torch.ones(3))]
     manifest, buckets = pack(tensors, 1, bytes_per_bucket=1024)
@@ -172,13 +170,12 @@ def test_fetch_of_a_held_version_receives_the_buckets(publisher):
 
 
 def test_fetch_into_a_larger_buffer_fills_only_the_prefix(publisher):
-    manifest, buckets = pack([("w", torch.ones(10))], 1, bytes_per_bucket=1 << 20,
-                             publisher_address=publisher.address)
+    manifest, buckets = pack([("w", torch.ones(10))], 1, bytes_per_bucket=1 << 20, publisher_address=publisher.address)
     publisher.hold(1, buckets)
     buffer = bytearray(b"\xff" * (total_nbytes(manifest) + 16))
     assert fetch(manifest, memoryview(buffer), timeout_s=5) == total_nbytes(manifest)
     assert buffer[: total_nbytes(manifest)] == _joined(buckets)
-    assert buffer[total_nbytes(manifest):] == b"\xff" * 16
+    assert buffer[total_nbytes(manifest) :] == b"\xff" * 16
 
 
 def test_fetch_into_a_too_small_buffer_is_refused_before_connecting():
@@ -189,8 +186,9 @@ def test_fetch_into_a_too_small_buffer_is_refused_before_connecting():
 
 def test_two_concurrent_receivers_get_identical_bytes(publisher):
     big = torch.randn(256, 1024, generator=torch.Generator().manual_seed(1))  # 1 MiB
-    manifest, buckets = pack([("big", big), *_named_tensors()], 2, bytes_per_bucket=1 << 18,
-                             publisher_address=publisher.address)
+    manifest, buckets = pack(
+        [("big", big), *_named_tensors()], 2, bytes_per_bucket=1 << 18, publisher_address=publisher.address
+    )
     publisher.hold(2, buckets)
     results: dict[int, bytearray] = {}
     errors: list[BaseException] = []
@@ -243,8 +241,9 @@ def test_failed_fetch_into_an_mmap_leaves_no_view_so_the_staging_map_can_close(p
 def test_keep_versions_drops_the_oldest_versions(publisher):
     manifests = {}
     for version in (1, 2, 3):
-        manifests[version], buckets = pack([("w", torch.full((4,), float(version)))], version, 1024,
-                                           publisher_address=publisher.address)
+        manifests[version], buckets = pack(
+            [("w", torch.full((4,), float(version)))], version, 1024, publisher_address=publisher.address
+        )
         publisher.hold(version, buckets)
     assert publisher.versions() == [2, 3]
     assert publisher.buckets_of(1) is None
@@ -400,8 +399,9 @@ def test_a_publish_whose_reply_was_lost_is_retried_to_the_same_state(redis_url):
         with reply_dropping_proxy(redis_url, marker=b"EXEC") as (proxy_url, proxy):
             through_proxy = redis.Redis.from_url(proxy_url, socket_timeout=5)
             for version in (1, 2):
-                rendezvous.publish_manifest(through_proxy, keys, WeightManifest(version, [], [], "h:1", "tcp", 0.0),
-                                            timeout_s=10)
+                rendezvous.publish_manifest(
+                    through_proxy, keys, WeightManifest(version, [], [], "h:1", "tcp", 0.0), timeout_s=10
+                )
             through_proxy.close()
         assert proxy.dropped == 1  # the first publish ran, its reply was lost, and it was run again
         assert int(direct.get(keys.policy_version)) == 2 and direct.ttl(keys.manifest(2)) == -1

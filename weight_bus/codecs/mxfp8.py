@@ -94,8 +94,7 @@ def _prepare_input(x: torch.Tensor, rule: str) -> torch.Tensor:
         raise ValueError("MXFP8 quantize needs at least a 1-D tensor, got a 0-D tensor")
     if x.shape[-1] % BLOCK_SIZE != 0:
         raise ValueError(
-            f"MXFP8 quantize: last dimension must be a multiple of {BLOCK_SIZE}, "
-            f"got shape {tuple(x.shape)}"
+            f"MXFP8 quantize: last dimension must be a multiple of {BLOCK_SIZE}, got shape {tuple(x.shape)}"
         )
     if x.dtype == torch.float64:
         x = x.to(torch.float32)
@@ -297,7 +296,7 @@ def _quantize_groups_floor(xg: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     return _quantize_groups(xg, "floor")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _compiled_groups(rule: str):
     # One code object per rule and dynamic shapes keep recompiles to (dtype x device) per rule.
     fn = _quantize_groups_rceil if rule == "rceil" else _quantize_groups_floor
@@ -350,9 +349,7 @@ def quantize(x: torch.Tensor, rule: str = "rceil") -> tuple[torch.Tensor, torch.
 # --------------------------------------------------------------------------------------------
 
 
-def dequantize(
-    q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.bfloat16
-) -> torch.Tensor:
+def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """Decode ``q * 2**(scale - 127)`` to ``dtype``. Scale byte 255 decodes to NaN.
 
     Exact in float32 and bfloat16 (4 significant bits times a power of two in the fp32 exponent
