@@ -15,13 +15,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from protos import rollout_pb2 as pb
 from protos import rollout_pb2_grpc as pb_grpc
 from protos.config import SamplingConfig
-
-_FINISH_NAMES = {
-    pb.FINISH_REASON_STOP: "stop",
-    pb.FINISH_REASON_LENGTH: "length",
-    pb.FINISH_REASON_ABORT: "abort",
-    pb.FINISH_REASON_ERROR: "error",
-}
+from protos.records import FinishReason
 
 
 class RolloutFailed(RuntimeError):
@@ -36,7 +30,7 @@ class RolloutRejected(RuntimeError):
 class SampleResult:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
-    finish_reason: str = ""
+    finish_reason: FinishReason = FinishReason.UNSPECIFIED
     version_spans: list[tuple[int, int, int]] = field(default_factory=list)
     routed_experts: np.ndarray | None = None
 
@@ -100,7 +94,7 @@ class RolloutClient:
                 sample.logprobs.extend(chunk.logprobs)
                 if chunk.finished:
                     finished += 1
-                    sample.finish_reason = _FINISH_NAMES.get(chunk.finish_reason, "")
+                    sample.finish_reason = FinishReason(chunk.finish_reason)  # the proto enum's values
                     sample.version_spans = [(s.version, s.start, s.end) for s in chunk.version_spans]
                     if chunk.HasField("routed_experts"):
                         tensor = chunk.routed_experts

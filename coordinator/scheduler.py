@@ -37,11 +37,10 @@ from coordinator.rewards import RewardResult
 from coordinator.rollout_client import RolloutClient, SampleResult
 from coordinator.tasks import Task, TaskPrompt
 from protos.config import CoordinatorConfig
-from protos.records import Array, FinishReason, PromptCursor, Sample, TrajectoryGroup, VersionSpan
+from protos.records import Array, PromptCursor, Sample, TrajectoryGroup, VersionSpan
 
 logger = logging.getLogger(__name__)
 
-_FINISH = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH, "abort": FinishReason.ABORT}
 
 
 class RunState(enum.IntEnum):
@@ -255,7 +254,7 @@ class Scheduler:
                     response_token_ids=Array.from_numpy(np.asarray(result.token_ids, dtype=np.int32)),
                     rollout_logprobs=Array.from_numpy(np.asarray(result.logprobs, dtype=np.float32)),
                     version_spans=[VersionSpan(v, s, e) for v, s, e in result.version_spans],
-                    finish_reason=_FINISH.get(result.finish_reason, FinishReason.UNSPECIFIED),
+                    finish_reason=result.finish_reason,
                     reward=score.reward,
                     server_id=client.server_id or client.address,
                     routed_experts=None if result.routed_experts is None else Array.from_numpy(result.routed_experts),

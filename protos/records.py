@@ -37,11 +37,19 @@ class Array(msgspec.Struct, array_like=True, gc=False, frozen=True):
 
 
 class FinishReason(enum.IntEnum):
+    """Why a sample ended. The values are rollout.proto's ``FinishReason`` too (FINISH_REASON_<NAME>), so the one
+    enum serves the gRPC messages and the records (tests/protos checks they agree)."""
+
     UNSPECIFIED = 0
     STOP = 1  # EOS or a stop token
     LENGTH = 2  # max_tokens reached
     ABORT = 3
     ERROR = 4
+
+    @classmethod
+    def from_engine(cls, name: str | None) -> FinishReason:
+        """vLLM's finish reason ('stop', 'length', 'abort', 'error'); anything else is UNSPECIFIED."""
+        return cls.__members__.get((name or "").upper(), cls.UNSPECIFIED)
 
 
 class VersionSpan(msgspec.Struct, array_like=True, gc=False, frozen=True):

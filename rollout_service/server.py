@@ -19,6 +19,7 @@ from grpc_reflection.v1alpha import reflection
 
 from protos import rollout_pb2 as pb
 from protos import rollout_pb2_grpc as pb_grpc
+from protos.records import FinishReason
 from rollout_service import metrics
 from rollout_service.engine import EngineUnavailable, RequestRejected, RolloutEngine, SampleChunk
 from rollout_service.validation import validate_generate
@@ -31,12 +32,6 @@ logger = logging.getLogger(__name__)
 MAX_MESSAGE_BYTES = 8 * 1024 * 1024  # about 2M prompt tokens; larger is RESOURCE_EXHAUSTED
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["RolloutService"].full_name
 
-_FINISH = {
-    "stop": pb.FINISH_REASON_STOP,
-    "length": pb.FINISH_REASON_LENGTH,
-    "abort": pb.FINISH_REASON_ABORT,
-    "error": pb.FINISH_REASON_ERROR,
-}
 # Weight-update failures -> status; order matters (ChecksumError is a ValueError, timeouts are OSErrors).
 _UPDATE_ERRORS = (
     (UpdateConflict, grpc.StatusCode.FAILED_PRECONDITION),
@@ -62,7 +57,7 @@ def chunk_to_proto(chunk: SampleChunk) -> pb.GenerateResponse:
         finished=chunk.finished,
     )
     if chunk.finished:
-        message.finish_reason = _FINISH.get(chunk.finish_reason or "", pb.FINISH_REASON_UNSPECIFIED)
+        message.finish_reason = FinishReason.from_engine(chunk.finish_reason)  # values = the proto enum's
         message.version_spans.extend(pb.VersionSpan(version=v, start=s, end=e) for v, s, e in chunk.version_spans)
         routes = chunk.routed_experts
         if routes is not None:

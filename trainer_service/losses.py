@@ -1,4 +1,4 @@
-"""Advantage estimation, reward shaping and the clipped policy-gradient loss.
+"""Advantage estimation and the clipped policy-gradient loss with its off-policy corrections.
 
 Pure torch: no I/O and no imports from the rest of fleetrl.
 
@@ -86,59 +86,6 @@ def compute_advantages(
             std = torch.zeros_like(centered)
         centered = centered / (std + eps)
     return centered.reshape(-1)
-
-
-def overlong_penalty(
-    response_lengths_B: torch.Tensor,
-    max_response_len: int,
-    buffer_len: int,
-    factor: float = 1.0,
-) -> torch.Tensor:
-    """DAPO soft overlong punishment, added to the task reward.
-
-    With ``expected = max_response_len - buffer_len``:
-      * len <= expected: 0
-      * expected < len <= max_response_len: (expected - len) / buffer_len * factor
-      * len > max_response_len: -factor
-
-    Args:
-        response_lengths_B: Response length in tokens per sample.
-        max_response_len: Hard generation limit.
-        buffer_len: Width of the linear penalty ramp before the limit.
-        factor: Penalty magnitude at (and beyond) the limit.
-
-    Returns:
-        penalty_B (float, <= 0).
-
-    Raises:
-        ValueError: If buffer_len <= 0 or buffer_len > max_response_len.
-    """
-    if buffer_len <= 0:
-        raise ValueError(f"buffer_len must be > 0, got {buffer_len}")
-    if buffer_len > max_response_len:
-        raise ValueError(f"buffer_len ({buffer_len}) must be <= max_response_len ({max_response_len})")
-    lengths = response_lengths_B.to(torch.float32)
-    expected = float(max_response_len - buffer_len)
-    ramp = (expected - lengths) / buffer_len * factor
-    penalty = torch.where(lengths <= expected, torch.zeros_like(lengths), ramp)
-    return torch.where(lengths > max_response_len, torch.full_like(lengths, -factor), penalty)
-
-
-def dynamic_sampling_keep(rewards_B: torch.Tensor, group_size: int) -> torch.Tensor:
-    """Flags groups that carry learning signal (DAPO dynamic sampling).
-
-    Args:
-        rewards_B: Rewards laid out as consecutive groups of ``group_size``.
-        group_size: Samples per group.
-
-    Returns:
-        keep_groups_G: bool, True where the group's rewards are not all equal.
-
-    Raises:
-        ValueError: If group_size < 1 or len(rewards_B) % group_size != 0.
-    """
-    groups = _group_view(rewards_B, group_size)
-    return (groups != groups[:, :1]).any(dim=1)
 
 
 def _check_range_pair(name: str, value: tuple[float, float] | None, min_low: float) -> None:

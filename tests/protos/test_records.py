@@ -385,3 +385,19 @@ def test_prompt_cursor_encodes_to_golden_bytes_and_back():
     cursor = PromptCursor("aime", "p3-e1-12", {"seed": 7, "epoch": 1, "position": 3, "num_problems": 30})
     assert encode(cursor).hex() == CURSOR_HEX
     assert decode_cursor(bytes.fromhex(CURSOR_HEX)) == cursor
+
+
+def test_one_finish_reason_enum_serves_the_proto_and_the_records():
+    """rollout.proto's FinishReason and the records' are one mapping; an engine error is recorded as ERROR."""
+    from protos import rollout_pb2 as pb
+
+    for reason in FinishReason:
+        assert pb.FinishReason.Value(f"FINISH_REASON_{reason.name}") == reason.value
+    assert len(pb.FinishReason.keys()) == len(FinishReason)
+    assert [FinishReason.from_engine(n) for n in ("stop", "length", "abort", "error")] == [
+        FinishReason.STOP,
+        FinishReason.LENGTH,
+        FinishReason.ABORT,
+        FinishReason.ERROR,
+    ]
+    assert FinishReason.from_engine(None) is FinishReason.from_engine("weird") is FinishReason.UNSPECIFIED

@@ -8,8 +8,6 @@ import torch
 from trainer_service.losses import (
     PolicyLossConfig,
     compute_advantages,
-    dynamic_sampling_keep,
-    overlong_penalty,
     policy_loss,
 )
 
@@ -63,36 +61,6 @@ def test_compute_advantages_group_size_one_gives_zero():
 def test_compute_advantages_rejects_bad_group_size(n, group_size):
     with pytest.raises(ValueError, match="group_size"):
         compute_advantages(torch.zeros(n), group_size)
-
-
-# ------------------------------------------------------------------ overlong
-
-
-def test_overlong_penalty_at_each_region_boundary():
-    lengths = torch.tensor([0, 6, 7, 8, 10, 11])
-    # expected len = 10 - 4 = 6; ramp (6 - len) / 4 * 0.5; beyond 10 -> -0.5
-    penalty = overlong_penalty(lengths, max_response_len=10, buffer_len=4, factor=0.5)
-    _assert_close(penalty, [0.0, 0.0, -0.125, -0.25, -0.5, -0.5])
-
-
-@pytest.mark.parametrize("buffer_len", [0, -1, 11])
-def test_overlong_penalty_rejects_bad_buffer_len(buffer_len):
-    with pytest.raises(ValueError, match="buffer_len"):
-        overlong_penalty(torch.tensor([1]), max_response_len=10, buffer_len=buffer_len)
-
-
-# ---------------------------------------------------------- dynamic sampling
-
-
-def test_dynamic_sampling_keeps_only_groups_with_reward_variance():
-    keep = dynamic_sampling_keep(_t([1.0, 1.0, 0.0, 1.0, 0.0, 0.0]), 2)
-    assert keep.dtype == torch.bool
-    assert keep.tolist() == [False, True, False]
-
-
-def test_dynamic_sampling_rejects_indivisible_length():
-    with pytest.raises(ValueError, match="group_size"):
-        dynamic_sampling_keep(torch.zeros(3), 2)
 
 
 # ------------------------------------------------------------- PPO clipping
