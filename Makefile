@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell sha1sum pyproject.toml | cut -c1-12)
 
-.PHONY: demo test install lint lint-imports clean
+.PHONY: demo test install lint lint-imports protos clean
 
 install: $(STAMP)
 
@@ -35,6 +35,10 @@ lint: install
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/lint-imports
+
+# Regenerate the gRPC stubs from protos/*.proto (tests/protos/test_stubs.py fails while they differ).
+protos: install
+	$(BIN)/python -m grpc_tools.protoc -I. --python_out=. --grpc_python_out=. --pyi_out=. protos/rollout.proto protos/admin.proto
 
 lint-imports: install
 	$(BIN)/lint-imports
