@@ -18,16 +18,15 @@ DEFAULT_RECIPE = Path(__file__).resolve().parent.parent / "recipes" / "demo-echo
 
 def _cmd_demo(args: argparse.Namespace) -> int:
     from coordinator.launcher import RoleFailed, run_demo
-    from protos.config import load_run_config
+    from protos.config import describe_config_error, load_run_config
 
     overrides = list(args.overrides)
     if args.steps is not None:
         overrides.append(f"trainer.num_steps={args.steps}")
-    config_path = args.config or str(DEFAULT_RECIPE)
     try:
-        config = load_run_config(config_path, overrides)
+        config = load_run_config(args.config or [str(DEFAULT_RECIPE)], overrides)
     except ValueError as error:
-        print(f"fleetrl demo: invalid config: {error}", file=sys.stderr)
+        print(f"fleetrl demo: invalid config: {describe_config_error(error)}", file=sys.stderr)
         return 2
     out_dir = Path(args.out or f"runs/demo-{time.strftime('%Y%m%d-%H%M%S')}")
     try:
@@ -67,7 +66,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo = commands.add_parser("demo", help="run the whole loop on this machine (CPU, tiny model, embedded Redis)")
     demo.add_argument("--steps", type=int, default=None, help="training steps (default: trainer.num_steps)")
     demo.add_argument("--out", default=None, help="run directory (default runs/demo-<time>)")
-    demo.add_argument("--config", default=None, help="YAML/JSON run config (default recipes/demo-echo.yaml)")
+    demo.add_argument("--config", action="append", default=None,
+                      help="YAML/JSON run config (default recipes/demo-echo.yaml); several are merged in order")
     demo.add_argument("overrides", nargs="*", help="dotted overrides, e.g. trainer.lr=1e-3")
     demo.set_defaults(func=_cmd_demo)
 

@@ -476,7 +476,10 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
             node = node.setdefault(part, {})
             if not isinstance(node, dict):
                 raise ValueError(f"override {item!r}: {part!r} is not a section")
-        node[parts[-1]] = parse_override_value(field_annotation(parts), raw)
+        try:
+            node[parts[-1]] = parse_override_value(field_annotation(parts), raw)
+        except yaml.YAMLError:
+            raise ValueError(f"override {item!r}: {raw!r} is not a valid value (YAML)") from None
     return data
 
 
@@ -529,12 +532,64 @@ def parse_override_value(annotation: Any, raw: str) -> Any:
     return yaml.safe_load(raw)
 
 
-def load_run_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:
-    """Load a YAML or JSON config file (or defaults) and apply dotted overrides."""
+BASE_KEY = "base"  # a config file's base: another file (relative to it) whose values this one overrides
+
+
+def load_run_config(
+    path: str | Path | list[str | Path] | tuple[str | Path, ...] | None = None, overrides: list[str] | None = None
+) -> RunConfig:
+    """Load YAML/JSON config files (or defaults), deep-merged in order, and apply dotted overrides.
+
+    A file may name a ``base:`` file (relative to itself), loaded first and overridden by the file's own keys:
+    recipes are a base plus a small delta. Raises ValueError naming the file or the field on any user error
+    (``describe_config_error`` makes it one line).
+    """
+    paths = [] if path is None else [path] if isinstance(path, str | Path) else list(path)
     data: dict[str, Any] = {}
-    if path:
-        loaded = yaml.safe_load(Path(path).read_text())
-        if not isinstance(loaded, dict):
-            raise ValueError(f"config file {path} must hold a mapping at the top level")
-        data = loaded
+    for each in paths:
+        data = deep_merge(data, read_config_file(Path(each)))
     return RunConfig.model_validate(apply_overrides(data, overrides or []))
+
+
+def read_config_file(path: Path, _chain: tuple[Path, ...] = ()) -> dict[str, Any]:
+    """One config file as a dict, its ``base`` chain merged under it."""
+    resolved = path.resolve()
+    if resolved in _chain:
+        raise ValueError(f"config file {path}: its base chain loops back to itself")
+    try:
+        loaded = yaml.safe_load(path.read_text())
+    except FileNotFoundError:
+        raise ValueError(f"config file {path} does not exist") from None
+    except yaml.YAMLError as error:
+        raise ValueError(f"config file {path} is not valid YAML: {str(error).splitlines()[0]}") from None
+    if not isinstance(loaded, dict):
+        raise ValueError(f"config file {path} must hold a mapping at the top level")
+    base = loaded.pop(BASE_KEY, None)
+    if base is None:
+        return loaded
+    if not isinstance(base, str):
+        raise ValueError(f"config file {path}: '{BASE_KEY}' must be a file path, got {base!r}")
+    return deep_merge(read_config_file(path.parent / base, (*_chain, resolved)), loaded)
+
+
+def deep_merge(base: dict[str, Any], delta: dict[str, Any]) -> dict[str, Any]:
+    """``base`` with ``delta`` on top: sections merge key by key, any other value replaces."""
+    merged = dict(base)
+    for key, value in delta.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = deep_merge(merged[key], value)
+        else:
+            merged[key] = value
+    return merged
+
+
+def describe_config_error(error: ValueError) -> str:
+    """One line for a user: each failing field with its message (pydantic's report is one line per detail)."""
+    from pydantic import ValidationError
+
+    if isinstance(error, ValidationError):
+        return "; ".join(
+            f"{'.'.join(str(part) for part in detail['loc']) or 'config'}: {detail['msg']}"
+            for detail in error.errors()
+        )
+    return str(error).replace("\n", " ")

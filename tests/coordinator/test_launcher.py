@@ -34,3 +34,21 @@ def test_speed_figures_are_medians_after_the_first_step_with_the_replay_mismatch
     assert figures["rollout_tokens_per_s"] == 200.0  # idle reports (0 tok/s) left out
     assert (figures["weight_update_s"], figures["weight_update_paused_s"]) == (0.5, 0.25)
     assert figures["on_policy_abs_logprob_diff_r3"] == 0.004 and figures["on_policy_abs_logprob_diff_natural"] == 0.02
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["--config", "missing.yaml"], "missing.yaml does not exist"),
+        (["trainer.lr=-1"], "trainer.lr: Input should be greater than 0"),
+        (["trainer.learning_rate=1"], "trainer.learning_rate: Extra inputs are not permitted"),
+        (["trainer.icepop=[0.5"], "is not a valid value"),
+    ],
+)
+def test_demo_user_errors_print_one_line_and_exit_2(args, needle):
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "coordinator.cli", "demo", *args], capture_output=True, text=True)
+    assert done.returncode == 2
+    assert needle in done.stderr and "Traceback" not in done.stderr and len(done.stderr.strip().splitlines()) == 1

@@ -209,3 +209,33 @@ def test_every_literal_field_takes_each_documented_value_on_the_command_line():
 def test_a_literal_override_outside_its_choices_names_the_field_and_the_choices():
     with pytest.raises(pydantic.ValidationError, match=r"rollout\.return_routed_experts(.|\n)*'auto', 'on' or 'off'"):
         load_run_config(overrides=["rollout.return_routed_experts=yes"])
+
+
+def test_a_recipe_composes_from_its_base_and_several_files_merge_in_order(tmp_path):
+    (tmp_path / "base.yaml").write_text("run_id: base\ntrainer:\n  lr: 1.0e-3\n  num_steps: 7\n")
+    (tmp_path / "delta.yaml").write_text("base: base.yaml\nrun_id: delta\ntrainer:\n  lr: 2.0e-3\n")
+    (tmp_path / "more.yaml").write_text("coordinator:\n  max_staleness: 3\n")
+    config = load_run_config([tmp_path / "delta.yaml", tmp_path / "more.yaml"], ["trainer.num_steps=9"])
+    assert (config.run_id, config.trainer.lr, config.coordinator.max_staleness) == ("delta", 2e-3, 3)
+    assert config.trainer.num_steps == 9  # the base's 7, then the override
+    assert load_run_config(tmp_path / "delta.yaml").trainer.num_steps == 7  # sections merge key by key
+
+
+def test_config_file_errors_name_the_file(tmp_path):
+    with pytest.raises(ValueError, match=r"missing\.yaml does not exist"):
+        load_run_config(tmp_path / "missing.yaml")
+    (tmp_path / "bad.yaml").write_text("trainer: [unclosed\n")
+    with pytest.raises(ValueError, match=r"bad\.yaml is not valid YAML"):
+        load_run_config(tmp_path / "bad.yaml")
+    (tmp_path / "loop.yaml").write_text("base: loop.yaml\n")
+    with pytest.raises(ValueError, match="loops back"):
+        load_run_config(tmp_path / "loop.yaml")
+
+
+def test_a_validation_error_is_described_on_one_line_naming_each_field():
+    from protos.config import describe_config_error
+
+    with pytest.raises(pydantic.ValidationError) as caught:
+        load_run_config(overrides=["trainer.lr=-1", "rollout.dtype=float64"])
+    line = describe_config_error(caught.value)
+    assert "\n" not in line and "trainer.lr: Input should be greater than 0" in line and "rollout.dtype" in line
