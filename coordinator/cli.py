@@ -66,8 +66,12 @@ def build_parser() -> argparse.ArgumentParser:
     demo = commands.add_parser("demo", help="run the whole loop on this machine (CPU, tiny model, embedded Redis)")
     demo.add_argument("--steps", type=int, default=None, help="training steps (default: trainer.num_steps)")
     demo.add_argument("--out", default=None, help="run directory (default runs/demo-<time>)")
-    demo.add_argument("--config", action="append", default=None,
-                      help="YAML/JSON run config (default recipes/demo-echo.yaml); several are merged in order")
+    demo.add_argument(
+        "--config",
+        action="append",
+        default=None,
+        help="YAML/JSON run config (default recipes/demo-echo.yaml); several are merged in order",
+    )
     demo.add_argument("overrides", nargs="*", help="dotted overrides, e.g. trainer.lr=1e-3")
     demo.set_defaults(func=_cmd_demo)
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import redis.asyncio as aioredis
 
-from protos.redis_keys import RedisKeys
+from protos.redis_keys import RedisKeys, as_text
 
 MAX_CONTROL_ENTRIES = 1000
 
@@ -32,10 +32,6 @@ class SyncResult:
     policy_version: int
 
 
-def _text(value) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
-
-
 class ControlChannel:
     def __init__(self, client: aioredis.Redis, keys: RedisKeys):
         self.client = client
@@ -45,7 +41,7 @@ class ControlChannel:
         """Append one command; returns its stream entry id."""
         entry = {"c": command, "request_id": uuid.uuid4().hex[:12], **fields}
         entry_id = await self.client.xadd(self.keys.control, entry, maxlen=MAX_CONTROL_ENTRIES, approximate=True)
-        return _text(entry_id)
+        return as_text(entry_id)
 
     async def announce_setting(self, key: str, value) -> str:
         return await self.send("set", key=key, value=json.dumps(value))
@@ -53,7 +49,7 @@ class ControlChannel:
     async def request_sync(self, wait_s: float) -> SyncResult:
         """Ask for a weight publish; with ``wait_s`` > 0, wait that long for a version announcement."""
         last = await self.client.xrevrange(self.keys.weight_announcements, count=1)
-        cursor = _text(last[0][0]) if last else "0-0"
+        cursor = as_text(last[0][0]) if last else "0-0"
         entry_id = await self.send("sync")
         deadline = time.monotonic() + wait_s
         while (remaining := deadline - time.monotonic()) > 0:

@@ -19,7 +19,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from protos.records import PromptCursor, TrajectoryGroup, decode_cursor, encode
-from protos.redis_keys import RedisKeys
+from protos.redis_keys import RedisKeys, as_text
 
 logger = logging.getLogger(__name__)
 
@@ -54,9 +54,9 @@ class RolloutQueue:
         while True:
             try:
                 if cursor is None:
-                    return _text(await self.client.xadd(self.keys.trajectories, {"g": payload}))
+                    return as_text(await self.client.xadd(self.keys.trajectories, {"g": payload}))
                 keys = [self.keys.trajectories, self.keys.prompt_cursor]
-                entry_id = _text(await self._push_once(keys=keys, args=[payload, encode(cursor)]))
+                entry_id = as_text(await self._push_once(keys=keys, args=[payload, encode(cursor)]))
                 if not entry_id:
                     logger.warning(
                         "group %s had been pushed before its reply was lost; not pushed again", group.group_id
@@ -95,7 +95,3 @@ class RolloutQueue:
         if group is not None:
             return int(group.get("lag") or 0)
         return await self.client.xlen(self.keys.trajectories)  # no trainer yet: nothing was delivered
-
-
-def _text(entry_id: bytes | str) -> str:
-    return entry_id.decode() if isinstance(entry_id, bytes) else entry_id

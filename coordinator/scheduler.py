@@ -42,7 +42,6 @@ from protos.records import Array, PromptCursor, Sample, TrajectoryGroup, Version
 logger = logging.getLogger(__name__)
 
 
-
 class RunState(enum.IntEnum):
     """Values match ``fleetrl.admin.v1.RunState``."""
 

@@ -589,7 +589,6 @@ def describe_config_error(error: ValueError) -> str:
 
     if isinstance(error, ValidationError):
         return "; ".join(
-            f"{'.'.join(str(part) for part in detail['loc']) or 'config'}: {detail['msg']}"
-            for detail in error.errors()
+            f"{'.'.join(str(part) for part in detail['loc']) or 'config'}: {detail['msg']}" for detail in error.errors()
         )
     return str(error).replace("\n", " ")

@@ -5,6 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
+def as_text(value: bytes | str | int) -> str:
+    """A Redis reply field (entry id, key, value) as text: the client returns bytes unless told to decode."""
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
 @dataclass(frozen=True)
 class RedisKeys:
     """Key names for run ``run_id``; all live under ``fleetrl:<run_id>:``."""

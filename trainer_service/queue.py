@@ -16,7 +16,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from protos.records import TrajectoryGroup, decode_group
-from protos.redis_keys import RedisKeys
+from protos.redis_keys import RedisKeys, as_text
 
 logger = logging.getLogger(__name__)
 
@@ -49,9 +49,9 @@ class TrajectoryQueue:
                 self.keys.trajectories, self.keys.trainer_group, self.consumer, min_idle_ms, start, count=100
             )
             self._reclaimed.extend(
-                (_id(entry_id), fields.get(b"g", b"")) for entry_id, fields in entries if fields is not None
+                (as_text(entry_id), fields.get(b"g", b"")) for entry_id, fields in entries if fields is not None
             )
-            if _id(start) == "0-0":
+            if as_text(start) == "0-0":
                 return len(self._reclaimed)
 
     def read(self, num_groups: int, timeout_s: float) -> list[tuple[str, TrajectoryGroup]]:
@@ -90,7 +90,7 @@ class TrajectoryQueue:
                 continue
             for _stream, entries in reply or []:
                 for entry_id, fields in entries:
-                    self._decode_into(batch, _id(entry_id), fields.get(b"g", b""))
+                    self._decode_into(batch, as_text(entry_id), fields.get(b"g", b""))
         return batch
 
     def _take_orphans(self, batch: list, num_groups: int) -> None:
@@ -109,12 +109,12 @@ class TrajectoryQueue:
             consumername=self.consumer,
         )
         for entry in pending:
-            entry_id = _id(entry["message_id"])
+            entry_id = as_text(entry["message_id"])
             if len(batch) >= num_groups or entry_id in known:
                 continue
             for found_id, fields in self.client.xrange(self.keys.trajectories, entry_id, entry_id, count=1):
                 logger.warning("taking entry %s delivered to %s earlier but never received", entry_id, self.consumer)
-                self._decode_into(batch, _id(found_id), fields.get(b"g", b""))
+                self._decode_into(batch, as_text(found_id), fields.get(b"g", b""))
 
     def _decode_into(self, batch: list, entry_id: str, payload: bytes) -> None:
         try:
@@ -153,12 +153,12 @@ class TrajectoryQueue:
         not yet delivered are never trimmed, so the group's lag (the queue depth) stays exact.
         """
         group = self.keys.trainer_group_info(self.client.xinfo_groups(self.keys.trajectories))
-        keep_from = _id(group["last-delivered-id"]) if group else None
+        keep_from = as_text(group["last-delivered-id"]) if group else None
         if keep_from is None or keep_from == "0-0":
             return 0
         pending = self.client.xpending(self.keys.trajectories, self.keys.trainer_group)
         if pending["pending"]:
-            keep_from = min(keep_from, _id(pending["min"]), key=_stream_id_key)
+            keep_from = min(keep_from, as_text(pending["min"]), key=_stream_id_key)
         return int(self.client.xtrim(self.keys.trajectories, minid=keep_from, approximate=False))
 
     def depth(self) -> int:
@@ -192,7 +192,3 @@ def retry_until_reachable(call, what: str, timeout_s: float, pause_s: float = 0.
 def _stream_id_key(entry_id: str) -> tuple[int, int]:
     millis, _, sequence = entry_id.partition("-")
     return int(millis), int(sequence or 0)
-
-
-def _id(entry_id) -> str:
-    return entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)
