@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass, field
 
 from protos.records import TrajectoryGroup
+from trainer_service.backend import Backend
 from trainer_service.batch import build_batch, split_mini_batches
 
 

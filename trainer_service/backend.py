@@ -1,0 +1,37 @@
+"""The interface every training backend offers the trainer (``Trainer``, ``__main__``, ``ranks``, checkpoints).
+
+``TorchBackend`` (transformers models, CPU or one GPU) and ``MegatronBackend`` (megatron-core through
+megatron-bridge, any parallel layout) both satisfy it; ``tests/trainer_service/test_backend_protocol.py`` checks
+their signatures against it, so a method added to one backend and used by the trainer must be added to the other.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from trainer_service.batch import TrainBatch
+
+
+@runtime_checkable
+class Backend(Protocol):
+    temperature: float  # sampling temperature of rows that record none (`fleetrl set sampling.temperature` moves it)
+
+    def train_step(self, batch: TrainBatch) -> dict[str, float]:
+        """One training step on ``batch`` (micro-batched, clipped); a non-finite loss or gradient skips it
+        (``skipped`` = 1). Returns the step's figures, the same on every rank."""
+
+    def policy_logprobs(self, batch: TrainBatch) -> torch.Tensor:
+        """[B, T] logprobs of the current policy for the batch (no grad), routes replayed when it carries them."""
+
+    def export_hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The weights in the HF checkpoint layout vLLM loads; a collective on several ranks (every rank iterates)."""
+
+    def save_checkpoint(self, directory: Path) -> None:
+        """Model, optimizer and RNG state into ``directory`` (this rank's shard)."""
+
+    def load_checkpoint(self, directory: Path) -> None:
+        """Restore what ``save_checkpoint`` wrote; the next step is bit-identical to continuing."""
