@@ -37,7 +37,7 @@ class Trainer:
 
     def __init__(
         self,
-        backend,
+        backend: Backend,
         max_staleness: int,
         policy_version: int = 0,
         ledger: dict[str, str] | None = None,
