@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell sha1sum pyproject.toml | cut -c1-12)
 
-.PHONY: demo test install lint lint-imports protos clean
+.PHONY: demo test test-fast install lint lint-imports protos clean
 
 install: $(STAMP)
 
@@ -31,6 +31,10 @@ test: install
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
 # ruff lint (pyflakes, isort, bugbear, pyupgrade) and format, then the import contracts; .ci/run runs it first.
+# The unit tier only (no servers, no engines): about a minute.
+test-fast: install
+	$(BIN)/python -m pytest -q -m "unit and not slow" $(PYTEST_ARGS)
+
 lint: install
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .

@@ -27,3 +27,16 @@ def redis_url(redis_server) -> str:
     finally:
         client.close()
     return redis_server.url
+
+
+TIERS = ("unit", "integration", "e2e")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Every test sits in exactly one tier (its module's ``pytestmark``); one without is a collection error."""
+    for item in items:
+        tiers = {mark.name for mark in item.iter_markers() if mark.name in TIERS}
+        if len(tiers) != 1:
+            raise pytest.UsageError(
+                f"{item.nodeid} must be marked with one of {TIERS} (module pytestmark), has {tiers}"
+            )

@@ -15,6 +15,8 @@ import pytest
 
 from modeling.tiny_model import init_tiny
 
+pytestmark = pytest.mark.e2e
+
 # How the launcher's role processes and vLLM's engine processes look in `ps` (not, say, a pytest run of
 # tests/rollout_service/). Anything else starting vLLM on this machine meanwhile would count too.
 ROLE_COMMANDS = (

@@ -31,6 +31,8 @@ from protos.records import WeightManifest
 from protos.redis_keys import RedisKeys
 from weight_bus import rendezvous
 
+pytestmark = pytest.mark.integration
+
 RUN_ID = "admin-test"
 
 

@@ -23,6 +23,8 @@ from modeling.tiny_model import build_tokenizer
 from protos.config import load_run_config
 from protos.redis_keys import RedisKeys
 
+pytestmark = pytest.mark.integration
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DATA_DIR = REPO_ROOT.parent / "shared" / "data"
 

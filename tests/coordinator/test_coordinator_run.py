@@ -31,6 +31,8 @@ from protos.records import decode_group, decode_metrics
 from protos.redis_keys import RedisKeys
 from tests.rollout_service.server_process import ServerProcess, spawn_rollout_server
 
+pytestmark = pytest.mark.e2e
+
 RUN_ID = "coord-run"
 KEYS = RedisKeys(RUN_ID)
 PLUGINS = "tests.coordinator.reward_plugins"

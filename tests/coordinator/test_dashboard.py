@@ -25,6 +25,8 @@ from protos.records import MetricsReport, ReportStatus, encode
 from protos.redis_keys import RedisKeys
 from weight_bus import rendezvous
 
+pytestmark = pytest.mark.integration
+
 KEYS = RedisKeys("dash-test")
 CHROMIUM_FLAGS = [
     "--headless",

@@ -15,6 +15,8 @@ from coordinator.datasets import (
     render_prompt,
 )
 
+pytestmark = pytest.mark.unit
+
 # CI keeps a copy of shared/ beside the clone.
 DATA_DIR = Path(__file__).resolve().parents[2].parent / "shared" / "data"
 INSTRUCTION = "\n\nPlease reason step by step, and put your final answer within \\boxed{}."

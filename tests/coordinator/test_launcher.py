@@ -8,6 +8,8 @@ from coordinator.launcher import _speed_figures, check_gpu_layout
 from protos.config import load_run_config
 from protos.records import ReportStatus, VersionReport
 
+pytestmark = pytest.mark.unit
+
 
 def test_nccl_on_a_machine_without_a_gpu_per_rank_is_refused_with_the_alternatives():
     config = load_run_config("recipes/gpu-h200.yaml", ["weight_bus.transport=nccl"])

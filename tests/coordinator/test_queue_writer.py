@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 
 import numpy as np
+import pytest
 import redis.asyncio as aioredis
 
 from coordinator.queue_writer import RolloutQueue
@@ -25,6 +26,8 @@ from protos.records import (
 )
 from protos.redis_keys import RedisKeys
 from tests.redis_faults import reply_dropping_proxy
+
+pytestmark = pytest.mark.integration
 
 
 def group(group_id: str) -> TrajectoryGroup:

@@ -25,6 +25,8 @@ from coordinator.rewards import (
     score_group,
 )
 
+pytestmark = pytest.mark.unit
+
 # CI keeps a copy of shared/ beside the clone.
 DATA_DIR = Path(__file__).resolve().parents[2].parent / "shared" / "data"
 

@@ -14,6 +14,8 @@ import yaml
 from deploy import render
 from protos.config import RunConfig
 
+pytestmark = pytest.mark.unit
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 BEAM = REPO_ROOT / "recipes" / "beam"
 DEMO_RECIPES = sorted((REPO_ROOT / "recipes").glob("demo-*.yaml"))

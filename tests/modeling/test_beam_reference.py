@@ -15,6 +15,8 @@ from modeling.beam.moe_beam import BeamRouter
 from modeling.beam.tiny import init_tiny_beam, spread_random_weights, tiny_beam_config
 from modeling.tiny_model import init_tiny
 
+pytestmark = pytest.mark.unit
+
 
 def _model(**overrides) -> BeamForCausalLM:
     torch.manual_seed(0)

@@ -9,6 +9,8 @@ import pytest
 
 from protos.config import RunConfig, apply_overrides, load_run_config
 
+pytestmark = pytest.mark.unit
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 

@@ -8,6 +8,8 @@ import pytest
 
 from protos.config import load_run_config
 
+pytestmark = pytest.mark.unit
+
 RECIPES = sorted(Path(__file__).resolve().parents[2].glob("recipes/**/*.yaml"))
 
 

@@ -29,6 +29,8 @@ from protos.records import (
     encode,
 )
 
+pytestmark = pytest.mark.unit
+
 # ---------------------------------------------------------------------------------------------------
 # fixed records
 

@@ -21,6 +21,8 @@ from modeling.beam.tiny import init_tiny_beam
 from protos.records import encode
 from weight_bus.packing import pack
 
+pytestmark = pytest.mark.integration
+
 VOCAB = 64
 MAX_MODEL_LEN = 512
 WORKER_EXTENSION = "rollout_service.worker_extension.WeightLoaderExtension"

@@ -48,6 +48,7 @@ from modeling.beam.tiny import init_tiny_beam
 MAX_MODEL_LEN = 512
 
 pytestmark = [
+    pytest.mark.integration,
     pytest.mark.slow,
     pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="two engine workers need two CPU cores"),
 ]

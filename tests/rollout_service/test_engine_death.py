@@ -12,11 +12,14 @@ import signal
 
 import grpc
 import psutil
+import pytest
 
 from modeling.tiny_model import init_tiny
 from protos import rollout_pb2 as pb
 from protos import rollout_pb2_grpc as pb_grpc
 from tests.rollout_service.server_process import spawn_rollout_server
+
+pytestmark = pytest.mark.integration
 
 
 def test_dead_engine_core_turns_calls_unavailable_and_stops_the_server(tmp_path):

@@ -28,6 +28,8 @@ from rollout_service.vllm_adapter import ChunkBuffer, UnsupportedVllm, VersionSp
 from trainer_service.torch_backend import TorchBackend
 from weight_bus import packing
 
+pytestmark = pytest.mark.integration
+
 PROMPT = [1, 4, 5, 6]
 
 

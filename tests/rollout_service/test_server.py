@@ -26,6 +26,8 @@ from tests.rollout_service.server_process import spawn_rollout_server
 from trainer_service.publisher import WeightPublisher
 from trainer_service.torch_backend import TorchBackend
 
+pytestmark = pytest.mark.integration
+
 PROMPT = [1, 4, 5, 6]
 RUN_ID = "rollout-test"
 MAX_INFLIGHT = 4

@@ -12,6 +12,7 @@ import signal
 import time
 
 import grpc
+import pytest
 import redis
 
 from modeling.tiny_model import init_tiny
@@ -23,6 +24,8 @@ from tests.redis_faults import redis_proxy
 from tests.rollout_service.server_process import spawn_rollout_server
 from trainer_service.publisher import WeightPublisher
 from trainer_service.torch_backend import TorchBackend
+
+pytestmark = pytest.mark.integration
 
 
 def _wait_for_version(stub, version: int, timeout_s: float = 90) -> None:

@@ -8,6 +8,8 @@ import pytest
 
 from trainer_service.backend import Backend
 
+pytestmark = pytest.mark.unit
+
 MEMBERS = [name for name in Backend.__dict__ if not name.startswith("_") and callable(Backend.__dict__[name])]
 
 

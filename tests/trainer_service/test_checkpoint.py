@@ -14,6 +14,8 @@ from trainer_service.checkpoint import CheckpointManager, TrainerState
 from trainer_service.torch_backend import TorchBackend
 from trainer_service.trainer import Trainer
 
+pytestmark = pytest.mark.integration
+
 CONFIG = TrainerConfig(geo_mask=None, lr_warmup_steps=3, micro_batch_tokens=64)
 
 

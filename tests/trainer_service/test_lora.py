@@ -17,6 +17,8 @@ from trainer_service import lora
 from trainer_service.batch import build_batch
 from trainer_service.torch_backend import TorchBackend, token_logprobs
 
+pytestmark = pytest.mark.integration
+
 ALL_TARGETS = ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]
 
 

@@ -11,6 +11,8 @@ from trainer_service.losses import (
     policy_loss,
 )
 
+pytestmark = pytest.mark.unit
+
 NO_CORRECTION = PolicyLossConfig(geo_mask=None)
 
 

@@ -23,6 +23,8 @@ from trainer_service.megatron_backend import MegatronBackend
 from trainer_service.routing_replay import megatron_record_routes, record_routes, routes_from_groups
 from trainer_service.torch_backend import TorchBackend, token_logprobs
 
+pytestmark = pytest.mark.integration
+
 CONFIG = TrainerConfig(backend="megatron", lr=1e-2, geo_mask=None)
 
 

@@ -32,6 +32,8 @@ from trainer_service.megatron_backend import MegatronBackend, attention_mask_B1T
 from trainer_service.routing_replay import megatron_forced_routing, megatron_record_routes, routes_from_groups
 from trainer_service.torch_backend import TorchBackend, token_logprobs
 
+pytestmark = pytest.mark.integration
+
 CONFIG = TrainerConfig(backend="megatron", lr=1e-2, geo_mask=None)
 CONFIG_BF16 = TrainerConfig(
     backend="megatron", lr=1e-2, geo_mask=None, megatron=MegatronConfig(params_dtype="bfloat16")

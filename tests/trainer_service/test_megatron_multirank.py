@@ -28,6 +28,8 @@ from protos.records import decode_manifest, decode_metrics
 from protos.redis_keys import RedisKeys
 from weight_bus import packing, receiver
 
+pytestmark = pytest.mark.e2e
+
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 ROUTE_SHAPES = {"qwen": (2, 2, 16), "beam": (5, 4, 16)}  # (MoE layers, top-k, experts)

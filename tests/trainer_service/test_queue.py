@@ -23,6 +23,8 @@ from protos.redis_keys import RedisKeys
 from tests.redis_faults import redis_proxy
 from trainer_service.queue import TrajectoryQueue
 
+pytestmark = pytest.mark.integration
+
 KEYS = RedisKeys("queue-test")
 
 

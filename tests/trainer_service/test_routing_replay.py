@@ -16,6 +16,8 @@ from trainer_service.batch import build_batch
 from trainer_service.routing_replay import NO_ROUTE, forced_routing, record_routes, routes_from_groups
 from trainer_service.torch_backend import token_logprobs
 
+pytestmark = pytest.mark.unit
+
 NUM_LAYERS, TOP_K = 2, 2
 
 

@@ -11,6 +11,8 @@ from protos.records import Array, FinishReason, Sample, TrajectoryGroup, Version
 from trainer_service.torch_backend import TorchBackend
 from trainer_service.trainer import Trainer
 
+pytestmark = pytest.mark.unit
+
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
 import redis
 import redis.asyncio as aioredis
 
@@ -15,6 +16,8 @@ from trainer_service.__main__ import ControlReader
 from trainer_service.publisher import WeightPublisher
 from trainer_service.torch_backend import TorchBackend
 from trainer_service.trainer import Trainer
+
+pytestmark = pytest.mark.integration
 
 
 def test_sync_republishes_the_current_version_and_set_changes_staleness_and_temperature(redis_url, tmp_path):

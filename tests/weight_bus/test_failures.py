@@ -21,6 +21,8 @@ from weight_bus.packing import ChecksumError, iter_tensors, pack, total_nbytes
 from weight_bus.sender import WeightSender
 from weight_bus.tcp import MAGIC, TcpWeightPublisher, fetch
 
+pytestmark = pytest.mark.integration
+
 
 def _weights(seed: int, rows: int = 64) -> list[tuple[str, torch.Tensor]]:
     gen = torch.Generator().manual_seed(seed)

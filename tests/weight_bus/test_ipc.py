@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 
 import numpy as np
+import pytest
 import redis
 import torch
 
@@ -17,6 +18,8 @@ from trainer_service.publisher import WeightPublisher
 from weight_bus import packing
 from weight_bus.ipc import iter_device_tensors, why_not_openable
 from weight_bus.sender import WeightSender
+
+pytestmark = pytest.mark.integration
 
 
 def _named():

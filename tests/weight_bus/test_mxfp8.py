@@ -21,6 +21,8 @@ import torch
 from weight_bus.codecs import mxfp8
 from weight_bus.codecs.mxfp8 import dequantize, quantize, quantize_kernel, quantize_reference, should_quantize
 
+pytestmark = pytest.mark.unit
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 

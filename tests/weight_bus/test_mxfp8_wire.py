@@ -20,6 +20,8 @@ from weight_bus.packing import (
     verify,
 )
 
+pytestmark = pytest.mark.unit
+
 MXFP8 = WireCodec("mxfp8")
 ROUTER_BIAS = "model.layers.0.mlp.gate.e_score_correction_bias"
 PROJ_BIAS = "model.layers.0.self_attn.q_proj.bias"

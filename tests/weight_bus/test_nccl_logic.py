@@ -17,6 +17,8 @@ from weight_bus import nccl_group as ng
 from weight_bus.nccl_device import ChunkPacker, FlatHost
 from weight_bus.packing import WireCodec, encoded_metas, pack, plan_layout
 
+pytestmark = pytest.mark.unit
+
 NOW = 1_000.0
 
 

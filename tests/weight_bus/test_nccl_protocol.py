@@ -19,6 +19,8 @@ from weight_bus.codecs.mxfp8 import dequantize, quantize
 from weight_bus.nccl import NcclWeightPublisher, NcclWeightSubscriber
 from weight_bus.packing import iter_tensors
 
+pytestmark = pytest.mark.integration
+
 CPU = torch.device("cpu")
 
 

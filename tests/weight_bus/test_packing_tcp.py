@@ -23,6 +23,8 @@ from weight_bus import rendezvous
 from weight_bus.packing import ALIGN_BYTES, ChecksumError, iter_tensors, pack, total_nbytes, verify
 from weight_bus.tcp import MAGIC, TcpWeightPublisher, WeightUnavailableError, fetch
 
+pytestmark = pytest.mark.integration
+
 # ---------------------------------------------------------------------------------------------------
 # helpers
 

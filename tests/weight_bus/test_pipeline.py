@@ -9,6 +9,8 @@ import pytest
 
 from weight_bus.pipeline import SendPipeline
 
+pytestmark = pytest.mark.unit
+
 
 def test_bucket_k_plus_1_is_packed_while_bucket_k_is_sent_with_at_most_two_alive():
     sending = threading.Event()
