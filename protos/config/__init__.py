@@ -1,0 +1,41 @@
+"""The typed config tree of a run: one schema that every role process reads from a JSON file.
+
+It lives in protos/ because the resolved config is the contract handed from the launcher to each role
+process; each role's ``config.py`` re-exports its section. Imports neither torch nor vLLM. One module per
+section; ``loading`` turns files and dotted overrides into a ``RunConfig``.
+"""
+
+from protos.config.coordinator import CoordinatorConfig, EvalConfig, OverlongConfig, SamplingConfig
+from protos.config.loading import (
+    apply_overrides,
+    deep_merge,
+    describe_config_error,
+    field_annotation,
+    load_run_config,
+    parse_override_value,
+    read_config_file,
+)
+from protos.config.rollout import RolloutConfig
+from protos.config.run import RunConfig
+from protos.config.trainer import LoraConfig, MegatronConfig, TrainerConfig
+from protos.config.weight_bus import WeightBusConfig
+
+__all__ = [
+    "CoordinatorConfig",
+    "EvalConfig",
+    "LoraConfig",
+    "MegatronConfig",
+    "OverlongConfig",
+    "RolloutConfig",
+    "RunConfig",
+    "SamplingConfig",
+    "TrainerConfig",
+    "WeightBusConfig",
+    "apply_overrides",
+    "deep_merge",
+    "describe_config_error",
+    "field_annotation",
+    "load_run_config",
+    "parse_override_value",
+    "read_config_file",
+]

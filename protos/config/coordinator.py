@@ -1,0 +1,103 @@
+"""The coordinator's section: prompts, grouping, sampling, admission, eval, the admin API."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import Field, model_validator
+
+from protos.config.base import Strict
+
+
+class SamplingConfig(Strict):
+    """Sampling of training rollouts."""
+
+    temperature: float = Field(1.0, ge=0.0, description="Sampling temperature; 1.0 keeps logprobs exact.")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass.")
+    top_k: int = Field(-1, description="Top-k; -1 disables.")
+    max_tokens: int = Field(8, gt=0, description="Maximum response tokens per sample.")
+
+
+class OverlongConfig(Strict):
+    """DAPO soft overlong punishment, added to the reward of long responses."""
+
+    enabled: bool = Field(False, description="Apply the penalty to training rewards (never to eval).")
+    buffer_len: int = Field(
+        0, ge=0, description="Ramp length in tokens: the penalty grows from 0 at max_tokens - buffer_len to -factor."
+    )
+    penalty_factor: float = Field(1.0, ge=0, description="Penalty at and beyond sampling.max_tokens.")
+
+
+class EvalConfig(Strict):
+    """Evaluation rounds, each pinned to one policy version (every sample comes from exactly that version)."""
+
+    datasets: list[str] = Field(
+        default_factory=list, description="Eval files (.jsonl/.parquet); metrics are keyed by file stem."
+    )
+    interval_steps: int = Field(0, ge=0, description="Evaluate every this many trainer steps; 0 = never.")
+    at_start: bool = Field(False, description="Also evaluate the initial policy before training starts.")
+    samples_per_problem: int = Field(4, gt=0, description="k samples per problem; reports mean accuracy and pass@k.")
+    limit: int | None = Field(None, gt=0, description="Use only the first N problems of each file; None = all.")
+    sampling: SamplingConfig | None = Field(None, description="Eval sampling; None = the training sampling.")
+    reward_fn: str = Field("math", description="Reward of eval samples; a sample is correct when reward >= 1.")
+    timeout_s: float = Field(600.0, gt=0, description="Longest wait for one eval round (version, servers, samples).")
+
+
+class CoordinatorConfig(Strict):
+    """Prompts, grouping, admission and the push onto the trajectory queue."""
+
+    task: str = Field("echo", description="Built-in task name ('echo') or a dataset path (.jsonl/.parquet).")
+    reward_fn: str = Field(
+        "math", description="Dataset tasks: built-in reward ('math') or 'module.path:function' (sync or async)."
+    )
+    prompt_template: str = Field(
+        "", description="Template with '{problem}' for plain {problem, answer} rows; '' = the loader's default."
+    )
+    template_chat_prompts: bool = Field(False, description="Also apply prompt_template to verl/DAPO chat rows.")
+    chat_template_kwargs: dict[str, Any] = Field(
+        default_factory=dict, description="Extra variables for the tokenizer's chat template, e.g. reasoning_effort."
+    )
+    dataset_limit: int | None = Field(None, gt=0, description="Use only the first N rows of the dataset; None = all.")
+    group_size: int = Field(8, gt=0, description="Samples per prompt (GRPO group size n).")
+    groups_per_step: int = Field(8, gt=0, description="Groups the trainer consumes per optimizer step (B).")
+    max_staleness: int = Field(1, ge=0, description="Bound k on v_trainer - min token version; 0 = on-policy.")
+    sampling: SamplingConfig = Field(default_factory=SamplingConfig)
+    overlong: OverlongConfig = Field(default_factory=OverlongConfig)
+    dynamic_sampling: bool = Field(
+        False, description="Skip groups whose rewards are all equal and admit a new prompt in their place."
+    )
+    dynamic_sampling_max_tries: int = Field(
+        8, gt=0, description="Prompts tried per group slot before a uniform group is pushed anyway (counted)."
+    )
+    reward_timeout_s: float = Field(30.0, gt=0, description="Limit of one reward call; a timeout scores 0.")
+    reward_threads: int = Field(2, gt=0, description="Threads that run sync reward functions off the event loop.")
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+    request_timeout_s: float = Field(120.0, gt=0, description="Deadline of one Generate call.")
+    max_attempts: int = Field(3, gt=0, description="Dispatch attempts of one group before the run fails.")
+    admin_host: str = Field("127.0.0.1", description="Interface the admin gRPC API and /metrics bind.")
+    admin_port: int = Field(50050, ge=0, description="Admin gRPC API port (fleetrl status, ...); 0 picks a free one.")
+    metrics_port: int = Field(0, ge=0, description="Prometheus /metrics port; 0 = off.")
+    seed: int = Field(0, description="Seed of the prompt order.")
+    dashboard: bool = Field(True, description="Serve the live web dashboard from the coordinator.")
+    dashboard_host: str = Field("127.0.0.1", description="Interface the dashboard binds.")
+    dashboard_port: int = Field(0, ge=0, description="Dashboard port; 0 picks a free one (logged).")
+
+    @model_validator(mode="after")
+    def _overlong_fits(self) -> CoordinatorConfig:
+        if self.overlong.enabled and self.overlong.buffer_len > self.sampling.max_tokens:
+            raise ValueError(
+                f"coordinator.overlong.buffer_len ({self.overlong.buffer_len}) must not exceed "
+                f"coordinator.sampling.max_tokens ({self.sampling.max_tokens}); lower the buffer"
+            )
+        if self.dynamic_sampling and self.group_size < 2:
+            raise ValueError(
+                "coordinator.dynamic_sampling needs coordinator.group_size >= 2 (a group of one "
+                "always has equal rewards)"
+            )
+        eval_sampling = self.eval.sampling or self.sampling
+        if self.eval.datasets and self.eval.samples_per_problem > 1 and eval_sampling.temperature == 0:
+            raise ValueError(
+                "coordinator.eval.samples_per_problem > 1 needs a sampling temperature > 0 "
+                "(greedy samples would be identical); set coordinator.eval.sampling.temperature"
+            )
+        return self

@@ -1,0 +1,91 @@
+"""The rollout servers' section: one vLLM engine behind gRPC per server."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from protos.config.base import Strict
+
+
+class RolloutConfig(Strict):
+    """One vLLM AsyncLLM engine behind gRPC (per server)."""
+
+    num_servers: int = Field(2, gt=0, description="Rollout servers the launcher starts.")
+    host: str = Field("127.0.0.1", description="Interface the gRPC server binds.")
+    base_port: int = Field(0, ge=0, description="First gRPC port; 0 picks free ports.")
+    max_model_len: int = Field(256, gt=0, description="Prompt + response token limit of the engine.")
+    kv_cache_gib: float | None = Field(
+        None,
+        gt=0,
+        description="KV cache size in GiB. CPU: VLLM_CPU_KVCACHE_SPACE (None = 1 GiB). GPU: vLLM's "
+        "kv_cache_memory_bytes, which then wins over gpu_memory_utilization (None = sized by the utilization).",
+    )
+    max_inflight_requests: int = Field(
+        256, gt=0, description="Generate calls admitted at once; beyond: RESOURCE_EXHAUSTED."
+    )
+    max_samples_per_request: int = Field(64, gt=0, description="Upper limit of n in one request.")
+    recompute_kv_on_update: bool = Field(
+        True, description="Drop KV cache on a weight update so later tokens see only new weights."
+    )
+    dtype: Literal["float32", "bfloat16"] = Field("float32", description="Engine dtype.")
+    weight_updates: Literal["follow", "manual"] = Field(
+        "follow",
+        description="follow: apply every announced version; manual: only gRPC weight-update calls do (a controller).",
+    )
+    stream_interval: int = Field(
+        1, gt=0, description="Tokens the engine buffers per streamed chunk; larger cuts per-token overhead."
+    )
+    return_routed_experts: Literal["auto", "on", "off"] = Field(
+        "auto", description="Return routed experts for R3: auto = on with a GPU (vLLM on CPU refuses it)."
+    )
+    tensor_parallel_size: int = Field(
+        1, gt=0, description="vLLM tensor parallel size of one server (GPUs per replica / PP)."
+    )
+    pipeline_parallel_size: int = Field(1, gt=0, description="vLLM pipeline parallel size of one server.")
+    enable_expert_parallel: bool = Field(False, description="vLLM expert parallelism for MoE layers (EP = TP x DP).")
+    max_num_seqs: int = Field(256, gt=0, description="vLLM: sequences scheduled at once per server.")
+    seed: int = Field(0, description="Engine seed.")
+    gpu_memory_utilization: float = Field(
+        0.9,
+        gt=0.0,
+        le=1.0,
+        description="GPU: fraction of the device's memory this engine may take (weights, "
+        "activations, CUDA graphs, KV cache). Lower it when a trainer or another engine shares the GPU.",
+    )
+    enforce_eager: bool = Field(
+        False,
+        description="GPU: run eager instead of CUDA graphs + torch.compile (faster start, slower decode). "
+        "The CPU engine always runs eager.",
+    )
+    enable_prefix_caching: Literal["auto", "on", "off"] = Field(
+        "auto",
+        description="Share KV blocks of equal prompt prefixes across requests (agent sessions, GRPO groups). "
+        "auto = on with a GPU. Only with recompute_kv_on_update, which clears the cache at every weight update: kept "
+        "blocks would hand a request the old weights' KV under the new version's label.",
+    )
+    quantization: Literal["none", "mxfp8"] = Field(
+        "none",
+        description="GPU: serve with vLLM's online quantization. 'mxfp8': weights quantized to E4M3 + E8M0 "
+        "per 32 at load and at every weight update (Hopper: MXFP8 weights, bf16 math through Marlin).",
+    )
+    load_format: Literal["auto", "dummy"] = Field(
+        "auto",
+        description="vLLM load format; 'dummy' starts on random weights without reading the checkpoint "
+        "(benchmarks; the first weight update brings the real ones).",
+    )
+
+    @model_validator(mode="after")
+    def _prefix_caching_is_exact(self) -> RolloutConfig:
+        if self.enable_prefix_caching == "on" and not self.recompute_kv_on_update:
+            raise ValueError(
+                "rollout.enable_prefix_caching='on' needs rollout.recompute_kv_on_update=true: cached blocks kept "
+                "across a weight update would give new requests the old weights' KV; set one of them differently"
+            )
+        return self
+
+    def prefix_caching_enabled(self, on_cpu: bool) -> bool:
+        if self.enable_prefix_caching == "auto":
+            return not on_cpu and self.recompute_kv_on_update
+        return self.enable_prefix_caching == "on"

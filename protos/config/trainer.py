@@ -1,0 +1,176 @@
+"""The trainer's section: backend, loss, optimizer, checkpoints, Megatron layout, LoRA."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from protos.config.base import Strict
+
+
+class MegatronConfig(Strict):
+    """The Megatron backend: parallel layout and model settings (trainer.backend = 'megatron').
+
+    The product tensor x pipeline x context parallel sizes must divide the trainer's world size
+    (trainer.num_nodes x trainer.num_processes); what is left is data parallel. On CPU the ranks run on gloo.
+    """
+
+    tensor_model_parallel_size: int = Field(1, ge=1, description="TP: ranks that split each layer's matrices.")
+    pipeline_model_parallel_size: int = Field(
+        1, ge=1, description="PP: ranks that split the layer stack (micro-batches padded to one shape)."
+    )
+    expert_model_parallel_size: int = Field(1, ge=1, description="EP: ranks that split the MoE experts.")
+    expert_tensor_parallel_size: int | None = Field(
+        None,
+        ge=1,
+        description="ETP: ranks that split each expert's matrices; None = the TP size (megatron's default). "
+        "EP x ETP must divide the ranks of one pipeline stage.",
+    )
+    context_parallel_size: int = Field(
+        1, ge=1, description="CP: ranks that split the sequence (only 1 is implemented in MegatronBackend)."
+    )
+    params_dtype: Literal["float32", "bfloat16"] = Field(
+        "float32", description="Model parameter dtype; bfloat16 keeps fp32 main weights in the optimizer."
+    )
+    use_distributed_optimizer: bool = Field(True, description="Shard optimizer state over data-parallel ranks.")
+    moe_token_dispatcher: Literal["allgather", "alltoall"] = Field(
+        "allgather", description="MoE token dispatcher; 'alltoall' needs CUDA (it creates a CUDA stream)."
+    )
+    moe_grouped_gemm: bool = Field(False, description="Grouped GEMM for the experts (CUDA only).")
+    moe_aux_loss_coeff: float = Field(
+        0.0, ge=0.0, description="Load-balancing aux loss weight; 0 keeps the loss equal to the policy loss."
+    )
+    routing_replay: bool = Field(
+        True, description="Build routers with routing replay (R3) so rollout routes can be replayed."
+    )
+    moe_router_bias_update_rate: float = Field(
+        0.0,
+        ge=0.0,
+        description="Aux-loss-free balancing step on routers with an expert bias (Beam's e_score_correction_bias) "
+        "per optimizer step; 0 keeps the checkpoint's bias, so rollout and trainer route alike.",
+    )
+
+
+class LoraConfig(Strict):
+    """Low-rank adapters (LoRA): the base weights stay frozen and only ``A`` [r, in] / ``B`` [out, r] train.
+
+    Module names are megatron-core's, which both backends understand: ``linear_qkv`` (HF q_proj, k_proj, v_proj),
+    ``linear_proj`` (o_proj), ``linear_fc1`` (gate_proj + up_proj, dense MLP and every routed expert),
+    ``linear_fc2`` (down_proj). Routers, norms, embeddings and the LM head are never adapted. The trainer
+    publishes the merged weights ``W + alpha / r * B @ A`` of the adapted modules only: the rest of a rollout
+    server's weights never change from the base checkpoint.
+    """
+
+    rank: int = Field(0, ge=0, description="Adapter rank r; 0 = full fine-tuning (no LoRA).")
+    alpha: float = Field(32.0, gt=0, description="Scale numerator: the update is alpha / rank * B @ A.")
+    dropout: float = Field(0.0, ge=0.0, lt=1.0, description="Dropout on the adapter's input (training only).")
+    target_modules: list[Literal["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]] = Field(
+        default_factory=lambda: ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"],
+        min_length=1,
+        description="Adapted modules (megatron-core names; see the class docstring for the HF ones).",
+    )
+
+    @property
+    def enabled(self) -> bool:
+        return self.rank > 0
+
+
+class TrainerConfig(Strict):
+    """The trainer role: queue consumption, loss, optimizer, weight publishing."""
+
+    backend: Literal["torch", "megatron"] = Field("torch", description="Training backend.")
+    num_steps: int = Field(40, gt=0, description="Optimizer steps before the trainer stops.")
+    lr: float = Field(5e-3, gt=0, description="AdamW learning rate.")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
+    grad_clip: float = Field(1.0, gt=0, description="Max global grad norm.")
+    clip_low: float = Field(0.2, ge=0, description="PPO clip epsilon below 1.")
+    clip_high: float = Field(0.28, ge=0, description="PPO clip epsilon above 1 (clip-higher).")
+    loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = "token-mean"
+    geo_mask: tuple[float, float] | None = Field((0.99, 1.01), description="Geometric sequence mask bounds.")
+    token_tis_cap: float | None = Field(None, description="Token TIS cap; None disables.")
+    icepop: tuple[float, float] | None = Field(None, description="ICEPOP token mask bounds; None disables.")
+    batch_timeout_s: float = Field(600.0, gt=0, description="Longest wait for one step's groups.")
+    seed: int = Field(0, description="Torch seed.")
+    lr_warmup_steps: int = Field(0, ge=0, description="Linear LR warm-up steps from 0 to lr; constant after.")
+    mini_batches: int = Field(
+        1,
+        gt=0,
+        description="Optimizer steps per training step (PPO mini-batches of whole groups); pi_old is the "
+        "policy at the step's start and one version is published per step.",
+    )
+    micro_batch_tokens: int = Field(
+        0, ge=0, description="Padded-token budget of one micro-batch (gradient accumulation); 0 = whole step at once."
+    )
+    trim_acknowledged: bool = Field(
+        True, description="Delete acknowledged entries from the trajectory stream (False keeps it as an audit log)."
+    )
+    ckpt_interval: int = Field(
+        1, gt=0, description="Steps between checkpoints; queue entries are acknowledged only at a checkpoint."
+    )
+    keep_last_checkpoints: int = Field(2, gt=0, description="Checkpoints kept on disk (older ones are deleted).")
+    ckpt_dir: str = Field(
+        "", description="Checkpoint directory; '' = <out_dir>/checkpoints (runs/<run_id>/... without out_dir)."
+    )
+    resume: str = Field(
+        "latest", description="'latest' (resume from the newest checkpoint if any), 'none', or a checkpoint path."
+    )
+    metrics_port: int = Field(0, ge=0, description="Prometheus /metrics port of the trainer; 0 = off.")
+    measure_replay_mismatch: bool = Field(
+        False,
+        description="Per step with rollout routes, report the on-policy |trainer - rollout| logprob with the "
+        "routes replayed (R3) and with natural routing (on_policy_abs_logprob_diff_r3 / _natural); two extra forwards.",
+    )
+    megatron: MegatronConfig = Field(
+        default_factory=MegatronConfig, description="Megatron backend settings (used when backend = 'megatron')."
+    )
+    lora: LoraConfig = Field(default_factory=LoraConfig, description="LoRA adapters; rank 0 = full fine-tuning.")
+    num_processes: int = Field(
+        1,
+        ge=1,
+        description="Trainer ranks per node (torchrun --nproc-per-node); > 1 needs backend 'megatron'.",
+    )
+    num_nodes: int = Field(
+        1,
+        ge=1,
+        description="Trainer nodes. The world size is num_nodes x num_processes; megatron's TP x PP x CP "
+        "must divide it and what is left is data parallel. `fleetrl run` launches one node; deploy/ launches more.",
+    )
+
+    @model_validator(mode="after")
+    def _ranks_fit_backend(self) -> TrainerConfig:
+        world_size = self.num_nodes * self.num_processes
+        if world_size > 1 and self.backend != "megatron":
+            raise ValueError(
+                f"trainer world size {world_size} (num_nodes x num_processes) needs trainer.backend='megatron'"
+            )
+        model_parallel = (
+            self.megatron.tensor_model_parallel_size
+            * self.megatron.pipeline_model_parallel_size
+            * self.megatron.context_parallel_size
+        )
+        megatron = self.megatron
+        if self.backend == "megatron" and world_size % model_parallel:
+            raise ValueError(
+                f"trainer world size {world_size} (num_nodes x num_processes) is not a multiple of megatron "
+                f"TP x PP x CP = {model_parallel}"
+            )
+        expert_parallel = megatron.expert_model_parallel_size * (
+            megatron.expert_tensor_parallel_size or megatron.tensor_model_parallel_size
+        )
+        stage_ranks = world_size // megatron.pipeline_model_parallel_size
+        if self.backend == "megatron" and stage_ranks % expert_parallel:
+            raise ValueError(
+                f"trainer.megatron: EP x ETP = {expert_parallel} does not divide the {stage_ranks} ranks of a pipeline "
+                f"stage (world size {world_size} / PP {megatron.pipeline_model_parallel_size})"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _lora_keeps_the_base_frozen(self) -> TrainerConfig:
+        if self.lora.enabled and self.megatron.moe_router_bias_update_rate > 0:
+            raise ValueError(
+                "trainer.megatron.moe_router_bias_update_rate > 0 moves router biases, which LoRA (trainer.lora.rank "
+                "> 0) keeps frozen with the rest of the base model; set it to 0"
+            )
+        return self
