@@ -121,12 +121,13 @@ class OrderFeed:
     """Each rank's source of the next step's groups.
 
     Rank 0 (``read_groups`` given) reads them and broadcasts them when the world has several ranks; the others
-    receive. ``apply_commands(sync, settings)`` acts on control commands on every rank at the same point.
+    receive. ``read_groups(relay)`` gets ``relay_commands`` for the commands it reads while it waits;
+    ``apply_commands(sync, settings)`` acts on them on every rank at the same point.
     """
 
     def __init__(
         self,
-        read_groups: Callable[[], list[TrajectoryGroup]] | None,
+        read_groups: Callable[[Callable[[bool, list[tuple[str, str]]], None]], list[TrajectoryGroup]] | None,
         apply_commands: Callable[[bool, list[tuple[str, str]]], None],
     ):
         self.read_groups = read_groups
@@ -142,7 +143,7 @@ class OrderFeed:
                 send_order(StepOrder(OrderKind.STOP))
             return None
         try:
-            groups = self.read_groups()
+            groups = self.read_groups(self.relay_commands)
         except BaseException as error:
             if self.multi_rank:  # the other ranks must not wait for an order that never comes
                 send_order(StepOrder(OrderKind.ERROR, message=f"{type(error).__name__}: {error}"[:2000]))

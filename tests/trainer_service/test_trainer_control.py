@@ -12,8 +12,8 @@ from coordinator.control import ControlChannel
 from modeling.tiny_model import init_tiny
 from protos.config import TrainerConfig, WeightBusConfig
 from protos.redis_keys import RedisKeys
-from trainer_service.__main__ import ControlReader
 from trainer_service.publisher import WeightPublisher
+from trainer_service.redis_side import ControlReader
 from trainer_service.torch_backend import TorchBackend
 from trainer_service.trainer import Trainer
 

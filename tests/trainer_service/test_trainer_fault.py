@@ -163,7 +163,7 @@ def test_a_step_that_publishes_nothing_lowers_version_minus_steps_for_the_coordi
 def test_a_metrics_report_whose_reply_was_lost_is_sent_again_instead_of_stopping_the_trainer(redis_url):
     from protos.records import MetricsReport, decode_metrics
     from tests.redis_faults import reply_dropping_proxy
-    from trainer_service.__main__ import send_report
+    from trainer_service.redis_side import send_report
 
     keys = RedisKeys("report-lost")
 

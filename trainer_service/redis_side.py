@@ -1,0 +1,224 @@
+"""Rank 0's side of the trainer on Redis: the trajectory queue (read, reclaim, ack, trim), operator commands on the
+control stream, the weight publisher and the metrics reports. The other ranks never talk to Redis: ``ranks`` hands
+them rank 0's groups and commands (``trainer_service/__main__.py`` runs the loop on every rank).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+
+logger = logging.getLogger("trainer_service")
+
+
+def read_new_groups(
+    queue, trainer, num_groups: int, timeout_s: float, entry_ids: list[str], on_wait, stop=None
+) -> list:
+    """Read until ``num_groups`` groups the ledger has not seen; every entry read joins ``entry_ids``.
+
+    ``on_wait()`` runs about once a second while the queue is short (control commands). Returns [] when ``stop``
+    is set meanwhile (the entries read stay pending and are reclaimed by the next trainer).
+    """
+    deadline = time.monotonic() + timeout_s
+    groups = []
+    while len(groups) < num_groups:
+        if stop is not None and stop.is_set():
+            return []
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise TimeoutError(
+                f"waited {timeout_s}s for {num_groups} new groups from {queue.keys.trajectories}, got {len(groups)}"
+            )
+        read = queue.read(num_groups - len(groups), timeout_s=min(1.0, remaining))
+        entry_ids.extend(entry_id for entry_id, _ in read)
+        groups.extend(trainer.filter_new([group for _, group in read]))
+        if len(groups) < num_groups:
+            on_wait()
+    return groups
+
+
+class RedisSide:
+    """Rank 0's Redis: the queue (read, reclaim, ack, trim), control commands, the publisher, metrics reports."""
+
+    def __init__(self, redis_url: str, config, trainer, stop: threading.Event):
+        import redis
+
+        from protos.redis_keys import RedisKeys
+        from trainer_service.publisher import WeightPublisher
+        from trainer_service.queue import TrajectoryQueue
+
+        self.config = config
+        self.trainer = trainer
+        self.stop = stop
+        if config.trainer.metrics_port:
+            from prometheus_client import start_http_server
+
+            start_http_server(config.trainer.metrics_port)
+        self.client = redis.Redis.from_url(redis_url, socket_timeout=30)
+        self.keys = RedisKeys(config.run_id)
+        self.queue = TrajectoryQueue(self.client, self.keys, trim=config.trainer.trim_acknowledged)
+        self.reclaimed = self.queue.reclaim_pending()
+        self.publisher = WeightPublisher(self.client, self.keys, config.weight_bus)
+        self.control = ControlReader(self.client, self.keys, trainer, publish=None)
+        self.unacked: list[str] = []  # entries consumed since the last checkpoint
+
+    def published_version(self) -> int:
+        return int(self.client.get(self.keys.policy_version) or 0)
+
+    def read_groups(self, relay) -> list:
+        """The next step's new groups; ``relay(sync, settings)`` gets the operator commands read meanwhile."""
+
+        def poll_control() -> None:
+            relay(*self.control.read())
+
+        poll_control()
+        tcfg = self.config.trainer
+        return read_new_groups(
+            self.queue,
+            self.trainer,
+            self.config.coordinator.groups_per_step,
+            tcfg.batch_timeout_s,
+            self.unacked,
+            poll_control,
+            stop=self.stop,
+        )
+
+    def ack_consumed(self) -> None:
+        """After the checkpoint that holds them is complete on every rank (``ranks.save_checkpoint``)."""
+        self.queue.ack(self.unacked)
+        self.unacked.clear()
+
+    def report(self, step: int, values: dict[str, float], **seconds: float) -> None:
+        from protos.records import MetricsReport
+        from trainer_service import metrics
+
+        trainer = self.trainer
+        if seconds["publish_s"]:
+            metrics.PUBLISH_SECONDS.observe(seconds["publish_s"])
+        if seconds["checkpoint_s"]:
+            metrics.CHECKPOINT_SECONDS.observe(seconds["checkpoint_s"])
+        values.update(
+            seconds,
+            queue_depth=float(self.queue.depth()),
+            weight_versions_published=float(self.publisher.num_published),
+        )
+        values.update({f"staleness_groups/{k}": float(c) for k, c in trainer.totals.staleness_counts.items()})
+        metrics.record_step(values, trainer.last_staleness)
+        metrics.QUEUE_DEPTH.set(values["queue_depth"])
+        metrics.POLICY_VERSION.set(trainer.policy_version)
+        report = MetricsReport("trainer", step, trainer.policy_version, time.time(), values)
+        send_report(self.client, self.keys, report)
+        logger.info(
+            "step %d policy_version=%d reward=%.3f staleness_max=%d loss=%.4f step_s=%.2f",
+            step,
+            trainer.policy_version,
+            values["reward_mean"],
+            values["staleness_max"],
+            values.get("loss", 0.0),
+            values["step_s"],
+        )
+
+    def finish(self, linger_s: float, stop: threading.Event) -> None:
+        from protos.records import MetricsReport
+
+        done = MetricsReport("trainer", -1, self.trainer.policy_version, time.time(), {"done": 1.0})
+        send_report(self.client, self.keys, done)
+        stop.wait(linger_s)  # keep serving the last versions so slow rollout servers can fetch them
+        self.publisher.close()
+
+
+def send_report(client, keys, report, timeout_s: float = 30.0) -> None:
+    """XADD a trainer metrics report, retried while Redis is unreachable; after ``timeout_s`` it is dropped (logged):
+    a lost report costs a dashboard point, an exit would cost a model reload."""
+    import redis
+
+    from protos.records import encode
+    from trainer_service.queue import retry_until_reachable
+
+    payload = encode(report)
+    try:
+        retry_until_reachable(
+            lambda: client.xadd(keys.metrics("trainer"), {"m": payload}, maxlen=100000, approximate=True),
+            f"metrics report of step {report.step}",
+            timeout_s,
+        )
+    except (redis.ConnectionError, redis.TimeoutError) as error:
+        logger.error(
+            "metrics report of step %d dropped, Redis unreachable for %.0fs: %s", report.step, timeout_s, error
+        )
+
+
+def apply_commands(trainer, publish, sync: bool, settings: list[tuple[str, str]]) -> None:
+    """Act on operator commands (every rank, at the same point): ``set`` first, then one ``sync``."""
+    for key, value in settings:
+        _apply_setting(trainer, key, value)
+    if sync:
+        # Same version number: the weights of version v are what the trainer holds (a skipped step
+        # changed nothing), and the coordinator counts versions as steps consumed. Servers already on v
+        # ignore it; stale ones catch up.
+        logger.info("control: sync -> re-publishing policy_version=%d", trainer.policy_version)
+        publish()
+
+
+def _apply_setting(trainer, key: str, raw: str) -> None:
+    try:
+        value = json.loads(raw)
+        if key == "coordinator.max_staleness":
+            trainer.max_staleness = int(value)
+        elif key == "coordinator.sampling.temperature":
+            trainer.backend.temperature = float(value)
+        else:
+            return  # a setting of another role
+    except (ValueError, TypeError) as error:  # a malformed command must not stop training
+        logger.error("control: ignoring set %s=%r: %s", key, raw, error)
+        return
+    logger.info("control: %s set to %r (policy_version=%d)", key, value, trainer.policy_version)
+
+
+class ControlReader:
+    """Reads the run's control stream (coordinator/control.py writes it): ``sync`` and ``set`` commands.
+
+    Rank 0 reads between steps and about once a second while a step waits for groups, so an operator's command
+    is seen even while the queue is empty (a paused coordinator, an eval round); ``ranks.OrderFeed`` hands the
+    commands to every rank, which act on them at that point (a ``sync`` is a collective export). ``poll`` reads
+    and acts in one go (one process).
+    """
+
+    def __init__(self, client, keys, trainer, publish):
+        self.client = client
+        self.keys = keys
+        self.trainer = trainer
+        self.publish = publish  # () -> None: re-publish the current weights under the current version
+        self.last_id = "0-0"
+        last = client.xrevrange(keys.control, count=1)
+        if last:  # start after what is already there: old commands were meant for an earlier trainer
+            self.last_id = last[0][0]
+
+    def read(self) -> tuple[bool, list[tuple[str, str]]]:
+        """The commands written since the last read: (any ``sync``, the ``set`` (key, JSON value) pairs).
+
+        Redis unreachable: none for now (they stay in the stream and come with a later read).
+        """
+        import redis
+
+        try:
+            entries = self.client.xread({self.keys.control: self.last_id}, count=100) or []
+        except (redis.ConnectionError, redis.TimeoutError) as error:
+            logger.warning("control commands not read, Redis unreachable: %s", error)
+            return False, []
+        sync, settings = False, []
+        for _stream, items in entries:
+            for entry_id, fields in items:
+                self.last_id = entry_id
+                command = fields.get(b"c", b"").decode(errors="replace")
+                if command == "sync":
+                    sync = True
+                elif command == "set":
+                    key = fields.get(b"key", b"").decode(errors="replace")
+                    settings.append((key, fields.get(b"value", b"null").decode(errors="replace")))
+        return sync, settings
+
+    def poll(self) -> None:
+        apply_commands(self.trainer, self.publish, *self.read())
