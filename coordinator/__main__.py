@@ -20,11 +20,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("command", choices=["run"])
     parser.add_argument("--config", default=None)
     parser.add_argument("--servers", required=True, help="comma-separated rollout server addresses")
-    parser.add_argument("--redis-url", required=True)
+    parser.add_argument("--redis-url", default=None, help="alias of the config key redis_url")
     parser.add_argument(
-        "--model",
-        default="",
-        help="model dir whose tokenizer renders dataset prompts (default: the config's model_path)",
+        "--model", default=None, help="alias of the config key model_path (its tokenizer renders dataset prompts)"
     )
     parser.add_argument("overrides", nargs="*")
     return parser.parse_intermixed_args(argv)
@@ -49,7 +47,7 @@ class Pipeline:
     executor: ThreadPoolExecutor
 
 
-async def build_pipeline(config, model_path: str, client, keys, fleet) -> Pipeline:
+async def build_pipeline(config, client, keys, fleet) -> Pipeline:
     from coordinator.evaluation import EvalRunner, eval_versions, load_eval_sets
     from coordinator.metrics import reported_eval_versions
     from coordinator.queue_writer import RolloutQueue
@@ -68,7 +66,7 @@ async def build_pipeline(config, model_path: str, client, keys, fleet) -> Pipeli
             cfg.sampling.top_k,
         )
     needs_tokenizer = cfg.task != "echo" or bool(cfg.eval.datasets)
-    tokenizer = load_tokenizer(model_path or config.model_path) if needs_tokenizer else None
+    tokenizer = load_tokenizer(config.model_path) if needs_tokenizer else None
     executor = ThreadPoolExecutor(cfg.reward_threads, thread_name_prefix="reward")
     task = build_task(cfg, config.rollout.max_model_len, tokenizer, executor)
     start_version, version_jumps = await rendezvous.version_and_jumps(client, keys)  # read together
@@ -217,10 +215,14 @@ async def run(args: argparse.Namespace) -> None:
     from coordinator.dashboard import start_dashboard
     from coordinator.fleet import Fleet
     from coordinator.rollout_client import RolloutClient
-    from protos.config import load_run_config
+    from protos.config import flag_overrides, load_run_config
     from protos.redis_keys import RedisKeys
 
-    config = load_run_config(args.config, args.overrides)
+    config = load_run_config(
+        args.config, [*flag_overrides({"model_path": args.model, "redis_url": args.redis_url}), *args.overrides]
+    )
+    if not config.redis_url:
+        raise SystemExit("coordinator: redis_url must be set (the config key, or --redis-url)")
     cfg = config.coordinator
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -228,7 +230,7 @@ async def run(args: argparse.Namespace) -> None:
     logger.info("resolved config: %s", config.model_dump_json())
 
     # 1) connect Redis and the rollout servers; wait until every server is healthy
-    client = aioredis.Redis.from_url(args.redis_url, socket_timeout=30)
+    client = aioredis.Redis.from_url(config.redis_url, socket_timeout=30)
     keys = RedisKeys(config.run_id)
     runners: list = []
     if cfg.dashboard:  # up before the servers are, so the page shows the fleet starting
@@ -236,7 +238,7 @@ async def run(args: argparse.Namespace) -> None:
     fleet = Fleet([RolloutClient(address) for address in args.servers.split(",") if address])
     await wait_for_servers(fleet.clients, timeout_s=300)
     # 2) build the pipeline: task (prompts and rewards), eval sets, the scheduler core
-    pipeline = await build_pipeline(config, args.model, client, keys, fleet)
+    pipeline = await build_pipeline(config, client, keys, fleet)
     scheduler, evals = pipeline.scheduler, pipeline.evals
     # 3) serve operators and watch the fleet: admin API, /metrics, metrics reports (supervised below)
     operators = await start_operators(config, pipeline, client, keys, fleet, runners, stop)

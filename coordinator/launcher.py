@@ -160,7 +160,9 @@ class DemoLauncher:
         if not redis_url:
             self.redis_server = EmbeddedRedis().start()
             redis_url = self.redis_server.url
-        model = self.config.model_path or str(tiny_model_dir(self.config.tiny_model))
+        # One source of settings: the resolved config every child reads holds the model, Redis and run directory.
+        self.config.model_path = self.config.model_path or str(tiny_model_dir(self.config.tiny_model))
+        self.config.redis_url = redis_url
         if not self.config.out_dir:  # eval samples and trainer checkpoints go under the run directory
             self.config.out_dir = str(self.out_dir)
         config_path = self.out_dir / "config.json"
@@ -173,45 +175,26 @@ class DemoLauncher:
             # (a port picked here could be taken by another process during the engine's start).
             address_files[f"rollout-{i}"] = path = self.out_dir / f"rollout-{i}.address"
             path.unlink(missing_ok=True)
+            port = str(rollout.base_port + i if rollout.base_port else 0)
             self.spawn(
                 f"rollout-{i}",
                 [
                     "-m",
                     "rollout_service",
                     "serve",
-                    "--model",
-                    model,
-                    "--host",
-                    rollout.host,
                     "--port",
-                    str(rollout.base_port + i if rollout.base_port else 0),
+                    port,
                     "--address-file",
                     str(path),
                     "--server-id",
                     f"rollout-{i}",
-                    "--redis-url",
-                    redis_url,
                     *common,
                 ],
                 env={"VLLM_CPU_OMP_THREADS_BIND": str(i % (os.cpu_count() or 1)), "OMP_NUM_THREADS": "1"},
             )
-        self.spawn("trainer", [*trainer, "--model", model, "--redis-url", redis_url, *common])
+        self.spawn("trainer", [*trainer, *common])
         addresses = self.wait_for_addresses(address_files)
-        self.spawn(
-            "coordinator",
-            [
-                "-m",
-                "coordinator",
-                "run",
-                "--servers",
-                ",".join(addresses),
-                "--redis-url",
-                redis_url,
-                "--model",
-                model,
-                *common,
-            ],
-        )
+        self.spawn("coordinator", ["-m", "coordinator", "run", "--servers", ",".join(addresses), *common])
         return redis_url
 
     def wait_for_addresses(self, address_files: dict[str, Path], timeout_s: float = 900.0) -> list[str]:

@@ -204,7 +204,7 @@ def is_dataset_path(task: str) -> bool:
 
 def load_tokenizer(model_path: str) -> Any:
     if not model_path:
-        raise ValueError("a dataset task needs the model's tokenizer: pass --model DIR (or set model_path)")
+        raise ValueError("a dataset task needs the model's tokenizer: set model_path (or pass --model DIR)")
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(model_path)

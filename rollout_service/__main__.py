@@ -9,7 +9,7 @@ import signal
 import sys
 from pathlib import Path
 
-from protos.config import RolloutConfig, WeightBusConfig, load_run_config
+from protos.config import RolloutConfig, WeightBusConfig, flag_overrides, load_run_config
 from protos.redis_keys import RedisKeys
 
 logger = logging.getLogger("rollout_service")
@@ -18,8 +18,8 @@ logger = logging.getLogger("rollout_service")
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="fleetrl rollout serve", description=__doc__)
     parser.add_argument("command", choices=["serve"])
-    parser.add_argument("--model", required=True, help="HF checkpoint directory")
-    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--model", default=None, help="HF checkpoint directory (alias of the config key model_path)")
+    parser.add_argument("--host", default=None, help="alias of the config key rollout.host")
     parser.add_argument("--port", type=int, default=50051, help="gRPC port; 0 = a free one (see --address-file)")
     parser.add_argument(
         "--address-file",
@@ -28,8 +28,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     )
     parser.add_argument("--config", default=None, help="run config (YAML/JSON); its rollout/weight_bus sections apply")
     parser.add_argument("--server-id", default="")
-    parser.add_argument("--redis-url", default="", help="follow weight announcements of this Redis")
-    parser.add_argument("--run-id", default=None, help="run namespace in Redis (default: the config's)")
+    parser.add_argument("--redis-url", default=None, help="follow weight announcements of this Redis (redis_url)")
+    parser.add_argument("--run-id", default=None, help="run namespace in Redis (alias of the config key run_id)")
     parser.add_argument("--metrics-port", type=int, default=0, help="Prometheus port; 0 = off")
     parser.add_argument("--grace-s", type=float, default=5.0, help="shutdown grace period for in-flight calls")
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. rollout.max_model_len=512")
@@ -56,7 +56,11 @@ async def run(args: argparse.Namespace) -> None:
     from rollout_service.engine import RolloutEngine
     from rollout_service.server import RolloutServicer, drain_and_stop, start_grpc_server
 
-    run_config = load_run_config(args.config, args.overrides)
+    flags = {"model_path": args.model, "redis_url": args.redis_url, "run_id": args.run_id, "rollout.host": args.host}
+    run_config = load_run_config(args.config, [*flag_overrides(flags), *args.overrides])
+    if not run_config.model_path:
+        raise SystemExit("rollout server: model_path must be set (the config key, or --model)")
+    host = run_config.rollout.host
     rollout_config: RolloutConfig = run_config.rollout
     bus_config: WeightBusConfig = run_config.weight_bus
     stop = asyncio.Event()
@@ -65,38 +69,38 @@ async def run(args: argparse.Namespace) -> None:
         loop.add_signal_handler(sig, stop.set)
 
     # 1) start the engine
-    engine = RolloutEngine(args.model, rollout_config, server_id=args.server_id)
+    engine = RolloutEngine(run_config.model_path, rollout_config, server_id=args.server_id)
     await engine.start()
     # 2) connect the weight bus (Redis rendezvous) if asked, and catch up to the latest version
     follower, follow_task = None, None
-    if args.redis_url:
+    if run_config.redis_url:
         import redis.asyncio as aioredis
 
         from rollout_service.weight_sync import WeightFollower
 
-        client = aioredis.Redis.from_url(args.redis_url, socket_timeout=30)
-        keys = RedisKeys(args.run_id or run_config.run_id)
+        client = aioredis.Redis.from_url(run_config.redis_url, socket_timeout=30)
+        keys = RedisKeys(run_config.run_id)
         follower = WeightFollower(
             engine,
             client,
             keys,
             bus_config,
-            f"{args.host}:{args.port}",
-            nccl_subscriber_factory=nccl_subscriber_factory(args.redis_url, keys, bus_config, engine.server_id),
+            f"{host}:{args.port}",
+            nccl_subscriber_factory=nccl_subscriber_factory(run_config.redis_url, keys, bus_config, engine.server_id),
         )
     # 3) serve gRPC (health turns SERVING only now)
     servicer = RolloutServicer(engine, follower)
-    server, port, health_servicer = await start_grpc_server(servicer, args.host, args.port)
+    server, port, health_servicer = await start_grpc_server(servicer, host, args.port)
     metrics.track_engine(engine)
     if args.metrics_port:
         from prometheus_client import start_http_server
 
-        start_http_server(args.metrics_port, addr=args.host)
-    logger.info("rollout server %s serving on %s:%d", engine.server_id, args.host, port)
+        start_http_server(args.metrics_port, addr=host)
+    logger.info("rollout server %s serving on %s:%d", engine.server_id, host, port)
     if args.address_file:  # after the bind: a port chosen by a launcher ahead of time could be taken meanwhile
-        write_address_file(args.address_file, f"{args.host}:{port}")
+        write_address_file(args.address_file, f"{host}:{port}")
     if follower is not None:
-        follower.address = f"{args.host}:{port}"
+        follower.address = f"{host}:{port}"
         await follower.report()
     broadcast_task = None
     if follower is not None and rollout_config.weight_updates == "follow":

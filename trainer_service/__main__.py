@@ -23,8 +23,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m trainer_service", description=__doc__)
     parser.add_argument("command", choices=["train"])
     parser.add_argument("--config", default=None)
-    parser.add_argument("--model", required=True)
-    parser.add_argument("--redis-url", required=True)
+    parser.add_argument("--model", default=None, help="alias of the config key model_path")
+    parser.add_argument("--redis-url", default=None, help="alias of the config key redis_url")
     parser.add_argument(
         "--linger-s", type=float, default=60.0, help="keep serving weights this long after the last step"
     )
@@ -57,19 +57,23 @@ def run(args: argparse.Namespace, stop: threading.Event) -> None:
     """The trainer loop, the same on every rank; rank 0 alone talks to Redis (``RedisSide``, ``ranks``)."""
     import torch
 
-    from protos.config import load_run_config
+    from protos.config import flag_overrides, load_run_config
     from trainer_service import ranks
     from trainer_service.checkpoint import CheckpointManager, TrainerState
     from trainer_service.redis_side import RedisSide, apply_commands
     from trainer_service.trainer import Trainer
 
-    config = load_run_config(args.config, args.overrides)
+    config = load_run_config(
+        args.config, [*flag_overrides({"model_path": args.model, "redis_url": args.redis_url}), *args.overrides]
+    )
+    if not config.model_path or not config.redis_url:
+        raise SystemExit("trainer: model_path and redis_url must be set (config keys, or --model / --redis-url)")
     tcfg, ccfg = config.trainer, config.coordinator
     torch.set_num_threads(1)
 
     # 0) restore every rank from the same checkpoint (rank 0 resolves it); rank 0 opens Redis and takes over the
     #    entries a dead trainer left pending; versions published past the checkpoint are caught up
-    backend = make_backend(args.model, config)
+    backend = make_backend(config.model_path, config)
     checkpoints = CheckpointManager(checkpoint_root(config), tcfg.keep_last_checkpoints)
     restored = ranks.resolve_checkpoint(checkpoints, tcfg.resume)
     state = CheckpointManager.load(restored, backend) if restored else TrainerState(step=0, policy_version=0)
@@ -81,7 +85,7 @@ def run(args: argparse.Namespace, stop: threading.Event) -> None:
         mini_batches=tcfg.mini_batches,
         measure_replay_mismatch=tcfg.measure_replay_mismatch,
     )
-    side = RedisSide(args.redis_url, config, trainer, stop) if ranks.world_rank() == 0 else None
+    side = RedisSide(config.redis_url, config, trainer, stop) if ranks.world_rank() == 0 else None
     publisher = side.publisher if side else None
 
     def publish_current() -> float:  # collective: every rank exports, rank 0 sends

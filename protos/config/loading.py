@@ -84,6 +84,12 @@ def parse_override_value(annotation: Any, raw: str) -> Any:
     return yaml.safe_load(raw)
 
 
+def flag_overrides(flags: dict[str, object | None]) -> list[str]:
+    """Command-line flags that alias config keys (``--model`` = ``model_path``), as dotted overrides to put before
+    the user's own; a flag not given (None) sets nothing. The config stays the one source of every setting."""
+    return [f"{key}={value}" for key, value in flags.items() if value is not None]
+
+
 BASE_KEY = "base"  # a config file's base: another file (relative to it) whose values this one overrides
 
 
