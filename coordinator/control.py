@@ -1,11 +1,11 @@
 """ControlChannel: operator commands for the other roles, on the run's Redis control stream.
 
-Stream ``fleetrl:<run>:control`` (``RedisKeys.control``); one entry per command, with string fields:
+Stream ``fleetrl:<run>:control`` (``RedisKeys.control``); one entry per command, field ``c`` holding an
+encoded ``ControlCommand`` (protos/records.py):
 
-* ``{"c": "sync", "request_id": ID}``: publish the current weights now (the trainer acts on it
-  between steps);
-* ``{"c": "set", "key": "coordinator.max_staleness", "value": "2", "request_id": ID}``: a run-time
-  setting changed (``value`` is JSON); roles apply the keys they use and ignore the others.
+* ``SYNC``: publish the current weights now (the trainer acts on it between steps);
+* ``SET key value_json``: a run-time setting changed (e.g. ``coordinator.max_staleness`` = ``2``); roles apply
+  the keys they use and ignore the others.
 
 The coordinator only writes; each reader keeps its own cursor (plain XREAD, no consumer group).
 """
@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import redis.asyncio as aioredis
 
+from protos.records import ControlCommand, ControlKind, encode
 from protos.redis_keys import RedisKeys, as_text
 
 MAX_CONTROL_ENTRIES = 1000
@@ -37,20 +38,22 @@ class ControlChannel:
         self.client = client
         self.keys = keys
 
-    async def send(self, command: str, **fields: str) -> str:
+    async def send(self, kind: ControlKind, key: str = "", value_json: str = "") -> str:
         """Append one command; returns its stream entry id."""
-        entry = {"c": command, "request_id": uuid.uuid4().hex[:12], **fields}
-        entry_id = await self.client.xadd(self.keys.control, entry, maxlen=MAX_CONTROL_ENTRIES, approximate=True)
+        command = ControlCommand(kind, uuid.uuid4().hex[:12], key, value_json)
+        entry_id = await self.client.xadd(
+            self.keys.control, {"c": encode(command)}, maxlen=MAX_CONTROL_ENTRIES, approximate=True
+        )
         return as_text(entry_id)
 
     async def announce_setting(self, key: str, value) -> str:
-        return await self.send("set", key=key, value=json.dumps(value))
+        return await self.send(ControlKind.SET, key, json.dumps(value))
 
     async def request_sync(self, wait_s: float) -> SyncResult:
         """Ask for a weight publish; with ``wait_s`` > 0, wait that long for a version announcement."""
         last = await self.client.xrevrange(self.keys.weight_announcements, count=1)
         cursor = as_text(last[0][0]) if last else "0-0"
-        entry_id = await self.send("sync")
+        entry_id = await self.send(ControlKind.SYNC)
         deadline = time.monotonic() + wait_s
         while (remaining := deadline - time.monotonic()) > 0:
             # short blocks: the client's socket timeout must not fire under a long XREAD

@@ -214,6 +214,21 @@ class PromptCursor(msgspec.Struct, array_like=True, gc=False, frozen=True):
     position: dict[str, int]  # the task's position before the first draw of the earliest unpushed slot
 
 
+class ControlKind(enum.IntEnum):
+    SYNC = 1  # publish the current weights now
+    SET = 2  # a run-time setting changed
+
+
+class ControlCommand(msgspec.Struct, array_like=True, gc=False, frozen=True):
+    """An operator's command to the other roles, one entry of RedisKeys.control (field ``c``). Producer: the
+    coordinator's admin API (fleetrl set / sync) -> the trainer (and any role that reads the control stream)."""
+
+    kind: ControlKind
+    request_id: str
+    key: str = ""  # SET: the dotted config key, e.g. coordinator.max_staleness
+    value_json: str = ""  # SET: the new value as JSON; each role applies the keys it uses and ignores the others
+
+
 class CudaIpcBucket(msgspec.Struct, array_like=True, gc=False, frozen=True):
     """One device bucket of a version, shared by a CUDA IPC handle (the fields of torch's ``reduce_tensor`` for a
     1-D uint8 CUDA tensor). Inside ``CudaIpcVersion``."""
@@ -288,6 +303,13 @@ _order_decoder = msgspec.msgpack.Decoder(StepOrder)
 
 def decode_order(data: bytes) -> StepOrder:
     return _order_decoder.decode(data)
+
+
+_control_decoder = msgspec.msgpack.Decoder(ControlCommand)
+
+
+def decode_control(data: bytes) -> ControlCommand:
+    return _control_decoder.decode(data)
 
 
 _ipc_version_decoder = msgspec.msgpack.Decoder(CudaIpcVersion)

@@ -10,6 +10,11 @@ import logging
 import threading
 import time
 
+import msgspec
+
+from protos.records import ControlKind, decode_control
+from protos.redis_keys import as_text
+
 logger = logging.getLogger("trainer_service")
 
 
@@ -212,12 +217,15 @@ class ControlReader:
         for _stream, items in entries:
             for entry_id, fields in items:
                 self.last_id = entry_id
-                command = fields.get(b"c", b"").decode(errors="replace")
-                if command == "sync":
+                try:
+                    command = decode_control(fields.get(b"c", b""))
+                except (msgspec.DecodeError, msgspec.ValidationError) as error:  # not ours to stop on
+                    logger.error("control: skipping undecodable entry %s: %s", as_text(entry_id), error)
+                    continue
+                if command.kind is ControlKind.SYNC:
                     sync = True
-                elif command == "set":
-                    key = fields.get(b"key", b"").decode(errors="replace")
-                    settings.append((key, fields.get(b"value", b"null").decode(errors="replace")))
+                elif command.kind is ControlKind.SET:
+                    settings.append((command.key, command.value_json))
         return sync, settings
 
     def poll(self) -> None:

@@ -27,7 +27,7 @@ from coordinator.redis_server import free_port
 from coordinator.scheduler import Scheduler
 from coordinator.tasks import EchoTask
 from protos.config import load_run_config
-from protos.records import WeightManifest
+from protos.records import ControlKind, WeightManifest, decode_control
 from protos.redis_keys import RedisKeys
 from weight_bus import rendezvous
 
@@ -98,8 +98,8 @@ def test_set_changes_a_setting_and_tells_the_trainer_on_the_control_stream(admin
     assert admin["core"].scheduler.config.max_staleness == 0
     assert admin["core"].scheduler.admission_limit() == 2
     entries = redis.Redis.from_url(redis_url).xrange(RedisKeys(RUN_ID).control)
-    fields = entries[-1][1]
-    assert (fields[b"c"], fields[b"key"], fields[b"value"]) == (b"set", b"coordinator.max_staleness", b"0")
+    command = decode_control(entries[-1][1][b"c"])
+    assert (command.kind, command.key, command.value_json) == (ControlKind.SET, "coordinator.max_staleness", "0")
     code, out, _ = cli(capsys, "set", "sampling.top_p=0.9", "--admin", admin["address"])
     assert code == 0 and "trainer told" not in out  # only keys the trainer reads are announced
 
@@ -134,7 +134,7 @@ def test_sync_asks_the_trainer_and_reports_its_publish(admin, capsys, redis_url)
         while time.monotonic() < deadline:
             for _stream, entries in client.xread({keys.control: cursor}, block=200) or []:
                 for cursor, fields in entries:  # noqa: B007 - the next read starts after the last entry
-                    if fields[b"c"] == b"sync":
+                    if decode_control(fields[b"c"]).kind is ControlKind.SYNC:
                         manifest = WeightManifest(7, [], [], "127.0.0.1:0", "tcp", time.time())
                         rendezvous.publish_manifest(client, keys, manifest)
                         return
@@ -144,7 +144,7 @@ def test_sync_asks_the_trainer_and_reports_its_publish(admin, capsys, redis_url)
     code, out, _ = cli(capsys, "sync", "--wait-s", "10", "--admin", admin["address"])
     player.join()
     assert code == 0 and out.startswith("trainer published policy version 7 (sync request ")
-    assert client.xrange(keys.control)[-1][1][b"c"] == b"sync"
+    assert decode_control(client.xrange(keys.control)[-1][1][b"c"]).kind is ControlKind.SYNC
 
 
 def test_server_verbs_name_an_unknown_or_unreachable_server(admin, capsys):

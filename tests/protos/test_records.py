@@ -403,3 +403,15 @@ def test_one_finish_reason_enum_serves_the_proto_and_the_records():
         FinishReason.ERROR,
     ]
     assert FinishReason.from_engine(None) is FinishReason.from_engine("weird") is FinishReason.UNSPECIFIED
+
+
+def test_control_commands_encode_to_golden_bytes_and_back():
+    from protos.records import ControlCommand, ControlKind, decode_control
+
+    setting = ControlCommand(ControlKind.SET, "r1", "coordinator.max_staleness", "2")
+    sync = ControlCommand(ControlKind.SYNC, "r2")
+    assert encode(setting).hex() == "9402a27231b9636f6f7264696e61746f722e6d61785f7374616c656e657373a132"
+    assert encode(sync).hex() == "9401a27232a0a0"
+    assert decode_control(encode(setting)) == setting and decode_control(encode(sync)) == sync
+    with pytest.raises(msgspec.ValidationError):
+        decode_control(encode(ControlCommand(ControlKind.SYNC, "r3")).replace(b"\x01", b"\x09", 1))  # no such kind

@@ -11,6 +11,7 @@ import redis.asyncio as aioredis
 from coordinator.control import ControlChannel
 from modeling.tiny_model import init_tiny
 from protos.config import TrainerConfig, WeightBusConfig
+from protos.records import ControlKind
 from protos.redis_keys import RedisKeys
 from trainer_service.publisher import WeightPublisher
 from trainer_service.redis_side import ControlReader
@@ -34,7 +35,7 @@ def test_sync_republishes_the_current_version_and_set_changes_staleness_and_temp
             await command(channel)
         await channel.client.aclose()
 
-    asyncio.run(send(lambda c: c.send("sync")))  # written before the trainer started: not for it
+    asyncio.run(send(lambda c: c.send(ControlKind.SYNC)))  # written before the trainer started: not for it
     reader = ControlReader(
         client, keys, trainer, lambda: publisher.publish(trainer.policy_version, trainer.backend.export_hf_weights())
     )
@@ -46,9 +47,9 @@ def test_sync_republishes_the_current_version_and_set_changes_staleness_and_temp
                 lambda c: c.announce_setting("coordinator.max_staleness", 4),
                 lambda c: c.announce_setting("coordinator.sampling.temperature", 0.7),
                 lambda c: c.announce_setting("coordinator.request_timeout_s", 9.0),  # another role's setting
-                lambda c: c.send("set", key="coordinator.max_staleness", value="not json"),  # ignored, logged
-                lambda c: c.send("sync"),
-                lambda c: c.send("sync"),  # two requests before one poll: one publish
+                lambda c: c.send(ControlKind.SET, "coordinator.max_staleness", "not json"),  # ignored, logged
+                lambda c: c.send(ControlKind.SYNC),
+                lambda c: c.send(ControlKind.SYNC),  # two requests before one poll: one publish
             )
         )
         reader.poll()
@@ -57,6 +58,10 @@ def test_sync_republishes_the_current_version_and_set_changes_staleness_and_temp
         assert int(client.get(keys.policy_version)) == 3 and client.exists(keys.manifest(3))
         reader.poll()  # nothing new
         assert publisher.num_published == 1
+        client.xadd(keys.control, {"c": b"not a record"})  # an entry no role can decode: skipped, logged
+        client.xadd(keys.control, {"c": b"\x94\x01\xa1x\xa0\xa0"})  # then a SYNC: still acted on
+        reader.poll()
+        assert publisher.num_published == 2
     finally:
         publisher.close()
         client.close()
