@@ -69,15 +69,15 @@ async def build_pipeline(config, client, keys, fleet) -> Pipeline:
     tokenizer = load_tokenizer(config.model_path) if needs_tokenizer else None
     executor = ThreadPoolExecutor(cfg.reward_threads, thread_name_prefix="reward")
     task = build_task(cfg, config.rollout.max_model_len, tokenizer, executor)
-    start_version, version_jumps = await rendezvous.version_and_jumps(client, keys)  # read together
+    start_version, version_offset = await rendezvous.version_and_offset(client, keys)  # read together
     queue = RolloutQueue(client, keys)
-    # version - jumps = the steps the trainer has taken (RedisKeys.version_jumps)
+    # version - offset = the steps the trainer has taken (RedisKeys.version_offset)
     pushed = await queue.pushed_total()
-    steps_done = max(0, start_version - version_jumps)
+    steps_done = max(0, start_version - version_offset)
     total_groups, queued = remaining_groups(config, pushed, steps_done)
     if pushed:
         await resume_prompts(task, queue)
-    scheduler = Scheduler(cfg, fleet, queue, task, total_groups, start_version, version_jumps, queued, pushed)
+    scheduler = Scheduler(cfg, fleet, queue, task, total_groups, start_version, version_offset, queued, pushed)
     evals = None
     if cfg.eval.datasets:
         renderer = PromptRenderer(tokenizer, cfg.chat_template_kwargs)
@@ -97,10 +97,10 @@ async def build_pipeline(config, client, keys, fleet) -> Pipeline:
     return Pipeline(scheduler, evals, executor)
 
 
-def follow_version_jumps(pipeline: Pipeline, total: int) -> None:
+def follow_version_offset(pipeline: Pipeline, total: int) -> None:
     """The trainer's version - steps changed (a restart, a step that published nothing): shift the slot arithmetic
     and the eval schedule alike."""
-    shift = pipeline.scheduler.set_version_jumps(total)
+    shift = pipeline.scheduler.set_version_offset(total)
     if shift and pipeline.evals is not None:
         pipeline.evals.shift(shift)
 
@@ -109,7 +109,7 @@ def remaining_groups(config, pushed: int, steps_trained: int) -> tuple[int, int]
     """(groups this coordinator still produces, groups already queued ahead of them).
 
     A fresh run: (num_steps x B, 0). A coordinator restarted mid-run: earlier coordinators ``pushed`` some groups;
-    the trainer has taken ``steps_trained`` steps (its version minus RedisKeys.version_jumps), so the
+    the trainer has taken ``steps_trained`` steps (its version minus RedisKeys.version_offset), so the
     rest of what was pushed is still ahead in the queue, and only the remainder of the run is produced.
     """
     B = config.coordinator.groups_per_step
@@ -200,7 +200,7 @@ async def start_operators(config, pipeline: Pipeline, client, keys, fleet, runne
                 scheduler.set_trainer_version,
                 client,
                 keys,
-                on_version_jumps=partial(follow_version_jumps, pipeline),
+                on_version_offset=partial(follow_version_offset, pipeline),
             ).run(stop),
             name="fleet",
         ),

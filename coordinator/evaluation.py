@@ -125,7 +125,7 @@ class EvalRunner:
         self.pending = sorted(set(versions))
 
     def shift(self, versions: int) -> None:
-        """The trainer's version - steps changed by ``versions`` (``Scheduler.set_version_jumps``): the rounds due
+        """The trainer's version - steps changed by ``versions`` (``Scheduler.set_version_offset``): the rounds due
         after N steps come that many versions later (or earlier)."""
         self.pending = [version + versions for version in self.pending]
 

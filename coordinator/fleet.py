@@ -132,19 +132,19 @@ class FleetWatcher:
         client: aioredis.Redis,
         keys: RedisKeys,
         interval_s: float = 0.2,
-        on_version_jumps: Callable[[int], None] | None = None,
+        on_version_offset: Callable[[int], None] | None = None,
     ):
         self.fleet = fleet
         self.on_version = on_version
-        self.on_version_jumps = on_version_jumps  # (the trainer's version - steps) -> None
+        self.on_version_offset = on_version_offset  # (the trainer's version - steps) -> None
         self.client = client
         self.keys = keys
         self.interval_s = interval_s
 
     async def refresh(self) -> None:
-        version, jumps = await rendezvous.version_and_jumps(self.client, self.keys)
-        if self.on_version_jumps is not None:  # first: the shift must be in place before the new version counts
-            self.on_version_jumps(jumps)
+        version, offset = await rendezvous.version_and_offset(self.client, self.keys)
+        if self.on_version_offset is not None:  # first: the shift must be in place before the new version counts
+            self.on_version_offset(offset)
         self.on_version(version)
         reports = await rendezvous.fleet_reports(self.client, self.keys)
         by_address = {report.address: report for report in reports.values()}

@@ -88,7 +88,7 @@ class MetricsReporter:
         await self._xadd(report)
 
     async def report_eval(self, version: int, values: dict[str, float]) -> None:
-        step = version - self.scheduler.version_jumps  # the trainer's steps at that version (the run's, not ours)
+        step = version - self.scheduler.version_offset  # the trainer's steps at that version (the run's, not ours)
         await self._xadd(MetricsReport("coordinator", step, version, time.time(), {**values, "eval/version": version}))
 
     async def run(self, stop: asyncio.Event, interval_s: float = 1.0) -> None:

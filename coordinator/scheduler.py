@@ -11,9 +11,9 @@ Dynamic sampling: a group whose rewards are all equal carries no GRPO signal. It
 and a new prompt is drawn *for the same slot*, so the admission arithmetic above is unchanged: the
 replacement is trained at the same step and dispatched under the same version floor.
 
-The trainer keeps ``version_jumps = version - steps taken`` in Redis: a restarted trainer that publishes its
+The trainer keeps ``version_offset = version - steps taken`` in Redis: a restarted trainer that publishes its
 restored weights as latest + 1 raises it (versions skipped), a step that published nothing (a non-finite
-update) lowers it by one. ``set_version_jumps`` moves v_0 by each change, so the arithmetic above stays true
+update) lowers it by one. ``set_version_offset`` moves v_0 by each change, so the arithmetic above stays true
 (without the lowering, k + 1 non-finite steps would leave no slot admissible: a stalled run).
 
 Eval holds: when an eval round is due at version v_e, admission stops at slot (v_e - v_0) * B. The
@@ -77,7 +77,7 @@ class Scheduler:
         task: Task,
         total_groups: int,
         start_version: int = 0,
-        version_jumps: int = 0,
+        version_offset: int = 0,
         queued_at_start: int = 0,
         pushed_before: int = 0,
     ):
@@ -88,7 +88,7 @@ class Scheduler:
         self.total_groups = total_groups
         self.start_version = start_version
         self.trainer_version = start_version
-        self.version_jumps = version_jumps  # the trainer's version - steps, as last seen
+        self.version_offset = version_offset  # the trainer's version - steps, as last seen
         # Groups an earlier coordinator pushed that the trainer has not trained yet: they go first, so slot i is
         # the (queued + i)-th group the trainer takes from now on.
         self.queued_at_start = queued_at_start
@@ -110,17 +110,17 @@ class Scheduler:
     def set_trainer_version(self, version: int) -> None:
         self.trainer_version = max(self.trainer_version, version)
 
-    def set_version_jumps(self, total: int) -> int:
-        """Take the trainer's ``version - steps`` (RedisKeys.version_jumps); returns its change since the last call.
+    def set_version_offset(self, total: int) -> int:
+        """Take the trainer's ``version - steps`` (RedisKeys.version_offset); returns its change since the last call.
 
         Every slot is then trained that many versions later (a restart skipped versions: positive) or earlier (a
         step published nothing: negative) than the slot arithmetic assumed, so its origin moves with it (admission
         limit, dispatch floors, eval hold).
         """
-        shift = total - self.version_jumps
+        shift = total - self.version_offset
         if shift == 0:
             return 0
-        self.version_jumps = total
+        self.version_offset = total
         self.start_version += shift
         if self.eval_hold_version is not None:
             self.eval_hold_version += shift

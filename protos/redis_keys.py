@@ -50,12 +50,12 @@ class RedisKeys:
         return self._key("version")
 
     @property
-    def version_jumps(self) -> str:
+    def version_offset(self) -> str:
         """The trainer's policy version minus the steps it has taken (int as string; SET by the trainer at start and
         after a step that published nothing). A trainer restored from a checkpoint older than the latest published
         version publishes it as latest + 1 (raising it); a non-finite step takes a step without a version (lowering
-        it). The coordinator maps slots to versions by 'version - jumps = steps' and follows every change."""
-        return self._key("version_jumps")
+        it). The coordinator maps slots to versions by 'version - offset = steps' and follows every change."""
+        return self._key("version_offset")
 
     @property
     def prompt_cursor(self) -> str:

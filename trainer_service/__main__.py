@@ -128,9 +128,9 @@ def run(args: argparse.Namespace, stop: threading.Event) -> None:
 
 
 def record_version_offset(side, policy_version: int, step: int) -> None:
-    """Set the run's ``version_jumps`` to ``policy_version - step`` (RedisKeys.version_jumps), the coordinator's key to
+    """Set the run's ``version_offset`` to ``policy_version - step`` (RedisKeys.version_offset), the coordinator's key to
     which version trains which slot. A SET of the value: repeating it (a restart before the publish) changes nothing."""
-    side.client.set(side.keys.version_jumps, policy_version - step)
+    side.client.set(side.keys.version_offset, policy_version - step)
 
 
 def catch_up_published(side, trainer, publish_current, restored, step: int) -> None:
@@ -154,7 +154,9 @@ def catch_up_published(side, trainer, publish_current, restored, step: int) -> N
             ranks.world_size(),
         )
     if published > trainer.policy_version:
-        if side:  # before the publish: the coordinator must not see the new version without the jump
+        if (
+            side
+        ):  # before the publish: the coordinator must not see the new version without the offset that goes with it
             record_version_offset(side, published + 1, step)
         trainer.policy_version = published + 1
         publish_current()

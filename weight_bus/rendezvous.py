@@ -77,11 +77,11 @@ async def latest_version(client: aioredis.Redis, keys: RedisKeys) -> int:
     return int(raw) if raw is not None else 0
 
 
-async def version_and_jumps(client: aioredis.Redis, keys: RedisKeys) -> tuple[int, int]:
-    """``latest_version`` and ``RedisKeys.version_jumps`` (version - steps) in one round trip, read together (a
-    restarted trainer sets the jumps before it publishes the version that makes them)."""
-    raw_version, raw_jumps = await client.mget(keys.policy_version, keys.version_jumps)
-    return int(raw_version or 0), int(raw_jumps or 0)
+async def version_and_offset(client: aioredis.Redis, keys: RedisKeys) -> tuple[int, int]:
+    """``latest_version`` and ``RedisKeys.version_offset`` (version - steps) in one round trip, read together (a
+    restarted trainer sets the offset before it publishes the version that makes them)."""
+    raw_version, raw_offset = await client.mget(keys.policy_version, keys.version_offset)
+    return int(raw_version or 0), int(raw_offset or 0)
 
 
 async def get_manifest(client: aioredis.Redis, keys: RedisKeys, version: int) -> WeightManifest | None:

@@ -55,7 +55,7 @@ def test_admission_allows_k_plus_one_steps_of_slots_counted_from_the_start_versi
 
 
 def test_versions_skipped_by_a_restarted_trainer_shift_the_slot_arithmetic_and_the_eval_schedule():
-    from coordinator.__main__ import Pipeline, follow_version_jumps
+    from coordinator.__main__ import Pipeline, follow_version_offset
 
     scheduler = make_scheduler(start_version=0, overrides=("coordinator.eval.datasets=[a.jsonl]",))
     evals = EvalRunner(scheduler.config, scheduler.fleet, [], scorer=None)
@@ -65,18 +65,18 @@ def test_versions_skipped_by_a_restarted_trainer_shift_the_slot_arithmetic_and_t
     assert admit_all(scheduler) == (2 + 1 + 1) * 4
     # The trainer dies after publishing v3, restarts from its step-1 checkpoint and publishes that as v4:
     # 3 versions skipped; the groups of steps 2.. are trained again, each 3 versions later than planned.
-    follow_version_jumps(pipeline, 3)
+    follow_version_offset(pipeline, 3)
     scheduler.set_trainer_version(4)
     assert scheduler.train_version(4) == 3 + 1  # slot 4 (step 2) now trains at v4, as the restarted trainer does
     assert scheduler.version_floor(8) == 3 + 2 - 1
     assert scheduler.admission_limit() == (4 - 3 + 1 + 1) * 4  # counted in steps, not in raw versions
     assert evals.pending == [7]  # the round after 4 steps
-    follow_version_jumps(pipeline, 3)  # the same total again changes nothing
+    follow_version_offset(pipeline, 3)  # the same total again changes nothing
     assert scheduler.start_version == 3 and evals.pending == [7]
 
 
 def test_on_policy_admission_goes_on_after_steps_that_published_nothing():
-    from coordinator.__main__ import Pipeline, follow_version_jumps
+    from coordinator.__main__ import Pipeline, follow_version_offset
 
     scheduler = make_scheduler(
         start_version=5, overrides=("coordinator.max_staleness=0", "coordinator.eval.datasets=[a.jsonl]")
@@ -86,11 +86,11 @@ def test_on_policy_admission_goes_on_after_steps_that_published_nothing():
     pipeline = Pipeline(scheduler, evals, executor=None)
     assert admit_all(scheduler) == 4  # k = 0: one step's slots
     # The trainer takes step 1 on those 4 groups, its update is not finite: no version, version - steps = -1.
-    follow_version_jumps(pipeline, -1)
+    follow_version_offset(pipeline, -1)
     assert admit_all(scheduler) == 4  # step 2's slots, trained at v5 as well
     assert scheduler.train_version(4) == 5 and scheduler.version_floor(4) == 5  # dispatched to servers at v5
     assert evals.pending == [6]  # after 2 steps the trainer is at v6
-    follow_version_jumps(pipeline, -2)  # step 2 published nothing either
+    follow_version_offset(pipeline, -2)  # step 2 published nothing either
     assert admit_all(scheduler) == 4 and scheduler.train_version(8) == 5
 
 

@@ -111,7 +111,7 @@ def test_sigkill_mid_step_then_restart_trains_every_group_exactly_once(redis_ser
     assert int(client.get(keys.policy_version)) > version_at_kill  # the restart published past the dead lineage
     # Versions it skipped are counted for the coordinator: version = steps trained + versions skipped.
     lost = version_at_kill - killed_at["policy_version"]
-    skipped = int(client.get(keys.version_jumps) or 0)
+    skipped = int(client.get(keys.version_offset) or 0)
     assert skipped == (lost + 1 if lost > 0 else 0)
     assert int(client.get(keys.policy_version)) == final["step"] + skipped
     assert f"{pending_at_kill} entries reclaimed" in log.read_text()  # the restart took them over
@@ -156,8 +156,8 @@ def test_a_step_that_publishes_nothing_lowers_version_minus_steps_for_the_coordi
     steps = NUM_GROUPS // GROUPS_PER_STEP
     assert final["step"] == steps and final["ledger"]["g4"] == final["ledger"]["g5"] == "nonfinite"
     assert int(client.get(keys.policy_version)) == steps - 1 == final["policy_version"]
-    # The coordinator's slot map: version - jumps = steps taken, so slot i still maps to the version that trains it.
-    assert int(client.get(keys.version_jumps)) == -1
+    # The coordinator's slot map: version - offset = steps taken, so slot i still maps to the version that trains it.
+    assert int(client.get(keys.version_offset)) == -1
 
 
 def test_a_metrics_report_whose_reply_was_lost_is_sent_again_instead_of_stopping_the_trainer(redis_url):
