@@ -180,6 +180,9 @@ class DashboardState:
         entries = await self.client.xrevrange(self.keys.metrics(role), max="+", min=oldest, count=self.max_points)
         for entry_id, fields in reversed(entries):
             self._cursors[role] = entry_id.decode()
+            if b"d" in fields:  # a RoleDone: the role's end-of-run marker carries no figures
+                self.done[role] = True
+                continue
             try:
                 report = decode_metrics(fields[b"m"])
             except (KeyError, msgspec.DecodeError) as error:
@@ -189,9 +192,6 @@ class DashboardState:
 
     def ingest(self, role: str, report: MetricsReport) -> None:
         """Append one report to the role's ring buffer (the trainer's with derived throughput)."""
-        if report.values.get("done"):  # the trainer's end-of-run marker carries no figures
-            self.done[role] = True
-            return
         values = dict(report.values)
         if role == "trainer":
             self._derive_trainer_rates(report, values)

@@ -22,7 +22,7 @@ import redis
 
 from coordinator.redis_server import EmbeddedRedis
 from protos.config import RunConfig
-from protos.records import decode_metrics
+from protos.records import decode_done, decode_metrics
 from protos.redis_keys import RedisKeys
 
 logger = logging.getLogger(__name__)
@@ -223,12 +223,13 @@ class DemoLauncher:
                 stream = stream.decode()
                 for entry_id, fields in entries:
                     cursors[stream] = entry_id.decode()
+                    if b"d" in fields:  # a RoleDone: the trainer finished
+                        done = done or decode_done(fields[b"d"]).role == "trainer"
+                        continue
                     report = decode_metrics(fields[b"m"])
                     if report.role == "coordinator":  # periodic figures, and eval rounds (eval/...)
                         coordinator_last = {**coordinator_last, **report.values}
                         self.rollout_rates.append(report.values.get("tokens_per_s", 0.0))
-                    elif report.values.get("done"):
-                        done = True
                     else:
                         trainer_steps.append(
                             {"step": report.step, "policy_version": report.policy_version, **report.values}
@@ -249,7 +250,8 @@ class DemoLauncher:
             logger.warning("the coordinator did not exit within %.0fs after the trainer finished", timeout_s)
         self.check_children()
         for _entry_id, fields in client.xrange(self.keys.metrics("coordinator"), min=f"({cursor}"):
-            values.update(decode_metrics(fields[b"m"]).values)
+            if b"m" in fields:
+                values.update(decode_metrics(fields[b"m"]).values)
         return values
 
     def print_step(self, step: dict, coordinator: dict, client: redis.Redis) -> None:

@@ -214,6 +214,16 @@ class PromptCursor(msgspec.Struct, array_like=True, gc=False, frozen=True):
     position: dict[str, int]  # the task's position before the first draw of the earliest unpushed slot
 
 
+class RoleDone(msgspec.Struct, array_like=True, gc=False, frozen=True):
+    """A role finished its run: the last entry it writes to its metrics stream, field ``d`` (reports are field
+    ``m``). Producer: the trainer after its last step -> the demo launcher, the dashboard, tests."""
+
+    role: str
+    steps: int  # steps the role took
+    policy_version: int
+    time_s: float
+
+
 class ControlKind(enum.IntEnum):
     SYNC = 1  # publish the current weights now
     SET = 2  # a run-time setting changed
@@ -303,6 +313,13 @@ _order_decoder = msgspec.msgpack.Decoder(StepOrder)
 
 def decode_order(data: bytes) -> StepOrder:
     return _order_decoder.decode(data)
+
+
+_done_decoder = msgspec.msgpack.Decoder(RoleDone)
+
+
+def decode_done(data: bytes) -> RoleDone:
+    return _done_decoder.decode(data)
 
 
 _control_decoder = msgspec.msgpack.Decoder(ControlCommand)

@@ -81,7 +81,7 @@ class RedisKeys:
         return self._key("fleet")
 
     def metrics(self, role: str) -> str:
-        """Stream of encoded MetricsReport records of ``role`` (field ``m``)."""
+        """Stream of encoded MetricsReport records of ``role`` (field ``m``), ended by a RoleDone (field ``d``)."""
         return self._key(f"metrics:{role}")
 
     @property

@@ -12,7 +12,7 @@ import time
 
 import msgspec
 
-from protos.records import ControlKind, decode_control
+from protos.records import ControlKind, RoleDone, decode_control
 from protos.redis_keys import as_text
 
 logger = logging.getLogger("trainer_service")
@@ -126,33 +126,31 @@ class RedisSide:
         )
 
     def finish(self, linger_s: float, stop: threading.Event) -> None:
-        from protos.records import MetricsReport
 
-        done = MetricsReport("trainer", -1, self.trainer.policy_version, time.time(), {"done": 1.0})
+        done = RoleDone("trainer", self.trainer.totals.steps, self.trainer.policy_version, time.time())
         send_report(self.client, self.keys, done)
         stop.wait(linger_s)  # keep serving the last versions so slow rollout servers can fetch them
         self.publisher.close()
 
 
 def send_report(client, keys, report, timeout_s: float = 30.0) -> None:
-    """XADD a trainer metrics report, retried while Redis is unreachable; after ``timeout_s`` it is dropped (logged):
-    a lost report costs a dashboard point, an exit would cost a model reload."""
+    """XADD a trainer MetricsReport (field ``m``) or its RoleDone (field ``d``), retried while Redis is unreachable;
+    after ``timeout_s`` it is dropped (logged): a lost report costs a dashboard point, an exit a model reload."""
     import redis
 
     from protos.records import encode
     from trainer_service.queue import retry_until_reachable
 
+    field, what = ("d", "end-of-run marker") if isinstance(report, RoleDone) else ("m", f"report of step {report.step}")
     payload = encode(report)
     try:
         retry_until_reachable(
-            lambda: client.xadd(keys.metrics("trainer"), {"m": payload}, maxlen=100000, approximate=True),
-            f"metrics report of step {report.step}",
+            lambda: client.xadd(keys.metrics("trainer"), {field: payload}, maxlen=100000, approximate=True),
+            f"metrics {what}",
             timeout_s,
         )
     except (redis.ConnectionError, redis.TimeoutError) as error:
-        logger.error(
-            "metrics report of step %d dropped, Redis unreachable for %.0fs: %s", report.step, timeout_s, error
-        )
+        logger.error("metrics %s dropped, Redis unreachable for %.0fs: %s", what, timeout_s, error)
 
 
 def apply_commands(trainer, publish, sync: bool, settings: list[tuple[str, str]]) -> None:

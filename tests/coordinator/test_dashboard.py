@@ -21,7 +21,7 @@ import redis
 import redis.asyncio as aioredis
 
 from coordinator.dashboard import DashboardPortTaken, start_dashboard
-from protos.records import MetricsReport, ReportStatus, encode
+from protos.records import MetricsReport, ReportStatus, RoleDone, encode
 from protos.redis_keys import RedisKeys
 from weight_bus import rendezvous
 
@@ -172,7 +172,7 @@ def test_reported_staleness_counts_done_marker_and_bad_entries(redis_url):
         write_metrics(sync, "trainer", 1, 1000.0, values)
         sync.xadd(KEYS.metrics("trainer"), {"m": b"not msgpack"})  # skipped with a warning, not fatal
         sync.hset(KEYS.fleet, "broken", b"\x00garbage")
-        write_metrics(sync, "trainer", -1, 1001.0, {"done": 1.0})
+        sync.xadd(KEYS.metrics("trainer"), {"d": encode(RoleDone("trainer", 1, 1, 1001.0))})
         sync.close()
         async with serving(redis_url) as base_url:
             return await get_state(base_url)

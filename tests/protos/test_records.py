@@ -415,3 +415,11 @@ def test_control_commands_encode_to_golden_bytes_and_back():
     assert decode_control(encode(setting)) == setting and decode_control(encode(sync)) == sync
     with pytest.raises(msgspec.ValidationError):
         decode_control(encode(ControlCommand(ControlKind.SYNC, "r3")).replace(b"\x01", b"\x09", 1))  # no such kind
+
+
+def test_the_end_of_run_marker_is_its_own_record_with_golden_bytes():
+    from protos.records import RoleDone, decode_done
+
+    done = RoleDone("trainer", 24, 24, 1700000000.5)
+    assert encode(done).hex() == "94a7747261696e65721818cb41d954fc40200000"
+    assert decode_done(encode(done)) == done  # readers tell it from a MetricsReport by its field (d, not m)

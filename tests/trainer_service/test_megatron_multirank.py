@@ -24,7 +24,7 @@ from synthetic import make_group, push_groups
 
 from modeling.beam.tiny import init_tiny_beam
 from modeling.tiny_model import init_tiny
-from protos.records import decode_manifest, decode_metrics
+from protos.records import decode_manifest
 from protos.redis_keys import RedisKeys
 from weight_bus import packing, receiver
 
@@ -177,8 +177,7 @@ def _fetch_published(client: redis.Redis, keys: RedisKeys, version: int) -> dict
 
 def _wait_for_done(client: redis.Redis, keys: RedisKeys, trainer: subprocess.Popen, log: Path) -> None:
     deadline = time.monotonic() + 240
-    reports = lambda: [decode_metrics(fields[b"m"]) for _, fields in client.xrange(keys.metrics("trainer"))]  # noqa: E731
-    while not any(report.values.get("done") for report in reports()):
+    while not any(b"d" in fields for _, fields in client.xrange(keys.metrics("trainer"))):
         assert trainer.poll() is None, log.read_text()[-4000:]
         assert time.monotonic() < deadline, "the trainer never reported done"
         time.sleep(0.1)
