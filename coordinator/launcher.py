@@ -231,10 +231,12 @@ class DemoLauncher:
                         coordinator_last = {**coordinator_last, **report.values}
                         self.rollout_rates.append(report.values.get("tokens_per_s", 0.0))
                     else:
-                        trainer_steps.append(
-                            {"step": report.step, "policy_version": report.policy_version, **report.values}
-                        )
-                        self.print_step(trainer_steps[-1], coordinator_last, client)
+                        step = {"step": report.step, "policy_version": report.policy_version, **report.values}
+                        if trainer_steps and trainer_steps[-1]["step"] == report.step:
+                            trainer_steps[-1] = step  # a report retried after a lost reply landed twice
+                            continue
+                        trainer_steps.append(step)
+                        self.print_step(step, coordinator_last, client)
         self.wait_for_fleet(client, trainer_steps[-1]["policy_version"] if trainer_steps else 0)
         coordinator_last.update(self.wait_for_coordinator(client, cursors[self.keys.metrics("coordinator")]))
         return self.summary(client, trainer_steps, coordinator_last)

@@ -10,14 +10,11 @@ group is never dropped silently.
 
 from __future__ import annotations
 
-import asyncio
 import logging
-import time
 
 import redis.asyncio as aioredis
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from channels.retry import UNREACHABLE, retry_async
 from protos.records import PromptCursor, TrajectoryGroup, decode_cursor, encode
 from protos.redis_keys import RedisKeys, as_text
 
@@ -49,28 +46,23 @@ class RolloutQueue:
         cursor it set and adds no second entry. Without one it is a plain XADD.
         """
         payload = encode(group)
-        deadline = time.monotonic() + self.timeout_s
-        delay_s = 0.1
-        while True:
-            try:
-                if cursor is None:
-                    return as_text(await self.client.xadd(self.keys.trajectories, {"g": payload}))
-                keys = [self.keys.trajectories, self.keys.prompt_cursor]
-                entry_id = as_text(await self._push_once(keys=keys, args=[payload, encode(cursor)]))
-                if not entry_id:
-                    logger.warning(
-                        "group %s had been pushed before its reply was lost; not pushed again", group.group_id
-                    )
-                return entry_id
-            except (RedisConnectionError, RedisTimeoutError, OSError) as error:
-                if time.monotonic() > deadline:
-                    raise TimeoutError(
-                        f"pushing group {group.group_id} to {self.keys.trajectories}: Redis unreachable "
-                        f"for {self.timeout_s}s ({error})"
-                    ) from error
-                logger.warning("Redis unreachable while pushing %s, retrying: %s", group.group_id, error)
-                await asyncio.sleep(delay_s)
-                delay_s = min(2.0, delay_s * 2)
+
+        async def push_once() -> str:
+            if cursor is None:
+                return as_text(await self.client.xadd(self.keys.trajectories, {"g": payload}))
+            keys = [self.keys.trajectories, self.keys.prompt_cursor]
+            entry_id = as_text(await self._push_once(keys=keys, args=[payload, encode(cursor)]))
+            if not entry_id:
+                logger.warning("group %s had been pushed before its reply was lost; not pushed again", group.group_id)
+            return entry_id
+
+        try:
+            return await retry_async(push_once, f"pushing group {group.group_id}", self.timeout_s)
+        except UNREACHABLE as error:
+            raise TimeoutError(
+                f"pushing group {group.group_id} to {self.keys.trajectories}: Redis unreachable "
+                f"for {self.timeout_s}s ({error})"
+            ) from error
 
     async def prompt_cursor(self) -> PromptCursor | None:
         """The cursor the last push set (None: no coordinator pushed on this run yet)."""

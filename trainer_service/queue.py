@@ -15,6 +15,7 @@ import redis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from channels.retry import retry_sync
 from protos.records import TrajectoryGroup, decode_group
 from protos.redis_keys import RedisKeys, as_text
 
@@ -134,7 +135,7 @@ class TrajectoryQueue:
         """
         if not entry_ids:
             return
-        retry_until_reachable(
+        retry_sync(
             lambda: self.client.xack(self.keys.trajectories, self.keys.trainer_group, *entry_ids),
             f"acknowledging {len(entry_ids)} entries",
             timeout_s,
@@ -171,22 +172,6 @@ class TrajectoryQueue:
             return self._last_depth
         self._last_depth = int(group.get("lag") or 0) if group else 0
         return self._last_depth
-
-
-def retry_until_reachable(call, what: str, timeout_s: float, pause_s: float = 0.5):
-    """``call()``, retried while Redis is unreachable, for up to ``timeout_s``; then the error propagates.
-
-    Only for commands whose repetition is harmless (a lost reply means the first attempt may have run).
-    """
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            return call()
-        except (RedisConnectionError, RedisTimeoutError) as error:
-            if time.monotonic() > deadline:
-                raise
-            logger.warning("%s failed, retrying: %s", what, error)
-            time.sleep(pause_s)
 
 
 def _stream_id_key(entry_id: str) -> tuple[int, int]:

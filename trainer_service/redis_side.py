@@ -135,21 +135,22 @@ class RedisSide:
 
 def send_report(client, keys, report, timeout_s: float = 30.0) -> None:
     """XADD a trainer MetricsReport (field ``m``) or its RoleDone (field ``d``), retried while Redis is unreachable;
-    after ``timeout_s`` it is dropped (logged): a lost report costs a dashboard point, an exit a model reload."""
-    import redis
+    after ``timeout_s`` it is dropped (logged): a lost report costs a dashboard point, an exit a model reload.
 
+    XADD is not idempotent: after a reply lost in transit a report can land twice (readers keep a step's last one).
+    """
+    from channels.retry import UNREACHABLE, retry_sync
     from protos.records import encode
-    from trainer_service.queue import retry_until_reachable
 
     field, what = ("d", "end-of-run marker") if isinstance(report, RoleDone) else ("m", f"report of step {report.step}")
     payload = encode(report)
     try:
-        retry_until_reachable(
+        retry_sync(
             lambda: client.xadd(keys.metrics("trainer"), {field: payload}, maxlen=100000, approximate=True),
             f"metrics {what}",
             timeout_s,
         )
-    except (redis.ConnectionError, redis.TimeoutError) as error:
+    except UNREACHABLE as error:
         logger.error("metrics %s dropped, Redis unreachable for %.0fs: %s", what, timeout_s, error)
 
 

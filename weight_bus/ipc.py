@@ -25,6 +25,7 @@ import msgspec
 import redis
 import torch
 
+from channels.retry import retry_sync
 from protos.records import CudaIpcBucket, CudaIpcVersion, WeightManifest, encode
 from protos.redis_keys import RedisKeys
 from weight_bus import nccl_group as ng
@@ -175,14 +176,17 @@ class IpcWeightPublisher:
     def _hold(self, version: int, buckets: list[torch.Tensor], record: CudaIpcVersion) -> None:
         """Keep this version's device buckets and publish their handles (before the manifest announces it)."""
         self.held[version] = buckets
-        rendezvous.retry_while_unreachable(
+        retry_sync(
             lambda: self.client.set(self.keys.ipc_buckets(version), encode(record), ex=rendezvous.MANIFEST_TTL_S),
             f"storing the IPC handles of v{version}",
+            60.0,
         )
         for old in sorted(self.held)[:-IPC_KEEP_VERSIONS]:
             # Handles first: a receiver that reads none takes tcp instead of opening memory about to be reused.
-            rendezvous.retry_while_unreachable(
-                lambda old=old: self.client.delete(self.keys.ipc_buckets(old)), f"dropping the IPC handles of v{old}"
+            retry_sync(
+                lambda old=old: self.client.delete(self.keys.ipc_buckets(old)),
+                f"dropping the IPC handles of v{old}",
+                60.0,
             )
             del self.held[old]
 

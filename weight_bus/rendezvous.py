@@ -9,6 +9,7 @@ import msgspec
 import redis as syncredis
 import redis.asyncio as aioredis
 
+from channels.retry import retry_sync
 from protos.records import (
     ReportStatus,
     VersionReport,
@@ -24,23 +25,6 @@ logger = logging.getLogger(__name__)
 # How long a superseded manifest stays readable (a server that began fetching it finishes). The latest one never
 # expires: a server that (re)starts after a long step still finds the weights it must load.
 MANIFEST_TTL_S = 3600
-
-
-def retry_while_unreachable(call, what: str, timeout_s: float = 60.0, pause_s: float = 0.5):
-    """``call()``, retried while Redis is unreachable for up to ``timeout_s``; then the error propagates.
-
-    Only for calls whose repetition is harmless (a lost reply means the first attempt may have run): SETs of the same
-    value, DELs, a transaction that sets the same values.
-    """
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            return call()
-        except (syncredis.ConnectionError, syncredis.TimeoutError) as error:
-            if time.monotonic() > deadline:
-                raise
-            logger.warning("%s failed, retrying: %s", what, error)
-            time.sleep(pause_s)
 
 
 def publish_manifest(
@@ -63,7 +47,7 @@ def publish_manifest(
         pipe.xadd(keys.weight_announcements, {"v": manifest.version}, maxlen=1000, approximate=True)
         pipe.execute()
 
-    retry_while_unreachable(transaction, f"publishing the manifest of v{manifest.version}", timeout_s)
+    retry_sync(transaction, f"publishing the manifest of v{manifest.version}", timeout_s)
 
 
 async def get_ipc_version(client: aioredis.Redis, keys: RedisKeys, version: int) -> bytes | None:
