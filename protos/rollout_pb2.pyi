@@ -144,7 +144,7 @@ class ServerInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ServerInfoResponse(_message.Message):
-    __slots__ = ("server_id", "model", "vocab_size", "max_model_len", "policy_version", "routed_experts_available", "num_running", "num_waiting", "paused", "engine_config_json", "max_inflight_requests", "pending_weight_version", "kv_cache_usage", "draining", "num_engine_requests")
+    __slots__ = ("server_id", "model", "vocab_size", "max_model_len", "policy_version", "routed_experts_available", "num_running", "num_waiting", "paused", "engine_config_json", "max_inflight_requests", "pending_weight_version", "kv_cache_usage", "draining", "num_engine_requests", "last_weight_source", "last_weight_update_s")
     SERVER_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -160,6 +160,8 @@ class ServerInfoResponse(_message.Message):
     KV_CACHE_USAGE_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
     NUM_ENGINE_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    LAST_WEIGHT_SOURCE_FIELD_NUMBER: _ClassVar[int]
+    LAST_WEIGHT_UPDATE_S_FIELD_NUMBER: _ClassVar[int]
     server_id: str
     model: str
     vocab_size: int
@@ -175,7 +177,9 @@ class ServerInfoResponse(_message.Message):
     kv_cache_usage: float
     draining: bool
     num_engine_requests: int
-    def __init__(self, server_id: _Optional[str] = ..., model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., policy_version: _Optional[int] = ..., routed_experts_available: _Optional[bool] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., paused: _Optional[bool] = ..., engine_config_json: _Optional[str] = ..., max_inflight_requests: _Optional[int] = ..., pending_weight_version: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., draining: _Optional[bool] = ..., num_engine_requests: _Optional[int] = ...) -> None: ...
+    last_weight_source: str
+    last_weight_update_s: float
+    def __init__(self, server_id: _Optional[str] = ..., model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., policy_version: _Optional[int] = ..., routed_experts_available: _Optional[bool] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., paused: _Optional[bool] = ..., engine_config_json: _Optional[str] = ..., max_inflight_requests: _Optional[int] = ..., pending_weight_version: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., draining: _Optional[bool] = ..., num_engine_requests: _Optional[int] = ..., last_weight_source: _Optional[str] = ..., last_weight_update_s: _Optional[float] = ...) -> None: ...
 
 class UpdateWeightsRequest(_message.Message):
     __slots__ = ("version",)

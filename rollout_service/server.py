@@ -153,6 +153,8 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
             pending_weight_version=pending.version if pending else 0,
             draining=self.draining,
             num_engine_requests=self.engine.num_unfinished(),
+            last_weight_source=self.follower.last_source if self.follower is not None else "",
+            last_weight_update_s=self.follower.last_update_s if self.follower is not None else 0.0,
         )
 
     async def _weight_step(self, context, step):
