@@ -16,7 +16,7 @@ import torch
 from protos.redis_keys import RedisKeys
 from weight_bus import nccl_group as ng
 from weight_bus.codecs.mxfp8 import dequantize, quantize
-from weight_bus.nccl import NcclWeightPublisher, NcclWeightSubscriber
+from weight_bus.nccl import MAX_ATTEMPTS, NcclWeightPublisher, NcclWeightSubscriber
 from weight_bus.packing import iter_tensors
 
 pytestmark = pytest.mark.integration
@@ -194,13 +194,16 @@ def test_stalled_subscriber_is_dropped_and_the_survivor_commits_the_version(bus)
     started = time.monotonic()
     bus.publisher.publish(1, _weights(1))
     publish_s = time.monotonic() - started
-    # one broadcast deadline (2 s) + re-forming the group, not forever
-    assert publish_s < 2.0 + 5.0, publish_s
-    assert bus.publisher.group.generation == 2 and bus.publisher.group.members == ["rollout-0"]
+    # Bounded, not forever: at most MAX_ATTEMPTS broadcast deadlines (2 s) and group formations (5 s). Usually
+    # generation 2 carries the version; on a starved 2-core CI machine the survivor once missed generation 2's
+    # deadline too, and the publisher's next attempt (generation 3, same members) carried it: by design.
+    assert publish_s < MAX_ATTEMPTS * (2.0 + 5.0), publish_s
+    group = bus.publisher.group
+    assert group.generation >= 2 and group.members == ["rollout-0"]
     waiting_healthy["thread"].join(20)
     assert "error" not in waiting_healthy, waiting_healthy.get("error")
     assert waiting_healthy["manifest"].version == 1
-    assert healthy.generation == 2
+    assert healthy.generation == group.generation
     weight = waiting_healthy["tensors"]["model.layers.0.mlp.experts.0.up_proj.weight"]
     assert torch.equal(weight, dequantize(*quantize(_weights(1)[2][1]), torch.float32))
     waiting_stalled["thread"].join(20)
