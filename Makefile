@@ -42,7 +42,7 @@ lint: install
 
 # Regenerate the gRPC stubs from protos/*.proto (tests/protos/test_stubs.py fails while they differ).
 protos: install
-	$(BIN)/python -m grpc_tools.protoc -I. --python_out=. --grpc_python_out=. --pyi_out=. protos/rollout.proto protos/admin.proto
+	$(BIN)/python -m grpc_tools.protoc -I. --python_out=. --grpc_python_out=. --pyi_out=. protos/rollout.proto protos/admin.proto protos/agent.proto
 
 lint-imports: install
 	$(BIN)/lint-imports

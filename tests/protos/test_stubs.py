@@ -13,7 +13,7 @@ import pytest
 pytestmark = pytest.mark.unit
 
 ROOT = Path(__file__).resolve().parents[2]
-PROTOS = ("rollout", "admin")
+PROTOS = ("rollout", "admin", "agent")
 
 
 def _descriptor_bytes(source: str) -> bytes:
