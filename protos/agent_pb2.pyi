@@ -37,7 +37,7 @@ class SessionSampling(_message.Message):
     def __init__(self, temperature: _Optional[float] = ...) -> None: ...
 
 class OpenSessionRequest(_message.Message):
-    __slots__ = ("prompt_token_ids", "group_key", "group_size", "sampling", "metadata", "task_id")
+    __slots__ = ("prompt_token_ids", "group_key", "group_size", "sampling", "metadata", "task_id", "open_id")
     class MetadataEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -51,13 +51,15 @@ class OpenSessionRequest(_message.Message):
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     METADATA_FIELD_NUMBER: _ClassVar[int]
     TASK_ID_FIELD_NUMBER: _ClassVar[int]
+    OPEN_ID_FIELD_NUMBER: _ClassVar[int]
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     group_key: str
     group_size: int
     sampling: SessionSampling
     metadata: _containers.ScalarMap[str, str]
     task_id: str
-    def __init__(self, prompt_token_ids: _Optional[_Iterable[int]] = ..., group_key: _Optional[str] = ..., group_size: _Optional[int] = ..., sampling: _Optional[_Union[SessionSampling, _Mapping]] = ..., metadata: _Optional[_Mapping[str, str]] = ..., task_id: _Optional[str] = ...) -> None: ...
+    open_id: str
+    def __init__(self, prompt_token_ids: _Optional[_Iterable[int]] = ..., group_key: _Optional[str] = ..., group_size: _Optional[int] = ..., sampling: _Optional[_Union[SessionSampling, _Mapping]] = ..., metadata: _Optional[_Mapping[str, str]] = ..., task_id: _Optional[str] = ..., open_id: _Optional[str] = ...) -> None: ...
 
 class OpenSessionResponse(_message.Message):
     __slots__ = ("session_id", "policy_version", "server_id", "prompt_token_ids", "max_model_len")
@@ -74,14 +76,16 @@ class OpenSessionResponse(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., policy_version: _Optional[int] = ..., server_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., max_model_len: _Optional[int] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("session_id", "max_tokens", "stop_token_ids")
+    __slots__ = ("session_id", "max_tokens", "stop_token_ids", "expected_length")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    EXPECTED_LENGTH_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     max_tokens: int
     stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, session_id: _Optional[str] = ..., max_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    expected_length: int
+    def __init__(self, session_id: _Optional[str] = ..., max_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., expected_length: _Optional[int] = ...) -> None: ...
 
 class GenerateChunk(_message.Message):
     __slots__ = ("token_ids", "logprobs", "finished", "finish_reason", "version_spans", "routed_experts", "turn_index", "session_length")
@@ -104,12 +108,14 @@ class GenerateChunk(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[_Union[_rollout_pb2.FinishReason, str]] = ..., version_spans: _Optional[_Iterable[_Union[_rollout_pb2.VersionSpan, _Mapping]]] = ..., routed_experts: _Optional[_Union[_rollout_pb2.Tensor, _Mapping]] = ..., turn_index: _Optional[int] = ..., session_length: _Optional[int] = ...) -> None: ...
 
 class AppendRequest(_message.Message):
-    __slots__ = ("session_id", "token_ids")
+    __slots__ = ("session_id", "token_ids", "expected_length")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    EXPECTED_LENGTH_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, session_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    expected_length: int
+    def __init__(self, session_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., expected_length: _Optional[int] = ...) -> None: ...
 
 class AppendResponse(_message.Message):
     __slots__ = ("turn_index", "session_length")

@@ -5,6 +5,7 @@ process; each role's ``config.py`` re-exports its section. Imports neither torch
 section; ``loading`` turns files and dotted overrides into a ``RunConfig``.
 """
 
+from protos.config.agent import AgentConfig
 from protos.config.coordinator import CoordinatorConfig, EvalConfig, OverlongConfig, SamplingConfig
 from protos.config.loading import (
     apply_overrides,
@@ -22,6 +23,7 @@ from protos.config.trainer import LoraConfig, MegatronConfig, TrainerConfig
 from protos.config.weight_bus import WeightBusConfig
 
 __all__ = [
+    "AgentConfig",
     "CoordinatorConfig",
     "EvalConfig",
     "LoraConfig",

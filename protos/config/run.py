@@ -6,6 +6,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
+from protos.config.agent import AgentConfig
 from protos.config.base import Strict
 from protos.config.coordinator import CoordinatorConfig
 from protos.config.rollout import RolloutConfig
@@ -29,6 +30,7 @@ class RunConfig(Strict):
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
     weight_bus: WeightBusConfig = Field(default_factory=WeightBusConfig)
+    agent: AgentConfig = Field(default_factory=AgentConfig)
 
     @field_validator("run_id")
     @classmethod
