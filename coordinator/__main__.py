@@ -209,6 +209,45 @@ async def start_operators(config, pipeline: Pipeline, client, keys, fleet, runne
     return Operators(reporter, admin, runners, background)
 
 
+@dataclass
+class AgentDoor:
+    """The agent API (coordinator/agent_api.py) and its expiry loop: stopped at the end of the run."""
+
+    book: object  # coordinator.agent_sessions.SessionBook
+    server: object  # grpc.aio.Server
+    port: int
+    expiry: asyncio.Task
+
+
+async def start_agent_door(config, pipeline: Pipeline, fleet, stop: asyncio.Event) -> AgentDoor:
+    from coordinator.agent_api import start_agent_server
+    from coordinator.agent_sessions import SessionBook
+    from coordinator.auth import authenticator_for
+
+    scheduler = pipeline.scheduler
+    info = await fleet.clients[0].info()  # every server serves the run's one model
+    book = SessionBook(
+        config.agent,
+        scheduler,
+        fleet,
+        lambda: scheduler.config.sampling.temperature,  # live: the admin API may change it
+        info.max_model_len,
+        info.vocab_size,
+    )
+    server, port = await start_agent_server(book, authenticator_for(config.agent), config.agent)
+    logger.info("agent API on %s:%d (only agents: %s)", config.agent.host, port, config.agent.only_agents)
+
+    async def expire_sessions() -> None:
+        while not stop.is_set():
+            book.expire()
+            try:
+                await asyncio.wait_for(stop.wait(), timeout=1.0)
+            except TimeoutError:
+                pass
+
+    return AgentDoor(book, server, port, asyncio.create_task(expire_sessions(), name="agent-expiry"))
+
+
 async def run(args: argparse.Namespace) -> None:
     import redis.asyncio as aioredis
 
@@ -242,6 +281,9 @@ async def run(args: argparse.Namespace) -> None:
     scheduler, evals = pipeline.scheduler, pipeline.evals
     # 3) serve operators and watch the fleet: admin API, /metrics, metrics reports (supervised below)
     operators = await start_operators(config, pipeline, client, keys, fleet, runners, stop)
+    agents = await start_agent_door(config, pipeline, fleet, stop) if config.agent.enabled else None
+    if agents is not None:
+        operators.background.append(agents.expiry)
     producers: set[asyncio.Task] = set()
     eval_task: asyncio.Task | None = None
     # 4) loop: supervise; start a due eval round; admit while the staleness bound (and eval hold) allows
@@ -253,7 +295,7 @@ async def run(args: argparse.Namespace) -> None:
             version = evals.due(scheduler)
             if version is not None:
                 eval_task = asyncio.create_task(eval_round(evals, operators.reporter, version), name=f"eval-v{version}")
-        if scheduler.can_admit():
+        if scheduler.can_admit() and not config.agent.only_agents:
             slot, prompt = scheduler.admit()
             producers.add(asyncio.create_task(scheduler.produce_group(slot, prompt), name=f"group-{slot}"))
             continue
@@ -261,6 +303,8 @@ async def run(args: argparse.Namespace) -> None:
     # 5) finish: say how much was produced, stop everything, report once more, close servers and clients
     logger.info("coordinator %s: %s", scheduler.state.name.lower(), scheduler.stats)
     stop.set()
+    if agents is not None:
+        await agents.server.stop(grace=0.5)
     await shutdown([*producers, *([eval_task] if eval_task else [])], operators, pipeline, fleet)
     await client.aclose()
 

@@ -113,5 +113,47 @@ class RolloutClient:
             raise RolloutFailed(f"{self.address}: stream ended with {finished} of {n} samples finished")
         return samples
 
+    async def stream_one(
+        self,
+        prompt_token_ids: list[int],
+        max_tokens: int,
+        temperature: float,
+        stop_token_ids: list[int],
+        timeout_s: float,
+        request_id: str,
+    ):
+        """One sample, streamed as the server sends it (an agent's turn): yields ``GenerateResponse`` chunks.
+
+        Full-vocabulary sampling (top_p 1, top_k off): the trainer's logprobs are of the whole distribution.
+        A broken stream raises ``RolloutFailed`` (or ``RolloutRejected`` for INVALID_ARGUMENT), as ``generate``.
+        """
+        request = pb.GenerateRequest(
+            request_id=request_id,
+            prompt_token_ids=prompt_token_ids,
+            sampling=pb.SamplingParams(
+                n=1,
+                max_tokens=max_tokens,
+                temperature=temperature,
+                top_p=1.0,
+                top_k=-1,
+                stop_token_ids=stop_token_ids,
+                stream_interval=1,  # an agent reads tokens as they come
+            ),
+        )
+        self.inflight += 1
+        self.requests += 1
+        try:
+            async for chunk in self.stub.Generate(request, timeout=timeout_s):
+                yield chunk
+        except grpc.aio.AioRpcError as error:
+            self.failures += 1
+            if error.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                raise RolloutRejected(f"{self.address} refused the request: {error.details()}") from error
+            if error.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN):
+                self.healthy = False
+            raise RolloutFailed(f"{self.address}: {error.code().name}: {error.details()}") from error
+        finally:
+            self.inflight -= 1
+
     async def close(self) -> None:
         await self.channel.close()

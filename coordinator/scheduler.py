@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import heapq
 import logging
 import time
 import uuid
@@ -101,6 +102,7 @@ class Scheduler:
         self.in_flight: set[int] = set()
         self._done: dict[int, TrajectoryGroup] = {}
         self._cursor_at_admit: dict[int, dict[str, int]] = {}  # slot -> task position before its first draw
+        self._released: list[int] = []  # slots of dropped agent groups, re-used first (heap: lowest first)
         self._push_lock = asyncio.Lock()
 
     @property
@@ -155,6 +157,27 @@ class Scheduler:
         self.in_flight.add(slot)
         self._cursor_at_admit[slot] = self.task.cursor()
         return slot, self.task.next_prompt()
+
+    def admit_external(self) -> int | None:
+        """A slot for a group an external agent generates (coordinator/agent_sessions.py), or None when none is
+        admissible now. A released slot comes first: it was admitted under the bound already and keeps its train
+        version and version floor, so (as a dynamic-sampling re-draw) the admission arithmetic is unchanged."""
+        if self._released and self.state == RunState.RUNNING:
+            slot = heapq.heappop(self._released)
+        elif self.can_admit():
+            slot = self.stats.slots_admitted
+            self.stats.slots_admitted += 1
+            self._cursor_at_admit[slot] = self.task.cursor()
+        else:
+            return None
+        self.stats.groups_admitted += 1
+        self.in_flight.add(slot)
+        return slot
+
+    def release_slot(self, slot: int) -> None:
+        """An agent group was dropped before it was complete: its slot goes to the next group admitted."""
+        self.in_flight.discard(slot)
+        heapq.heappush(self._released, slot)
 
     def resume_cursor(self, group: TrajectoryGroup) -> PromptCursor:
         """Where a coordinator restarted after pushing ``group`` resumes the prompts: before the first draw of the

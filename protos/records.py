@@ -71,6 +71,9 @@ class Sample(msgspec.Struct, array_like=True, gc=False, frozen=True):
     server_id: str = ""
     routed_experts: Array | None = None  # [prompt + T - 1, layers, top_k], as vLLM returns them
     error: str = ""
+    # added in v2: uint8 [T], 1 = trained (the engine generated it), 0 = appended by an agent (a tool result, a user
+    # turn: context, not trained); None = every token trained
+    loss_mask: Array | None = None
 
     @property
     def min_version(self) -> int:

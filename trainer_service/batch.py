@@ -42,7 +42,8 @@ def build_batch(groups: list[TrajectoryGroup], pad_id: int = 0) -> TrainBatch:
             response = sample.response_token_ids.to_numpy().astype(np.int64)
             rows.append(np.concatenate([prompt, response]))
             mask = np.zeros(len(prompt) + len(response) - 1, dtype=np.float32)
-            mask[len(prompt) - 1 :] = 1.0
+            # an agent's appended tokens (tool results, user turns) are context, not trained (Sample.loss_mask)
+            mask[len(prompt) - 1 :] = 1.0 if sample.loss_mask is None else sample.loss_mask.to_numpy()
             masks.append(mask)
             lps = np.zeros_like(mask)
             lps[len(prompt) - 1 :] = sample.rollout_logprobs.to_numpy()

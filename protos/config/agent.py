@@ -39,7 +39,6 @@ class AgentConfig(Strict):
         "(groups are queued in slot order, so an incomplete group would hold every later one).",
     )
     max_sessions: int = Field(4096, gt=0, description="Open sessions at most; more are refused RESOURCE_EXHAUSTED.")
-    max_group_size: int = Field(64, gt=0, description="Largest group_size a session may ask for.")
     admission_retry_ms: int = Field(
         500, gt=0, description="Retry delay sent with RESOURCE_EXHAUSTED when the staleness budget is spent."
     )

@@ -1,0 +1,190 @@
+"""The agent API's gRPC adapter (protos/agent.proto): auth, request -> SessionBook call, refusal -> status.
+
+Thin on purpose: every decision is in ``agent_sessions.SessionBook``; this file checks the caller's token and
+scope (``coordinator/auth.py``), converts messages, and maps the core's refusals to gRPC codes.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import grpc
+
+from coordinator.agent_errors import AgentRefused
+from coordinator.agent_groups import SessionState
+from coordinator.agent_sessions import SessionBook
+from coordinator.auth import Authenticator, Scope
+from protos import agent_pb2 as pb
+from protos import agent_pb2_grpc as pb_grpc
+from protos import rollout_pb2 as rpb
+
+logger = logging.getLogger(__name__)
+
+STATUS = {
+    "invalid": grpc.StatusCode.INVALID_ARGUMENT,
+    "not_found": grpc.StatusCode.NOT_FOUND,
+    "precondition": grpc.StatusCode.FAILED_PRECONDITION,
+    "denied": grpc.StatusCode.PERMISSION_DENIED,
+    "exhausted": grpc.StatusCode.RESOURCE_EXHAUSTED,
+    "unavailable": grpc.StatusCode.UNAVAILABLE,
+}
+
+
+async def refuse(context, error: AgentRefused) -> None:
+    if error.retry_after_ms:
+        context.set_trailing_metadata((("retry-after-ms", str(error.retry_after_ms)),))
+    await context.abort(STATUS[error.kind], str(error))
+
+
+class AgentServicer(pb_grpc.AgentServiceServicer):
+    def __init__(self, book: SessionBook, auth: Authenticator):
+        self.book, self.auth = book, auth
+
+    async def OpenSession(self, request, context):
+        grant = await self.auth.check(context, Scope.GENERATE)
+        if request.task_id:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "task_id: dataset prompts by id are not served by this coordinator; send prompt_token_ids",
+            )
+        temperature = request.sampling.temperature if request.sampling.HasField("temperature") else None
+        try:
+            session = await self.book.open(
+                grant.name,
+                list(request.prompt_token_ids),
+                request.group_key,
+                request.group_size,
+                temperature,
+                dict(request.metadata),
+                request.open_id,
+            )
+        except AgentRefused as error:
+            await refuse(context, error)
+        return pb.OpenSessionResponse(
+            session_id=session.session_id,
+            policy_version=session.policy_version,
+            server_id=session.server.server_id if session.server else "",
+            prompt_token_ids=session.prompt,
+            max_model_len=self.book.max_model_len,
+        )
+
+    async def Generate(self, request, context):
+        grant = await self.auth.check(context, Scope.GENERATE)
+        try:
+            turns = self.book.generate(
+                grant.name,
+                request.session_id,
+                request.max_tokens,
+                list(request.stop_token_ids),
+                request.expected_length,
+            )
+            async for chunk in turns:
+                yield _chunk_message(chunk)
+        except AgentRefused as error:
+            await refuse(context, error)
+
+    async def Append(self, request, context):
+        grant = await self.auth.check(context, Scope.GENERATE)
+        try:
+            index, length = self.book.append(
+                grant.name, request.session_id, list(request.token_ids), request.expected_length
+            )
+        except AgentRefused as error:
+            await refuse(context, error)
+        return pb.AppendResponse(turn_index=index, session_length=length)
+
+    async def CloseSession(self, request, context):
+        grant = await self.auth.check(context, Scope.GENERATE)
+        try:
+            self.book.close(grant.name, request.session_id, request.abandon)
+        except AgentRefused as error:
+            await refuse(context, error)
+        return pb.CloseSessionResponse()
+
+    async def Submit(self, request, context):
+        grant = await self.auth.check(context, Scope.SUBMIT)
+        reward = request.reward if request.HasField("reward") else None
+        try:
+            result = await self.book.submit(
+                grant.name, request.session_id, request.submission_id, reward, list(request.expected_token_ids)
+            )
+        except AgentRefused as error:
+            await refuse(context, error)
+        return pb.SubmitResponse(
+            group_state=pb.GROUP_STATE_QUEUED if result.queued else pb.GROUP_STATE_WAITING,
+            sessions_submitted=result.sessions_submitted,
+            group_size=result.group_size,
+            group_id=result.group_id,
+        )
+
+    async def SetReward(self, request, context):
+        grant = await self.auth.check(context, Scope.SUBMIT)
+        try:
+            queued = await self.book.set_reward(grant.name, request.session_id, request.reward)
+        except AgentRefused as error:
+            await refuse(context, error)
+        return pb.SetRewardResponse(group_state=pb.GROUP_STATE_QUEUED if queued else pb.GROUP_STATE_WAITING)
+
+    async def GetSession(self, request, context):
+        grant = await self.auth.check(context, Scope.GENERATE)
+        try:
+            session = self.book.get(grant.name, request.session_id)
+        except AgentRefused as error:
+            await refuse(context, error)
+        return pb.SessionInfo(
+            session_id=session.session_id,
+            state=_STATES[session.state],
+            group_key=session.group.key,
+            policy_version=session.policy_version,
+            server_id=session.server.server_id if session.server else "",
+            prompt_token_ids=session.prompt,
+            turns=[
+                pb.Turn(
+                    generated=t.generated,
+                    token_ids=t.token_ids,
+                    logprobs=t.logprobs if t.generated else [],
+                    finish_reason=int(t.finish_reason),
+                )
+                for t in session.turns
+            ],
+            session_length=session.length,
+        )
+
+
+_STATES = {
+    SessionState.OPEN: pb.SESSION_STATE_OPEN,
+    SessionState.CLOSED: pb.SESSION_STATE_CLOSED,
+    SessionState.SUBMITTED: pb.SESSION_STATE_SUBMITTED,
+    SessionState.ABANDONED: pb.SESSION_STATE_ABANDONED,
+}
+
+
+def _chunk_message(chunk) -> pb.GenerateChunk:
+    message = pb.GenerateChunk(
+        token_ids=chunk.token_ids,
+        logprobs=chunk.logprobs,
+        finished=chunk.finished,
+        turn_index=chunk.turn_index,
+        session_length=chunk.session_length,
+    )
+    if chunk.finished:
+        turn = chunk.turn
+        message.finish_reason = int(turn.finish_reason)
+        message.version_spans.extend(rpb.VersionSpan(version=v, start=s, end=e) for v, s, e in turn.version_spans)
+        if turn.routes is not None:
+            routes = turn.routes
+            message.routed_experts.CopyFrom(
+                rpb.Tensor(data=routes.tobytes(), dtype=routes.dtype.name, shape=list(routes.shape))
+            )
+    return message
+
+
+async def start_agent_server(book: SessionBook, auth: Authenticator, config) -> tuple[grpc.aio.Server, int]:
+    """The agent gRPC server on ``config.host:config.port`` (TLS when configured); returns (server, port)."""
+    from coordinator.auth import add_port
+
+    server = grpc.aio.server()
+    pb_grpc.add_AgentServiceServicer_to_server(AgentServicer(book, auth), server)
+    port = add_port(server, f"{config.host}:{config.port}", config)
+    await server.start()
+    return server, port

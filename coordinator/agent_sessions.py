@@ -1,0 +1,396 @@
+"""SessionBook: external agents' sessions, their recorded tokens, and the GRPO groups they are submitted into.
+
+The plain core of the agent API (``agent_api.py`` is its gRPC adapter). What it guarantees:
+
+- Token truth: every token of a session is recorded here as it is generated (with its logprob and version) or
+  appended (tool results, user turns). A trajectory is built from this record only; a submission carries no
+  tokens to train on, so an agent cannot train on tokens it did not receive from the engine.
+- Admission: the first session of a group key takes a scheduler slot (``Scheduler.admit_external``) under the
+  same staleness bound as the coordinator's own groups; when none is admissible the open is refused with a retry
+  delay. Every turn is generated on a server at or above the slot's version floor.
+- Exactly once: a group is pushed once all its sessions are submitted with rewards, through the scheduler's
+  in-order push (the queue's own exactly-once applies from there); ``open_id``, ``submission_id`` and
+  ``expected_length`` make retried calls return their first answer instead of acting twice.
+- Stickiness: a session generates on one server (its prefix stays in that server's cache); when the server
+  fails mid-turn the turn is lost (nothing recorded) and the session moves to another server on the next turn.
+
+Sessions live in this process: a restarted coordinator answers NOT_FOUND for the sessions it had (their groups
+were never queued), and the agent starts them again.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from coordinator.agent_errors import (
+    Exhausted,
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    PermissionDenied,
+    Unavailable,
+)
+from coordinator.agent_groups import AgentGroup, SessionState, Turn, build_trajectory_group
+from coordinator.rollout_client import RolloutClient, RolloutFailed
+from protos.config import AgentConfig
+from protos.records import FinishReason
+
+logger = logging.getLogger(__name__)
+
+MAX_METADATA = 32
+
+
+@dataclass
+class Session:
+    session_id: str
+    owner: str  # the token's grant name: only it may use the session
+    group: AgentGroup
+    prompt: list[int]
+    server: RolloutClient | None  # None after its server failed: the next turn picks another
+    policy_version: int
+    metadata: dict[str, str]
+    turns: list[Turn] = field(default_factory=list)
+    state: SessionState = SessionState.OPEN
+    last_active: float = field(default_factory=time.monotonic)
+    reward: float | None = None
+    submission_id: str = ""
+    submitted_answer: object = None  # the first SubmitResult, returned again to a retried submit
+    busy: bool = False  # a turn is being generated
+
+    @property
+    def length(self) -> int:
+        return len(self.prompt) + sum(len(t.token_ids) for t in self.turns)
+
+    def tokens(self) -> list[int]:
+        return self.prompt + [token for turn in self.turns for token in turn.token_ids]
+
+
+@dataclass
+class SubmitResult:
+    queued: bool
+    sessions_submitted: int
+    group_size: int
+    group_id: str
+
+
+@dataclass
+class TurnChunk:
+    token_ids: list[int]
+    logprobs: list[float]
+    turn_index: int
+    session_length: int
+    finished: bool = False
+    turn: Turn | None = None  # the recorded turn, on the finished chunk
+
+
+class SessionBook:
+    """Sessions by id, open groups by (owner, group key); the scheduler admits and pushes their groups."""
+
+    def __init__(self, config: AgentConfig, scheduler, fleet, temperature, max_model_len: int, vocab_size: int):
+        self.config = config
+        self.scheduler = scheduler  # coordinator.scheduler.Scheduler
+        self.fleet = fleet  # coordinator.fleet.Fleet
+        self.temperature = temperature  # () -> the run's sampling temperature (it can change live)
+        self.max_model_len = max_model_len
+        self.vocab_size = vocab_size
+        self.sessions: dict[str, Session] = {}
+        self.groups: dict[tuple[str, str], AgentGroup] = {}
+        self.opened: dict[tuple[str, str], str] = {}  # (owner, open_id) -> session id
+        self.groups_queued = 0
+        self.groups_dropped = 0
+        self.turns_lost = 0
+
+    # opening --------------------------------------------------------------------------------------
+    async def open(
+        self,
+        owner: str,
+        prompt: list[int],
+        group_key: str,
+        group_size: int,
+        temperature: float | None,
+        metadata: dict[str, str],
+        open_id: str = "",
+    ) -> Session:
+        if open_id and (owner, open_id) in self.opened:
+            return self.sessions[self.opened[(owner, open_id)]]
+        group_size = group_size or self.scheduler.config.group_size
+        self._check_open(prompt, group_key, group_size, temperature, metadata)
+        group = self.groups.get((owner, group_key))
+        if group is not None:
+            group.check_joins(prompt, group_size, temperature)
+        else:
+            group = self._admit_group(owner, group_key, group_size, prompt, temperature)
+        floor = self.scheduler.version_floor(group.slot)
+        try:
+            server = await self.fleet.pick(lambda c: c.policy_version >= floor, set(), 5.0, f"at v >= {floor}")
+        except Exception as error:  # NoServerAvailable: nothing was recorded for this session yet
+            if not group.sessions:
+                self._drop_group(group, "no server")
+            raise Unavailable(f"no rollout server at policy version >= {floor}: {error}") from error
+        session = Session(uuid.uuid4().hex, owner, group, list(prompt), server, server.policy_version, dict(metadata))
+        group.sessions[session.session_id] = session
+        self.sessions[session.session_id] = session
+        if open_id:
+            self.opened[(owner, open_id)] = session.session_id
+        return session
+
+    def _check_open(self, prompt, group_key, group_size, temperature, metadata) -> None:
+        if not prompt:
+            raise InvalidArgument("prompt_token_ids: empty (a session starts from at least one token)")
+        self._check_tokens("prompt_token_ids", prompt)
+        if len(prompt) >= self.max_model_len:
+            raise InvalidArgument(f"prompt_token_ids: {len(prompt)} tokens, max_model_len is {self.max_model_len}")
+        if not group_key:
+            raise InvalidArgument("group_key: empty (sessions of one task share a group key)")
+        run_size = self.scheduler.config.group_size  # the trainer batches groups of one size
+        if group_size != run_size:
+            raise InvalidArgument(f"group_size: {group_size}, this run trains groups of {run_size} (0 = the run's)")
+        if temperature is not None and not temperature >= 0:
+            raise InvalidArgument(f"sampling.temperature: {temperature}, must be >= 0")
+        if len(metadata) > MAX_METADATA:
+            raise InvalidArgument(f"metadata: {len(metadata)} entries, at most {MAX_METADATA}")
+        if sum(s.state == SessionState.OPEN for s in self.sessions.values()) >= self.config.max_sessions:
+            raise Exhausted(f"{self.config.max_sessions} sessions are open (agent.max_sessions)", 1000)
+
+    def _check_tokens(self, name: str, tokens: list[int]) -> None:
+        bad = next((t for t in tokens if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise InvalidArgument(f"{name}: token id {bad} is outside the vocabulary [0, {self.vocab_size})")
+
+    def _admit_group(self, owner, group_key, group_size, prompt, temperature) -> AgentGroup:
+        slot = self.scheduler.admit_external()
+        if slot is None:
+            raise Exhausted(
+                f"the staleness budget is spent (trainer v{self.scheduler.trainer_version}, max_staleness "
+                f"{self.scheduler.config.max_staleness}): retry later",
+                self.config.admission_retry_ms,
+            )
+        chosen = self.temperature() if temperature is None else temperature
+        group = AgentGroup(owner, group_key, group_size, list(prompt), chosen, slot, self.scheduler.trainer_version)
+        self.groups[(owner, group_key)] = group
+        return group
+
+    # turns ------------------------------------------------------------------------------------------
+    def get(self, owner: str, session_id: str) -> Session:
+        session = self.sessions.get(session_id)
+        if session is None:
+            raise NotFound(f"session_id: no session {session_id!r} (unknown, expired, or the coordinator restarted)")
+        if session.owner != owner:
+            raise PermissionDenied(f"session {session_id} belongs to another token")
+        return session
+
+    def _open_session(self, owner: str, session_id: str, expected_length: int) -> Session:
+        session = self.get(owner, session_id)
+        if session.state != SessionState.OPEN:
+            raise FailedPrecondition(f"session {session_id} is {session.state.name.lower()}")
+        if session.busy:
+            raise FailedPrecondition(f"session {session_id} is generating a turn already")
+        if expected_length and expected_length != session.length:
+            raise FailedPrecondition(
+                f"expected_length: the session holds {session.length} tokens, the call expected {expected_length} "
+                "(GetSession to resync)"
+            )
+        session.last_active = time.monotonic()
+        return session
+
+    async def generate(
+        self, owner: str, session_id: str, max_tokens: int, stop_token_ids: list[int], expected_length: int = 0
+    ) -> AsyncIterator[TurnChunk]:
+        """One model turn after everything the session holds; recorded only when it finished."""
+        session = self._open_session(owner, session_id, expected_length)
+        if max_tokens <= 0:
+            raise InvalidArgument(f"max_tokens: {max_tokens}, must be > 0")
+        self._check_tokens("stop_token_ids", stop_token_ids)
+        room = self.max_model_len - session.length
+        if room <= 0:
+            raise InvalidArgument(f"session_id: the session holds {session.length} tokens = max_model_len")
+        session.busy = True
+        try:
+            async for chunk in self._stream_turn(session, min(max_tokens, room), stop_token_ids):
+                yield chunk
+        finally:
+            session.busy = False
+            session.last_active = time.monotonic()
+
+    async def _stream_turn(self, session: Session, max_tokens: int, stop_token_ids: list[int]):
+        await self._ensure_server(session)
+        index, start = len(session.turns), session.length
+        turn = Turn(True, [], [], server_id=session.server.server_id or session.server.address)
+        request_id = f"agent-{session.session_id[:12]}-t{index}-{uuid.uuid4().hex[:6]}"
+        final = None
+        try:
+            stream = session.server.stream_one(
+                session.tokens(),
+                max_tokens,
+                session.group.temperature,
+                stop_token_ids,
+                self.scheduler.config.request_timeout_s,
+                request_id,
+            )
+            async for chunk in stream:
+                turn.token_ids += chunk.token_ids
+                turn.logprobs += chunk.logprobs
+                if chunk.finished:
+                    final = chunk
+                    break
+                yield TurnChunk(list(chunk.token_ids), list(chunk.logprobs), index, start + len(turn.token_ids))
+            if final is None:
+                raise RolloutFailed(f"{session.server.address}: the stream ended before the turn finished")
+        except RolloutFailed as error:
+            self.turns_lost += 1
+            session.server = None  # the next turn goes to another server, with the whole history
+            raise Unavailable(f"turn {index} lost ({error}); nothing was recorded: generate it again") from error
+        turn.finish_reason = FinishReason(final.finish_reason)
+        turn.version_spans = [(s.version, s.start, s.end) for s in final.version_spans]
+        turn.routes = _routes(final)
+        session.turns.append(turn)
+        yield TurnChunk(list(final.token_ids), list(final.logprobs), index, session.length, True, turn)
+
+    async def _ensure_server(self, session: Session) -> None:
+        if session.server is not None and session.server.healthy and session.server in self.fleet.clients:
+            return
+        floor = self.scheduler.version_floor(session.group.slot)
+        try:
+            session.server = await self.fleet.pick(
+                lambda c: c.policy_version >= floor, set(), 10.0, f"at v >= {floor} for session {session.session_id}"
+            )
+        except Exception as error:
+            raise Unavailable(f"no rollout server for session {session.session_id}: {error}") from error
+        logger.info("agent session %s moved to %s", session.session_id, session.server.address)
+
+    def append(self, owner: str, session_id: str, token_ids: list[int], expected_length: int = 0) -> tuple[int, int]:
+        session = self.get(owner, session_id)
+        repeat = _repeated_append(session, token_ids, expected_length)
+        if repeat is not None:
+            return repeat
+        session = self._open_session(owner, session_id, expected_length)
+        if not token_ids:
+            raise InvalidArgument("token_ids: empty (append at least one token)")
+        self._check_tokens("token_ids", token_ids)
+        if session.length + len(token_ids) > self.max_model_len:
+            raise InvalidArgument(
+                f"token_ids: {session.length} + {len(token_ids)} tokens exceed max_model_len {self.max_model_len}"
+            )
+        session.turns.append(Turn(False, list(token_ids), [0.0] * len(token_ids)))
+        return len(session.turns) - 1, session.length
+
+    def close(self, owner: str, session_id: str, abandon: bool) -> None:
+        session = self.get(owner, session_id)
+        if session.state == SessionState.SUBMITTED:
+            if abandon:
+                raise FailedPrecondition(f"session {session_id} is submitted; it cannot be abandoned")
+            return
+        if abandon:
+            self._abandon(session, "abandoned by its agent")
+        elif session.state == SessionState.OPEN:
+            session.state = SessionState.CLOSED
+
+    # submission --------------------------------------------------------------------------------------
+    async def submit(
+        self, owner: str, session_id: str, submission_id: str, reward: float | None, expected: list[int]
+    ) -> SubmitResult:
+        session = self.get(owner, session_id)
+        if not submission_id:
+            raise InvalidArgument("submission_id: empty (a client-chosen id makes a retried submit safe)")
+        if session.state == SessionState.SUBMITTED:
+            if submission_id == session.submission_id:
+                return session.submitted_answer
+            raise FailedPrecondition(f"session {session_id} was submitted as {session.submission_id!r}")
+        if session.state not in (SessionState.OPEN, SessionState.CLOSED) or session.busy:
+            raise FailedPrecondition(f"session {session_id} is {session.state.name.lower()}")
+        if not any(t.generated for t in session.turns):
+            raise FailedPrecondition(f"session {session_id} has no generated turn to train on")
+        if expected and expected != session.tokens():
+            raise InvalidArgument(
+                "expected_token_ids: they differ from the session's recorded tokens (only tokens the engine "
+                "generated or the agent appended through this API can be submitted)"
+            )
+        if reward is not None and reward != reward:
+            raise InvalidArgument("reward: NaN")
+        session.state, session.submission_id, session.reward = SessionState.SUBMITTED, submission_id, reward
+        result = await self._maybe_queue(session.group)
+        session.submitted_answer = result
+        return result
+
+    async def set_reward(self, owner: str, session_id: str, reward: float) -> bool:
+        session = self.get(owner, session_id)
+        if session.state != SessionState.SUBMITTED:
+            raise FailedPrecondition(f"session {session_id} is not submitted (submit it first)")
+        if session.group.queued:
+            raise FailedPrecondition(f"the group of session {session_id} is queued; its rewards are final")
+        if reward != reward:
+            raise InvalidArgument("reward: NaN")
+        session.reward = reward
+        return (await self._maybe_queue(session.group)).queued
+
+    async def _maybe_queue(self, group: AgentGroup) -> SubmitResult:
+        submitted = group.submitted()
+        if len(submitted) == group.size and all(s.reward is not None for s in submitted) and not group.queued:
+            group.queued = True
+            self.groups.pop((group.owner, group.key), None)
+            trajectory = build_trajectory_group(group, submitted, self.scheduler.pushed_before)
+            await self.scheduler.complete(group.slot, trajectory)
+            self.groups_queued += 1
+            group.group_id = trajectory.group_id
+        return SubmitResult(group.queued, len(submitted), group.size, group.group_id)
+
+    # expiry ----------------------------------------------------------------------------------------
+    def expire(self, now: float | None = None) -> None:
+        """Abandon idle sessions; drop groups that can no longer complete (called about once a second)."""
+        now = time.monotonic() if now is None else now
+        for session in list(self.sessions.values()):
+            idle = now - session.last_active
+            if session.state in (SessionState.OPEN, SessionState.CLOSED) and not session.busy:
+                if idle > self.config.session_timeout_s:
+                    self._abandon(session, f"idle {idle:.0f}s")
+            elif session.state in (SessionState.ABANDONED, SessionState.SUBMITTED) and session.group.done:
+                self._forget(session)
+        for group in list(self.groups.values()):
+            if now - group.created > self.config.group_timeout_s:
+                self._drop_group(group, f"not complete after {self.config.group_timeout_s:.0f}s")
+
+    def _abandon(self, session: Session, why: str) -> None:
+        session.state = SessionState.ABANDONED
+        group = session.group
+        group.sessions.pop(session.session_id, None)
+        logger.info("agent session %s %s", session.session_id, why)
+        if not group.queued and not group.sessions:  # nobody left in it: its slot goes to the next group
+            self._drop_group(group, "every session abandoned")
+
+    def _drop_group(self, group: AgentGroup, why: str) -> None:
+        if group.done:
+            return
+        group.dropped = True
+        for session in list(group.sessions.values()):
+            session.state = SessionState.ABANDONED
+        self.groups.pop((group.owner, group.key), None)
+        self.scheduler.release_slot(group.slot)
+        self.groups_dropped += 1
+        logger.warning("agent group %r of %s dropped (%s); slot %d re-used", group.key, group.owner, why, group.slot)
+
+    def _forget(self, session: Session) -> None:
+        self.sessions.pop(session.session_id, None)
+        self.opened = {k: v for k, v in self.opened.items() if v != session.session_id}
+
+
+def _routes(chunk):
+    import numpy as np
+
+    if not chunk.HasField("routed_experts"):
+        return None
+    tensor = chunk.routed_experts
+    return np.frombuffer(tensor.data, dtype=tensor.dtype).reshape(tensor.shape)
+
+
+def _repeated_append(session: Session, token_ids: list[int], expected_length: int) -> tuple[int, int] | None:
+    """A retried append that was recorded already: (turn index, length) of the first answer, else None."""
+    if not expected_length or not session.turns or session.length != expected_length + len(token_ids):
+        return None
+    last = session.turns[-1]
+    if last.generated or last.token_ids != list(token_ids):
+        return None
+    return len(session.turns) - 1, session.length

@@ -1,0 +1,285 @@
+"""The agent API over real gRPC against a real rollout server (vLLM CPU, tiny model) and a real Redis queue.
+
+One rollout server process is shared by the module; each test gets its own SessionBook, scheduler and agent
+server in this process, writing trajectory groups to the test's Redis (flushed per test).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import os
+import signal
+import subprocess
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+import redis
+import redis.asyncio as aioredis
+import yaml
+from coordinator.auth import authenticator_for
+
+from coordinator.agent_api import start_agent_server
+from coordinator.agent_sessions import SessionBook
+from coordinator.fleet import Fleet
+from coordinator.queue_writer import RolloutQueue
+from coordinator.rollout_client import RolloutClient
+from coordinator.scheduler import Scheduler
+from coordinator.tasks import EchoTask
+from modeling.tiny_model import BOS_ID, DIGIT_IDS, init_tiny
+from protos import agent_pb2 as pb
+from protos import agent_pb2_grpc as pb_grpc
+from protos.config import load_run_config
+from protos.records import decode_group
+from protos.redis_keys import RedisKeys
+from tests.rollout_service.server_process import spawn_rollout_server
+
+pytestmark = pytest.mark.integration
+
+KEYS = RedisKeys("agent-api")
+TOKENS = {"team-a": ("secret-a", ["generate", "submit"]), "team-b": ("secret-b", ["generate", "submit"])}
+GENERATE_ONLY = ("secret-gen", ["generate"])
+PROMPT = [BOS_ID, DIGIT_IDS[3], DIGIT_IDS[1], DIGIT_IDS[4]]
+
+
+@pytest.fixture(scope="module")
+def rollout_server(tmp_path_factory):
+    model = str(init_tiny(tmp_path_factory.mktemp("tiny")))
+    server = spawn_rollout_server(model, tmp_path_factory.mktemp("logs") / "rollout.log", "--server-id", "r0")
+    try:
+        yield server.wait_serving(timeout_s=300)
+    finally:
+        os.killpg(server.process.pid, signal.SIGTERM)
+        try:
+            server.process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.process.pid, signal.SIGKILL)
+
+
+@pytest.fixture
+def tokens_file(tmp_path) -> Path:
+    grants = [
+        {"name": name, "token_sha256": hashlib.sha256(token.encode()).hexdigest(), "scopes": scopes}
+        for name, (token, scopes) in {**TOKENS, "gen-only": GENERATE_ONLY}.items()
+    ]
+    path = tmp_path / "tokens.yaml"
+    path.write_text(yaml.safe_dump({"tokens": grants}))
+    return path
+
+
+class AgentHarness:
+    """A SessionBook + scheduler + agent gRPC server in this process, against the module's rollout server."""
+
+    def __init__(self, address: str, redis_url: str, tokens_file: Path, overrides: tuple[str, ...]):
+        self.config = load_run_config(
+            overrides=[
+                "coordinator.group_size=2",
+                "coordinator.groups_per_step=1",
+                "coordinator.max_staleness=1",
+                "agent.enabled=true",
+                f"agent.tokens_file={tokens_file}",
+                *overrides,
+            ]
+        )
+        self.address, self.redis_url = address, redis_url
+
+    async def __aenter__(self) -> AgentHarness:
+        self.redis = aioredis.Redis.from_url(self.redis_url)
+        client = RolloutClient(self.address)
+        info = await client.info()
+        self.fleet = Fleet([client])
+        self.scheduler = Scheduler(self.config.coordinator, self.fleet, RolloutQueue(self.redis, KEYS), EchoTask(), 8)
+        self.book = SessionBook(
+            self.config.agent, self.scheduler, self.fleet, lambda: 1.0, info.max_model_len, info.vocab_size
+        )
+        self.server, port = await start_agent_server(self.book, authenticator_for(self.config.agent), self.config.agent)
+        self.channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+        self.stub = pb_grpc.AgentServiceStub(self.channel)
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.channel.close()
+        await self.server.stop(grace=0)
+        await self.fleet.close()
+        await self.redis.aclose()
+
+    def queued(self) -> list:
+        entries = redis.Redis.from_url(self.redis_url).xrange(KEYS.trajectories)
+        return [decode_group(fields[b"g"]) for _, fields in entries]
+
+
+def auth(token: str) -> tuple:
+    return (("authorization", f"Bearer {token}"),)
+
+
+A, B = auth(TOKENS["team-a"][0]), auth(TOKENS["team-b"][0])
+
+
+def harness(rollout_server, redis_url, tokens_file, *overrides) -> AgentHarness:
+    return AgentHarness(rollout_server.address, redis_url, tokens_file, overrides)
+
+
+async def open_session(stub, key: str = "task-1", metadata=A, prompt=PROMPT) -> pb.OpenSessionResponse:
+    request = pb.OpenSessionRequest(prompt_token_ids=prompt, group_key=key, group_size=2)
+    return await stub.OpenSession(request, metadata=metadata)
+
+
+async def turn(stub, session_id: str, max_tokens: int = 6, metadata=A, expected_length: int = 0) -> list:
+    request = pb.GenerateRequest(session_id=session_id, max_tokens=max_tokens, expected_length=expected_length)
+    return [chunk async for chunk in stub.Generate(request, metadata=metadata)]
+
+
+async def code_of(call) -> grpc.StatusCode:
+    with pytest.raises(grpc.aio.AioRpcError) as error:
+        await call
+    return error.value.code(), error.value.details()
+
+
+def test_two_sessions_with_a_tool_turn_become_one_group_with_the_recorded_tokens_and_mask(
+    rollout_server, redis_url, tokens_file
+):
+    async def scenario():
+        async with harness(rollout_server, redis_url, tokens_file) as h:
+            held = []
+            for k in range(2):
+                session = await open_session(h.stub)
+                first = await turn(h.stub, session.session_id)
+                tool = [DIGIT_IDS[k], DIGIT_IDS[k + 1]]
+                length = first[-1].session_length
+                appended = await h.stub.Append(
+                    pb.AppendRequest(session_id=session.session_id, token_ids=tool, expected_length=length), metadata=A
+                )
+                second = await turn(h.stub, session.session_id, expected_length=appended.session_length)
+                held.append((session, first, tool, second))
+                reply = await h.stub.Submit(
+                    pb.SubmitRequest(session_id=session.session_id, submission_id=f"s{k}", reward=float(k)),
+                    metadata=A,
+                )
+                assert reply.sessions_submitted == k + 1
+            assert reply.group_state == pb.GROUP_STATE_QUEUED
+            [group] = h.queued()
+            assert group.group_id == reply.group_id and list(group.prompt_token_ids.to_numpy()) == PROMPT
+            for sample, (_, first, tool, second) in zip(group.samples, held, strict=True):
+                gen1 = [t for c in first for t in c.token_ids]
+                gen2 = [t for c in second for t in c.token_ids]
+                assert list(sample.response_token_ids.to_numpy()) == gen1 + tool + gen2
+                assert list(sample.loss_mask.to_numpy()) == [1] * len(gen1) + [0, 0] + [1] * len(gen2)
+                logprobs = sample.rollout_logprobs.to_numpy()
+                assert np.allclose(logprobs[: len(gen1)], [lp for c in first for lp in c.logprobs])
+                assert np.all(logprobs[len(gen1) : len(gen1) + 2] == 0)
+                spans = [(s.version, s.start, s.end) for s in sample.version_spans]
+                assert spans == [(0, 0, len(gen1)), (0, len(gen1) + 2, len(gen1) + 2 + len(gen2))]
+            assert [s.reward for s in group.samples] == [0.0, 1.0]
+
+    asyncio.run(scenario())
+
+
+def test_a_replayed_submission_is_queued_once_and_a_forged_one_is_refused(rollout_server, redis_url, tokens_file):
+    async def scenario():
+        async with harness(rollout_server, redis_url, tokens_file) as h:
+            sessions = [await open_session(h.stub) for _ in range(2)]
+            for session in sessions:
+                await turn(h.stub, session.session_id)
+            info = await h.stub.GetSession(pb.GetSessionRequest(session_id=sessions[0].session_id), metadata=A)
+            held = list(info.prompt_token_ids) + [t for turn_ in info.turns for t in turn_.token_ids]
+            forged = held[:-1] + [(held[-1] + 1) % 10 + DIGIT_IDS[0]]
+            code, details = await code_of(
+                h.stub.Submit(
+                    pb.SubmitRequest(
+                        session_id=sessions[0].session_id, submission_id="x", reward=1.0, expected_token_ids=forged
+                    ),
+                    metadata=A,
+                )
+            )
+            assert code == grpc.StatusCode.INVALID_ARGUMENT and "expected_token_ids" in details
+            for session in sessions:
+                request = pb.SubmitRequest(session_id=session.session_id, submission_id="once", reward=0.5)
+                first = await h.stub.Submit(request, metadata=A)
+                again = await h.stub.Submit(request, metadata=A)  # a retry after a lost reply
+                assert again == first
+            assert len(h.queued()) == 1
+
+    asyncio.run(scenario())
+
+
+def test_wrong_missing_and_under_scoped_tokens_are_refused_and_write_nothing(rollout_server, redis_url, tokens_file):
+    async def scenario():
+        async with harness(rollout_server, redis_url, tokens_file) as h:
+            request = pb.OpenSessionRequest(prompt_token_ids=PROMPT, group_key="k", group_size=2)
+            code, _ = await code_of(h.stub.OpenSession(request, metadata=auth("not-a-token")))
+            assert code == grpc.StatusCode.UNAUTHENTICATED
+            code, _ = await code_of(h.stub.OpenSession(request))
+            assert code == grpc.StatusCode.UNAUTHENTICATED
+            session = await open_session(h.stub, metadata=auth(GENERATE_ONLY[0]))
+            await turn(h.stub, session.session_id, metadata=auth(GENERATE_ONLY[0]))
+            submit = pb.SubmitRequest(session_id=session.session_id, submission_id="s", reward=1.0)
+            code, details = await code_of(h.stub.Submit(submit, metadata=auth(GENERATE_ONLY[0])))
+            assert code == grpc.StatusCode.PERMISSION_DENIED and "submit" in details
+            code, _ = await code_of(turn(h.stub, session.session_id, metadata=B))  # another team's session
+            assert code == grpc.StatusCode.PERMISSION_DENIED
+            assert h.queued() == [] and h.scheduler.stats.slots_admitted == 1
+
+    asyncio.run(scenario())
+
+
+def test_admission_refuses_a_group_beyond_the_staleness_budget_with_a_retry_delay(
+    rollout_server, redis_url, tokens_file
+):
+    async def scenario():
+        async with harness(rollout_server, redis_url, tokens_file, "coordinator.max_staleness=0") as h:
+            await open_session(h.stub, key="first")  # on-policy, 1 group per step: one slot at v0
+            await open_session(h.stub, key="first")  # the same group: no new slot
+            call = h.stub.OpenSession(
+                pb.OpenSessionRequest(prompt_token_ids=PROMPT, group_key="second", group_size=2), metadata=A
+            )
+            with pytest.raises(grpc.aio.AioRpcError) as error:
+                await call
+            assert error.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert dict(error.value.trailing_metadata())["retry-after-ms"] == "500"
+            assert h.scheduler.stats.slots_admitted == 1
+
+    asyncio.run(scenario())
+
+
+def test_bad_requests_name_their_field_and_the_server_keeps_serving(rollout_server, redis_url, tokens_file):
+    async def scenario():
+        async with harness(rollout_server, redis_url, tokens_file) as h:
+            session = await open_session(h.stub)
+            cases = [
+                (h.stub.OpenSession(pb.OpenSessionRequest(group_key="k", group_size=2), metadata=A), "prompt_token_ids"),
+                (h.stub.OpenSession(pb.OpenSessionRequest(prompt_token_ids=[10**6], group_key="k"), metadata=A), "token id"),
+                (h.stub.OpenSession(pb.OpenSessionRequest(prompt_token_ids=PROMPT, group_key="k", group_size=3), metadata=A), "group_size"),
+                (h.stub.Append(pb.AppendRequest(session_id=session.session_id, token_ids=[]), metadata=A), "token_ids"),
+                (h.stub.Append(pb.AppendRequest(session_id=session.session_id, token_ids=[DIGIT_IDS[0]] * 10**4), metadata=A), "max_model_len"),
+                (h.stub.Submit(pb.SubmitRequest(session_id="nope", submission_id="s", reward=1.0), metadata=A), "session_id"),
+                (turn(h.stub, session.session_id, max_tokens=0), "max_tokens"),
+                (turn(h.stub, session.session_id, expected_length=99), "expected_length"),
+            ]  # fmt: skip
+            for call, field in cases:
+                code, details = await code_of(call)
+                assert code in (
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    grpc.StatusCode.NOT_FOUND,
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                ), (field, code)
+                assert field in details, (field, details)
+            assert len(await turn(h.stub, session.session_id)) >= 1  # still serving, the session intact
+
+    asyncio.run(scenario())
+
+
+def test_an_abandoned_group_frees_its_slot_for_the_next_group_and_nothing_reaches_the_queue(
+    rollout_server, redis_url, tokens_file
+):
+    async def scenario():
+        async with harness(rollout_server, redis_url, tokens_file, "coordinator.max_staleness=0") as h:
+            session = await open_session(h.stub, key="dies")
+            await turn(h.stub, session.session_id)
+            await h.stub.CloseSession(pb.CloseSessionRequest(session_id=session.session_id, abandon=True), metadata=A)
+            await open_session(h.stub, key="next")  # admitted into the released slot
+            assert h.scheduler.stats.slots_admitted == 1 and h.book.groups_dropped == 1
+            assert h.queued() == []
+
+    asyncio.run(scenario())
