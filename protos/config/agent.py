@@ -22,6 +22,9 @@ class AgentConfig(Strict):
         description="The coordinator draws no prompts of its own: it only admits, records and queues agents' "
         "sessions (a run fed by agents alone).",
     )
+    demo_agents: int = Field(
+        0, ge=0, description="fleetrl demo starts this many example agents (examples/calculator_agent.py) against it."
+    )
     tokens_file: str = Field(
         "",
         description="YAML file of bearer tokens (name, token or token_sha256, scopes, rate_per_s); '' = the "
