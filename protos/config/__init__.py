@@ -5,7 +5,13 @@ process; each role's ``config.py`` re-exports its section. Imports neither torch
 section; ``loading`` turns files and dotted overrides into a ``RunConfig``.
 """
 
-from protos.config.coordinator import CoordinatorConfig, EvalConfig, OverlongConfig, SamplingConfig
+from protos.config.coordinator import (
+    CoordinatorConfig,
+    EvalConfig,
+    OverlongConfig,
+    SamplingConfig,
+    TrainingSamplingConfig,
+)
 from protos.config.loading import (
     apply_overrides,
     deep_merge,
@@ -31,6 +37,7 @@ __all__ = [
     "RunConfig",
     "SamplingConfig",
     "TrainerConfig",
+    "TrainingSamplingConfig",
     "WeightBusConfig",
     "apply_overrides",
     "deep_merge",
