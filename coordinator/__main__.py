@@ -77,15 +77,15 @@ async def build_pipeline(config, client, keys, fleet) -> Pipeline:
     total_groups, queued = remaining_groups(config, pushed, steps_done)
     if pushed:
         await resume_prompts(task, queue)
-    scheduler = Scheduler(cfg, fleet, queue, task, total_groups, start_version, version_offset, queued, pushed)
+    scheduler = Scheduler(config, fleet, queue, task, total_groups, start_version, version_offset, queued, pushed)
     evals = None
     if cfg.eval.datasets:
         renderer = PromptRenderer(tokenizer, cfg.chat_template_kwargs)
         sets = load_eval_sets(cfg, renderer, config.rollout.max_model_len)
         scorer = ResponseScorer(tokenizer, get_reward_fn(cfg.eval.reward_fn), executor, cfg.reward_timeout_s)
-        evals = EvalRunner(cfg, fleet, sets, scorer, config.out_dir)
+        evals = EvalRunner(config, fleet, sets, scorer, config.out_dir)
         evaluated = await reported_eval_versions(client, keys) if pushed else set()
-        evals.schedule(eval_versions(cfg.eval, start_version, config.trainer.num_steps, steps_done, evaluated))
+        evals.schedule(eval_versions(cfg.eval, start_version, config.num_steps, steps_done, evaluated))
     logger.info(
         "coordinator: task %s, %d groups of %d, start at trainer v%d, eval at %s",
         cfg.task,
@@ -112,9 +112,9 @@ def remaining_groups(config, pushed: int, steps_trained: int) -> tuple[int, int]
     the trainer has taken ``steps_trained`` steps (its version minus RedisKeys.version_offset), so the
     rest of what was pushed is still ahead in the queue, and only the remainder of the run is produced.
     """
-    B = config.coordinator.groups_per_step
+    B = config.groups_per_step
     queued = max(0, pushed - steps_trained * B)
-    total = max(0, config.trainer.num_steps * B - pushed)
+    total = max(0, config.num_steps * B - pushed)
     if pushed:
         logger.warning(
             "coordinator restart: %d groups pushed before (trainer at step %d, %d still queued); "

@@ -29,7 +29,7 @@ from protos.config import RunConfig
 logger = logging.getLogger(__name__)
 
 # Settings the trainer also reads; a change is announced on the control stream.
-TRAINER_KEYS = {"max_staleness", "sampling.temperature"}
+TRAINER_KEYS = {"max_staleness", "temperature"}
 
 
 class Conflict(Exception):
@@ -64,8 +64,8 @@ class AdminCore:
             state=int(s.state),
             trainer_policy_version=s.trainer_version,
             start_policy_version=s.start_version,
-            max_staleness=cfg.max_staleness,
-            groups_per_step=cfg.groups_per_step,
+            max_staleness=self.run_config.max_staleness,
+            groups_per_step=self.run_config.groups_per_step,
             group_size=cfg.group_size,
             groups_admitted=stats.groups_admitted,
             slots_admitted=stats.slots_admitted,
@@ -113,8 +113,8 @@ class AdminCore:
         key, old, new = apply_setting(self.run_config, key, raw_value)
         entry_id = ""
         if key in TRAINER_KEYS:
-            entry_id = await self.control.announce_setting(f"coordinator.{key}", new)
-        logger.info("admin: set coordinator.%s = %r (was %r)", key, new, old)
+            entry_id = await self.control.announce_setting(key, new)
+        logger.info("admin: set %s = %r (was %r)", key, new, old)
         return key, old, new, entry_id
 
     async def add_server(self, address: str):

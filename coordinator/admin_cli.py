@@ -133,7 +133,7 @@ def _cmd_set(args: argparse.Namespace) -> int:
         raise AdminCallFailed(f"expected KEY=VALUE (e.g. max_staleness=2), got {args.assignment!r}", EXIT_REFUSED)
     reply = _call(args, "SetConfig", pb.SetConfigRequest(key=key.strip(), value=value.strip()))
     told = f" (trainer told: control entry {reply.control_entry_id})" if reply.control_entry_id else ""
-    print(f"coordinator.{reply.key}: {reply.old_value} -> {reply.new_value}{told}")
+    print(f"{reply.key}: {reply.old_value} -> {reply.new_value}{told}")
     return 0
 
 

@@ -22,7 +22,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
     overrides = list(args.overrides)
     if args.steps is not None:
-        overrides.append(f"trainer.num_steps={args.steps}")
+        overrides.append(f"num_steps={args.steps}")
     try:
         config = load_run_config(args.config or [str(DEFAULT_RECIPE)], overrides)
     except ValueError as error:
@@ -64,7 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
 
     demo = commands.add_parser("demo", help="run the whole loop on this machine (CPU, tiny model, embedded Redis)")
-    demo.add_argument("--steps", type=int, default=None, help="training steps (default: trainer.num_steps)")
+    demo.add_argument("--steps", type=int, default=None, help="training steps (default: num_steps)")
     demo.add_argument("--out", default=None, help="run directory (default runs/demo-<time>)")
     demo.add_argument(
         "--config",

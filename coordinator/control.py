@@ -4,7 +4,7 @@ Stream ``fleetrl:<run>:control`` (``RedisKeys.control``); one entry per command,
 encoded ``ControlCommand`` (protos/records.py):
 
 * ``SYNC``: publish the current weights now (the trainer acts on it between steps);
-* ``SET key value_json``: a run-time setting changed (e.g. ``coordinator.max_staleness`` = ``2``); roles apply
+* ``SET key value_json``: a run-time setting changed (e.g. ``max_staleness`` = ``2``); roles apply
   the keys they use and ignore the others.
 
 The coordinator only writes; each reader keeps its own cursor (plain XREAD, no consumer group).

@@ -21,7 +21,7 @@ from pathlib import Path
 from coordinator.fleet import Fleet, NoServerAvailable
 from coordinator.rollout_client import RolloutFailed, SampleResult
 from coordinator.tasks import PromptRenderer, ResponseScorer, load_problems
-from protos.config import CoordinatorConfig, EvalConfig, SamplingConfig
+from protos.config import CoordinatorConfig, EvalConfig, RunConfig, SamplingConfig
 
 logger = logging.getLogger(__name__)
 
@@ -104,10 +104,8 @@ def load_eval_sets(config: CoordinatorConfig, renderer: PromptRenderer, max_mode
 class EvalRunner:
     """Runs eval rounds over ``sets`` on the fleet; one round at a time, each pinned to a version."""
 
-    def __init__(
-        self, config: CoordinatorConfig, fleet: Fleet, sets: list[EvalSet], scorer: ResponseScorer, out_dir: str = ""
-    ):
-        self.config = config
+    def __init__(self, run: RunConfig, fleet: Fleet, sets: list[EvalSet], scorer: ResponseScorer, out_dir: str = ""):
+        self.run, self.config = run, run.coordinator
         self.fleet = fleet
         self.sets = sets
         self.scorer = scorer
@@ -165,7 +163,7 @@ class EvalRunner:
 
     @property
     def sampling(self) -> SamplingConfig:
-        return self.config.eval.sampling or self.config.sampling
+        return self.run.eval_sampling()
 
     async def run_round(self, version: int) -> dict[str, float] | None:
         """Evaluate every set at ``version``; returns the metrics, or None if the round could not finish."""

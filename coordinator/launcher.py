@@ -259,9 +259,9 @@ class DemoLauncher:
     def print_step(self, step: dict, coordinator: dict, client: redis.Redis) -> None:
         versions = self.fleet_versions(client)
         print(
-            f"step {step['step']:>3}/{self.config.trainer.num_steps} | policy v{step['policy_version']:<3} "
+            f"step {step['step']:>3}/{self.config.num_steps} | policy v{step['policy_version']:<3} "
             f"| reward {step['reward_mean']:.3f} | staleness max {step['staleness_max']:.0f} "
-            f"(bound {self.config.coordinator.max_staleness}) | rollout {coordinator.get('tokens_per_s', 0):7.0f} tok/s "
+            f"(bound {self.config.max_staleness}) | rollout {coordinator.get('tokens_per_s', 0):7.0f} tok/s "
             f"| masked {step.get('geo_mask_masked_ratio', 0):.2f} |dlogp| {step.get('mean_abs_logprob_diff', 0):.3f} "
             f"| queue {step['queue_depth']:.0f} | servers at {versions}{_replay_figures(step)} "
             f"| {time.monotonic() - self.started:5.0f}s",
@@ -298,7 +298,7 @@ class DemoLauncher:
             "steps": len(steps),
             "reward_first5": sum(rewards[:5]) / max(1, len(rewards[:5])),
             "reward_last5": sum(rewards[-5:]) / max(1, len(rewards[-5:])),
-            "max_staleness_allowed": self.config.coordinator.max_staleness,
+            "max_staleness_allowed": self.config.max_staleness,
             "max_staleness_seen": int(max((s["staleness_max"] for s in steps), default=0)),
             "weight_versions_published": int(last.get("weight_versions_published", 0)),
             "rollout_servers": len(versions),

@@ -136,7 +136,7 @@ class CoordinatorCollector:
             "coordinator_queue_depth": (reporter.queue_depth, "Groups on the stream not yet delivered to the trainer."),
             "coordinator_trainer_policy_version": (scheduler.trainer_version, "Trainer's latest published version."),
             "coordinator_groups_in_flight": (len(scheduler.in_flight), "Admitted group slots not yet pushed."),
-            "coordinator_max_staleness": (scheduler.config.max_staleness, "The staleness bound k in force."),
+            "coordinator_max_staleness": (scheduler.run.max_staleness, "The staleness bound k in force."),
         }
         for name, (value, doc) in gauges.items():
             yield GaugeMetricFamily(name, doc, value=value)

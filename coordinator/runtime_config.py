@@ -1,9 +1,10 @@
-"""Run-time changes of the coordinator config (``fleetrl set KEY=VALUE``).
+"""Run-time changes of the run config the coordinator holds (``fleetrl set KEY=VALUE``).
 
 Only the keys in ``SETTABLE`` may change while a run goes on; the others are fixed at start because
-something was built from them (the task, the slot arithmetic, the eval schedule, the ports). A change
-is validated against the whole run config first (the same validators as at start) and then written
-into the live config object, which the scheduler, tasks and eval runner all read.
+something was built from them (the task, the slot arithmetic, the eval schedule, the ports). A key is a
+top-level key of the run config (``max_staleness``, ``temperature``) or one of the coordinator section,
+``coordinator.`` optional. A change is validated against the whole run config first (the same validators as
+at start) and then written into the live config object, which the scheduler, tasks and eval runner all read.
 """
 
 from __future__ import annotations
@@ -13,11 +14,12 @@ from typing import Any
 import pydantic
 import yaml
 
-from protos.config import CoordinatorConfig, RunConfig
+from protos.config import RunConfig
+from protos.config.loading import RENAMED
 
 SETTABLE = (
     "max_staleness",
-    "sampling.temperature",
+    "temperature",
     "sampling.top_p",
     "sampling.top_k",
     "sampling.max_tokens",
@@ -52,7 +54,8 @@ def _known_keys(model: type[pydantic.BaseModel], prefix: str = "") -> set[str]:
     return keys
 
 
-KNOWN = _known_keys(CoordinatorConfig)
+KNOWN = _known_keys(RunConfig)
+TOP_LEVEL = {key for key in KNOWN if "." not in key and not any(k.startswith(f"{key}.") for k in KNOWN)}  # not sections
 
 
 def _get(node: Any, parts: list[str]) -> Any:
@@ -61,35 +64,40 @@ def _get(node: Any, parts: list[str]) -> Any:
     return node
 
 
+def resolve_key(key: str) -> str:
+    """``key`` as written by a user -> its dotted path from the root of the run config."""
+    key = key.strip()
+    key = RENAMED.get(key, RENAMED.get(f"coordinator.{key}", key))  # deprecated spellings of top-level keys
+    return key if key in TOP_LEVEL else f"coordinator.{key.removeprefix('coordinator.')}"
+
+
 def apply_setting(run_config: RunConfig, key: str, raw_value: str) -> tuple[str, Any, Any]:
-    """Set ``coordinator.<key>`` to the YAML scalar ``raw_value``; returns (key, old value, new value).
+    """Set ``key`` (see ``resolve_key``) to the YAML scalar ``raw_value``; returns (dotted key from the root,
+    old value, new value).
 
     Raises:
-        UnknownSetting: ``key`` names no coordinator config field.
+        UnknownSetting: ``key`` names no settable config field.
         FixedSetting: the field exists but cannot change at run time.
         ValueError: the value does not validate (the message names the field and the rule).
     """
-    key = key.strip().removeprefix("coordinator.")
+    key = resolve_key(key)
     if key not in KNOWN:
-        raise UnknownSetting(f"unknown key coordinator.{key}; keys settable at run time: {', '.join(SETTABLE)}")
-    if key not in SETTABLE:
-        raise FixedSetting(
-            f"coordinator.{key} is fixed at start and cannot change at run time; settable: {', '.join(SETTABLE)}"
-        )
+        raise UnknownSetting(f"unknown key {key}; keys settable at run time: {', '.join(SETTABLE)}")
+    if key.removeprefix("coordinator.") not in SETTABLE:
+        raise FixedSetting(f"{key} is fixed at start and cannot change at run time; settable: {', '.join(SETTABLE)}")
     try:
         value = yaml.safe_load(raw_value)
     except yaml.YAMLError as error:
-        raise ValueError(f"coordinator.{key}: cannot parse {raw_value!r} as a YAML value ({error})") from None
-    live = run_config.coordinator
+        raise ValueError(f"{key}: cannot parse {raw_value!r} as a YAML value ({error})") from None
     parts = key.split(".")
     data = run_config.model_dump()
-    _get(data["coordinator"], parts[:-1])[parts[-1]] = value
+    _get(data, parts[:-1])[parts[-1]] = value
     try:
         checked = RunConfig.model_validate(data)  # the whole tree: cross-field rules apply too
     except pydantic.ValidationError as error:
         details = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in error.errors())
-        raise ValueError(f"coordinator.{key}={raw_value!r} is invalid: {details}") from None
-    old = _get(live, parts)
-    new = _get(checked.coordinator, parts)
-    setattr(_get(live, parts[:-1]), parts[-1], new)
+        raise ValueError(f"{key}={raw_value!r} is invalid: {details}") from None
+    old = _get(run_config, parts)
+    new = _get(checked, parts)
+    setattr(_get(run_config, parts[:-1]), parts[-1], new)
     return key, old, new

@@ -37,7 +37,7 @@ from coordinator.queue_writer import RolloutQueue
 from coordinator.rewards import RewardResult
 from coordinator.rollout_client import RolloutClient, SampleResult
 from coordinator.tasks import Task, TaskPrompt
-from protos.config import CoordinatorConfig
+from protos.config import RunConfig
 from protos.records import Array, PromptCursor, Sample, TrajectoryGroup, VersionSpan
 
 logger = logging.getLogger(__name__)
@@ -72,7 +72,7 @@ class Scheduler:
 
     def __init__(
         self,
-        config: CoordinatorConfig,
+        run: RunConfig,
         fleet: Fleet,
         queue: RolloutQueue,
         task: Task,
@@ -82,7 +82,7 @@ class Scheduler:
         queued_at_start: int = 0,
         pushed_before: int = 0,
     ):
-        self.config = config  # shared and live: the admin API changes it in place
+        self.run, self.config = run, run.coordinator  # shared and live: the admin API changes them in place
         self.fleet = fleet
         self.queue = queue
         self.task = task
@@ -132,20 +132,20 @@ class Scheduler:
             why,
             shift,
             self.start_version,
-            self.config.groups_per_step,
+            self.run.groups_per_step,
         )
         return shift
 
     # admission -----------------------------------------------------------------------------
     def admission_limit(self) -> int:
-        limit = min(self.slots_before(self.trainer_version + self.config.max_staleness + 1), self.total_groups)
+        limit = min(self.slots_before(self.trainer_version + self.run.max_staleness + 1), self.total_groups)
         if self.eval_hold_version is not None:
             limit = min(limit, self.slots_before(self.eval_hold_version))
         return max(0, limit)
 
     def slots_before(self, version: int) -> int:
         """How many of this coordinator's slots are trained by versions below ``version``."""
-        return (version - self.start_version) * self.config.groups_per_step - self.queued_at_start
+        return (version - self.start_version) * self.run.groups_per_step - self.queued_at_start
 
     def can_admit(self) -> bool:
         return self.state == RunState.RUNNING and self.stats.slots_admitted < self.admission_limit()
@@ -188,10 +188,10 @@ class Scheduler:
 
     def train_version(self, slot: int) -> int:
         """The trainer version that will train slot ``slot``."""
-        return self.start_version + (slot + self.queued_at_start) // self.config.groups_per_step
+        return self.start_version + (slot + self.queued_at_start) // self.run.groups_per_step
 
     def version_floor(self, slot: int) -> int:
-        return self.train_version(slot) - self.config.max_staleness
+        return self.train_version(slot) - self.run.max_staleness
 
     # operator verbs (admin API) --------------------------------------------------------------
     def pause(self) -> None:
@@ -244,7 +244,7 @@ class Scheduler:
         self, slot: int, prompt: TaskPrompt, admitted_at: int
     ) -> tuple[TrajectoryGroup, list[float]]:
         floor = self.version_floor(slot)
-        sampling = self.config.sampling.model_copy()  # this request's settings; a live change applies to later ones
+        sampling = self.run.training_sampling()  # this request's settings; a live change applies to later ones
         results, client = await self.fleet.generate(
             prompt.prompt_token_ids,
             self.config.group_size,

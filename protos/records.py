@@ -238,7 +238,7 @@ class ControlCommand(msgspec.Struct, array_like=True, gc=False, frozen=True):
 
     kind: ControlKind
     request_id: str
-    key: str = ""  # SET: the dotted config key, e.g. coordinator.max_staleness
+    key: str = ""  # SET: the dotted config key, e.g. max_staleness
     value_json: str = ""  # SET: the new value as JSON; each role applies the keys it uses and ignores the others
 
 

@@ -42,7 +42,7 @@ def make_backend(model_path: str, config):
     """The configured backend on the GPU when there is one (the CPU otherwise)."""
     import torch
 
-    tcfg, temperature = config.trainer, config.coordinator.sampling.temperature
+    tcfg, temperature = config.trainer, config.temperature
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if tcfg.backend == "megatron":
         from trainer_service.megatron_backend import MegatronBackend
@@ -68,7 +68,7 @@ def run(args: argparse.Namespace, stop: threading.Event) -> None:
     )
     if not config.model_path or not config.redis_url:
         raise SystemExit("trainer: model_path and redis_url must be set (config keys, or --model / --redis-url)")
-    tcfg, ccfg = config.trainer, config.coordinator
+    tcfg = config.trainer
     torch.set_num_threads(1)
 
     # 0) restore every rank from the same checkpoint (rank 0 resolves it); rank 0 opens Redis and takes over the
@@ -79,7 +79,7 @@ def run(args: argparse.Namespace, stop: threading.Event) -> None:
     state = CheckpointManager.load(restored, backend) if restored else TrainerState(step=0, policy_version=0)
     trainer = Trainer(
         backend,
-        ccfg.max_staleness,
+        config.max_staleness,
         state.policy_version,
         ledger=state.ledger,
         mini_batches=tcfg.mini_batches,
@@ -93,7 +93,7 @@ def run(args: argparse.Namespace, stop: threading.Event) -> None:
 
     feed = ranks.OrderFeed(side.read_groups if side else None, partial(apply_commands, trainer, publish_current))
     catch_up_published(side, trainer, publish_current, restored, state.step)
-    for step in range(state.step + 1, tcfg.num_steps + 1):
+    for step in range(state.step + 1, config.num_steps + 1):
         started = time.monotonic()
         # 1) one step's new groups: rank 0 pops them (entries already in the ledger are skipped but acknowledged
         #    later) and acts on operator commands while it waits; every rank gets the same groups
@@ -110,7 +110,7 @@ def run(args: argparse.Namespace, stop: threading.Event) -> None:
             record_version_offset(side, trainer.policy_version, step)
         # 5) checkpoint (every rank its shard, rank 0 the ledger), then rank 0 acknowledges what it holds
         ckpt_s = 0.0
-        if step % tcfg.ckpt_interval == 0 or step == tcfg.num_steps:
+        if step % tcfg.ckpt_interval == 0 or step == config.num_steps:
             ckpt_started = time.monotonic()
             ranks.save_checkpoint(
                 checkpoints, backend, TrainerState(step, trainer.policy_version, trainer.ledger, _totals(trainer))

@@ -18,7 +18,7 @@ from trainer_service.batch import TrainBatch
 
 @runtime_checkable
 class Backend(Protocol):
-    temperature: float  # sampling temperature of rows that record none (`fleetrl set sampling.temperature` moves it)
+    temperature: float  # sampling temperature of rows that record none (`fleetrl set temperature` moves it)
 
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
         """One training step on ``batch`` (micro-batched, clipped); a non-finite loss or gradient skips it

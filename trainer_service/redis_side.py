@@ -83,7 +83,7 @@ class RedisSide:
         return read_new_groups(
             self.queue,
             self.trainer,
-            self.config.coordinator.groups_per_step,
+            self.config.groups_per_step,
             tcfg.batch_timeout_s,
             self.unacked,
             poll_control,
@@ -169,9 +169,9 @@ def apply_commands(trainer, publish, sync: bool, settings: list[tuple[str, str]]
 def _apply_setting(trainer, key: str, raw: str) -> None:
     try:
         value = json.loads(raw)
-        if key == "coordinator.max_staleness":
+        if key == "max_staleness":
             trainer.max_staleness = int(value)
-        elif key == "coordinator.sampling.temperature":
+        elif key == "temperature":
             trainer.backend.temperature = float(value)
         else:
             return  # a setting of another role

@@ -6,7 +6,13 @@ section; ``loading`` turns files and dotted overrides into a ``RunConfig``.
 """
 
 from protos.config.agent import AgentConfig
-from protos.config.coordinator import CoordinatorConfig, EvalConfig, OverlongConfig, SamplingConfig
+from protos.config.coordinator import (
+    CoordinatorConfig,
+    EvalConfig,
+    OverlongConfig,
+    SamplingConfig,
+    TrainingSamplingConfig,
+)
 from protos.config.loading import (
     apply_overrides,
     deep_merge,
@@ -33,6 +39,7 @@ __all__ = [
     "RunConfig",
     "SamplingConfig",
     "TrainerConfig",
+    "TrainingSamplingConfig",
     "WeightBusConfig",
     "apply_overrides",
     "deep_merge",

@@ -9,13 +9,20 @@ from pydantic import Field, model_validator
 from protos.config.base import Strict
 
 
-class SamplingConfig(Strict):
-    """Sampling of training rollouts."""
+class TrainingSamplingConfig(Strict):
+    """Sampling of training rollouts; their temperature is the run's top-level ``temperature`` (the trainer reads it
+    too), so ``RunConfig.training_sampling()`` is what a request gets."""
 
-    temperature: float = Field(1.0, ge=0.0, description="Sampling temperature; 1.0 keeps logprobs exact.")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass.")
     top_k: int = Field(-1, description="Top-k; -1 disables.")
     max_tokens: int = Field(8, gt=0, description="Maximum response tokens per sample.")
+
+
+class SamplingConfig(TrainingSamplingConfig):
+    """The sampling of one request: an eval section's own (``coordinator.eval.sampling``), or the training sampling
+    at the run's temperature."""
+
+    temperature: float = Field(1.0, ge=0.0, description="Sampling temperature; 1.0 keeps logprobs exact.")
 
 
 class OverlongConfig(Strict):
@@ -38,7 +45,9 @@ class EvalConfig(Strict):
     at_start: bool = Field(False, description="Also evaluate the initial policy before training starts.")
     samples_per_problem: int = Field(4, gt=0, description="k samples per problem; reports mean accuracy and pass@k.")
     limit: int | None = Field(None, gt=0, description="Use only the first N problems of each file; None = all.")
-    sampling: SamplingConfig | None = Field(None, description="Eval sampling; None = the training sampling.")
+    sampling: SamplingConfig | None = Field(
+        None, description="Eval sampling; None = the training sampling at the run's temperature."
+    )
     reward_fn: str = Field("math", description="Reward of eval samples; a sample is correct when reward >= 1.")
     timeout_s: float = Field(600.0, gt=0, description="Longest wait for one eval round (version, servers, samples).")
 
@@ -59,9 +68,7 @@ class CoordinatorConfig(Strict):
     )
     dataset_limit: int | None = Field(None, gt=0, description="Use only the first N rows of the dataset; None = all.")
     group_size: int = Field(8, gt=0, description="Samples per prompt (GRPO group size n).")
-    groups_per_step: int = Field(8, gt=0, description="Groups the trainer consumes per optimizer step (B).")
-    max_staleness: int = Field(1, ge=0, description="Bound k on v_trainer - min token version; 0 = on-policy.")
-    sampling: SamplingConfig = Field(default_factory=SamplingConfig)
+    sampling: TrainingSamplingConfig = Field(default_factory=TrainingSamplingConfig)
     overlong: OverlongConfig = Field(default_factory=OverlongConfig)
     dynamic_sampling: bool = Field(
         False, description="Skip groups whose rewards are all equal and admit a new prompt in their place."
@@ -93,11 +100,5 @@ class CoordinatorConfig(Strict):
             raise ValueError(
                 "coordinator.dynamic_sampling needs coordinator.group_size >= 2 (a group of one "
                 "always has equal rewards)"
-            )
-        eval_sampling = self.eval.sampling or self.sampling
-        if self.eval.datasets and self.eval.samples_per_problem > 1 and eval_sampling.temperature == 0:
-            raise ValueError(
-                "coordinator.eval.samples_per_problem > 1 needs a sampling temperature > 0 "
-                "(greedy samples would be identical); set coordinator.eval.sampling.temperature"
             )
         return self

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any, Literal, get_args, get_origin
 
@@ -9,6 +10,44 @@ import yaml
 from pydantic import BaseModel
 
 from protos.config.run import RunConfig
+
+logger = logging.getLogger(__name__)
+
+
+# Deprecated spellings of keys that moved to the top of the tree (several roles read them), mapped at load.
+RENAMED = {
+    "trainer.num_steps": "num_steps",
+    "coordinator.groups_per_step": "groups_per_step",
+    "coordinator.max_staleness": "max_staleness",
+    "coordinator.sampling.temperature": "temperature",
+}
+
+
+def move_renamed_keys(data: dict[str, Any], where: str) -> dict[str, Any]:
+    """``data`` (one file's keys) with each deprecated key of ``RENAMED`` moved to its new place, one warning each.
+
+    Raises:
+        ValueError: the old and the new key are both set, to different values.
+    """
+    for old, new in RENAMED.items():
+        *sections, name = old.split(".")
+        node: Any = data
+        for part in sections:
+            node = node.get(part) if isinstance(node, dict) else None
+        if not isinstance(node, dict) or name not in node:
+            continue
+        value = node.pop(name)
+        if new in data and data[new] != value:
+            raise ValueError(
+                f"{where}: {old} (deprecated) = {value!r} and {new} = {data[new]!r} are both set; keep only {new}"
+            )
+        data[new] = value
+        _warn_renamed(old, new, where)
+    return data
+
+
+def _warn_renamed(old: str, new: str, where: str) -> None:
+    logger.warning("%s: config key %s is deprecated and will be removed: write %s (top level)", where, old, new)
 
 
 def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
@@ -22,6 +61,9 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
         key, sep, raw = item.partition("=")
         if not sep or not key:
             raise ValueError(f"override {item!r} is not KEY=VALUE (e.g. trainer.lr=1e-6)")
+        if key in RENAMED:
+            _warn_renamed(key, RENAMED[key], "override")
+            key = RENAMED[key]
         node = data
         parts = key.split(".")
         for part in parts[:-1]:
@@ -123,6 +165,7 @@ def read_config_file(path: Path, _chain: tuple[Path, ...] = ()) -> dict[str, Any
     if not isinstance(loaded, dict):
         raise ValueError(f"config file {path} must hold a mapping at the top level")
     base = loaded.pop(BASE_KEY, None)
+    loaded = move_renamed_keys(loaded, f"config file {path}")
     if base is None:
         return loaded
     if not isinstance(base, str):
@@ -147,6 +190,15 @@ def describe_config_error(error: ValueError) -> str:
 
     if isinstance(error, ValidationError):
         return "; ".join(
-            f"{'.'.join(str(part) for part in detail['loc']) or 'config'}: {detail['msg']}" for detail in error.errors()
+            f"{'.'.join(str(part) for part in detail['loc']) or 'config'}: {detail['msg']}{_top_level_hint(detail)}"
+            for detail in error.errors()
         )
     return str(error).replace("\n", " ")
+
+
+def _top_level_hint(detail: Any) -> str:
+    """For an unknown key inside a section whose name is a top-level key (``trainer.max_staleness``): where it is."""
+    name, inside_a_section = detail["loc"][-1], len(detail["loc"]) > 1
+    if detail["type"] == "extra_forbidden" and inside_a_section and name in RunConfig.model_fields:
+        return f" ({name} is a top-level key: write {name}=...)"
+    return ""

@@ -8,7 +8,7 @@ from pydantic import Field, field_validator, model_validator
 
 from protos.config.agent import AgentConfig
 from protos.config.base import Strict
-from protos.config.coordinator import CoordinatorConfig
+from protos.config.coordinator import CoordinatorConfig, SamplingConfig
 from protos.config.rollout import RolloutConfig
 from protos.config.trainer import TrainerConfig
 from protos.config.weight_bus import WeightBusConfig
@@ -26,6 +26,30 @@ class RunConfig(Strict):
     )
     redis_url: str = Field("", description="Redis URL; '' = start an embedded valkey server.")
     out_dir: str = Field("", description="Run directory (logs, summary.json, checkpoints).")
+    num_steps: int = Field(
+        40,
+        gt=0,
+        description="Training steps of the run: the trainer stops after them, the coordinator produces "
+        "num_steps x groups_per_step groups.",
+    )
+    groups_per_step: int = Field(
+        8,
+        gt=0,
+        description="Groups per training step (B): the trainer takes B from the queue per step, the "
+        "coordinator's slot arithmetic (slot i trains at version start + i // B) counts in them.",
+    )
+    max_staleness: int = Field(
+        1,
+        ge=0,
+        description="Bound k on v_trainer - min token version; 0 = on-policy. The coordinator admits "
+        "within it, the trainer drops groups beyond it. Settable at run time (fleetrl set max_staleness=...).",
+    )
+    temperature: float = Field(
+        1.0,
+        ge=0.0,
+        description="Sampling temperature of training rollouts; 1.0 keeps logprobs exact. The trainer "
+        "scores at the temperature each group records, this one where none is. Settable at run time.",
+    )
     coordinator: CoordinatorConfig = Field(default_factory=CoordinatorConfig)
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
@@ -47,3 +71,22 @@ class RunConfig(Strict):
                 f"({self.coordinator.sampling.max_tokens} >= {self.rollout.max_model_len})"
             )
         return self
+
+    @model_validator(mode="after")
+    def _eval_samples_can_differ(self) -> RunConfig:
+        evals = self.coordinator.eval
+        if evals.datasets and evals.samples_per_problem > 1 and self.eval_sampling().temperature == 0:
+            raise ValueError(
+                "coordinator.eval.samples_per_problem > 1 needs a sampling temperature > 0 (greedy samples would be "
+                "identical); set coordinator.eval.sampling.temperature (or the run's temperature)"
+            )
+        return self
+
+    def training_sampling(self) -> SamplingConfig:
+        """The sampling of one training request: ``coordinator.sampling`` at the run's ``temperature`` (a fresh
+        object: a live change applies to later requests)."""
+        return SamplingConfig(temperature=self.temperature, **self.coordinator.sampling.model_dump())
+
+    def eval_sampling(self) -> SamplingConfig:
+        """The sampling of one eval request: ``coordinator.eval.sampling``, else the training sampling."""
+        return self.coordinator.eval.sampling or self.training_sampling()

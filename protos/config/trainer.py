@@ -80,7 +80,6 @@ class TrainerConfig(Strict):
     """The trainer role: queue consumption, loss, optimizer, weight publishing."""
 
     backend: Literal["torch", "megatron"] = Field("torch", description="Training backend.")
-    num_steps: int = Field(40, gt=0, description="Optimizer steps before the trainer stops.")
     lr: float = Field(5e-3, gt=0, description="AdamW learning rate.")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
     grad_clip: float = Field(1.0, gt=0, description="Max global grad norm.")

@@ -44,9 +44,9 @@ def admin(redis_url):
     ready = threading.Event()
 
     async def start() -> None:
-        run = load_run_config(overrides=[f"run_id={RUN_ID}", "coordinator.groups_per_step=2"])
+        run = load_run_config(overrides=[f"run_id={RUN_ID}", "groups_per_step=2"])
         client, keys = aioredis.Redis.from_url(redis_url), RedisKeys(RUN_ID)
-        scheduler = Scheduler(run.coordinator, Fleet([]), RolloutQueue(client, keys), EchoTask(), 20)
+        scheduler = Scheduler(run, Fleet([]), RolloutQueue(client, keys), EchoTask(), 20)
         reporter = MetricsReporter(scheduler, None, scheduler.queue, client, keys)
         core = AdminCore(run, scheduler, reporter, ControlChannel(client, keys), None)
         server, port = await start_admin_server(core, "127.0.0.1", 0)
@@ -94,21 +94,22 @@ def test_pause_resume_and_drain_change_the_run_state(admin, capsys):
 
 def test_set_changes_a_setting_and_tells_the_trainer_on_the_control_stream(admin, capsys, redis_url):
     code, out, _ = cli(capsys, "set", "max_staleness=0", "--admin", admin["address"])
-    assert code == 0 and out.startswith("coordinator.max_staleness: 1 -> 0 (trainer told: control entry ")
-    assert admin["core"].scheduler.config.max_staleness == 0
+    assert code == 0 and out.startswith("max_staleness: 1 -> 0 (trainer told: control entry ")
+    assert admin["core"].scheduler.run.max_staleness == 0
     assert admin["core"].scheduler.admission_limit() == 2
     entries = redis.Redis.from_url(redis_url).xrange(RedisKeys(RUN_ID).control)
     command = decode_control(entries[-1][1][b"c"])
-    assert (command.kind, command.key, command.value_json) == (ControlKind.SET, "coordinator.max_staleness", "0")
+    assert (command.kind, command.key, command.value_json) == (ControlKind.SET, "max_staleness", "0")
     code, out, _ = cli(capsys, "set", "sampling.top_p=0.9", "--admin", admin["address"])
     assert code == 0 and "trainer told" not in out  # only keys the trainer reads are announced
+    assert out.startswith("coordinator.sampling.top_p: 1.0 -> 0.9")
 
 
 @pytest.mark.parametrize(
     ("assignment", "message"),
     [
         ("max_stalenes=2", "unknown key coordinator.max_stalenes; keys settable at run time: max_staleness, "),
-        ("sampling.temperature=hot", "sampling.temperature='hot' is invalid"),
+        ("temperature=hot", "temperature='hot' is invalid"),
         ("group_size=2", "coordinator.group_size is fixed at start and cannot change at run time"),
         ("max_staleness", "expected KEY=VALUE (e.g. max_staleness=2), got 'max_staleness'"),
     ],
@@ -116,7 +117,7 @@ def test_set_changes_a_setting_and_tells_the_trainer_on_the_control_stream(admin
 def test_set_of_an_unknown_key_or_bad_value_fails_clearly(admin, capsys, assignment, message):
     code, out, err = cli(capsys, "set", assignment, "--admin", admin["address"])
     assert code == 2 and out == "" and message in err, err
-    assert admin["core"].scheduler.config.max_staleness == 1
+    assert admin["core"].scheduler.run.max_staleness == 1
 
 
 def test_sync_asks_the_trainer_and_reports_its_publish(admin, capsys, redis_url):

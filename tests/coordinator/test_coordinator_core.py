@@ -30,9 +30,9 @@ DATA_DIR = REPO_ROOT.parent / "shared" / "data"
 
 
 def make_scheduler(start_version: int = 0, total_groups: int = 40, overrides: tuple[str, ...] = ()) -> Scheduler:
-    config = load_run_config(overrides=["coordinator.groups_per_step=4", "coordinator.max_staleness=1", *overrides])
+    config = load_run_config(overrides=["groups_per_step=4", "max_staleness=1", *overrides])
     queue = RolloutQueue(aioredis.Redis.from_url("redis://127.0.0.1:1"), RedisKeys("unit"))  # never used here
-    return Scheduler(config.coordinator, Fleet([]), queue, EchoTask(), total_groups, start_version)
+    return Scheduler(config, Fleet([]), queue, EchoTask(), total_groups, start_version)
 
 
 def admit_all(scheduler: Scheduler) -> int:
@@ -58,7 +58,7 @@ def test_versions_skipped_by_a_restarted_trainer_shift_the_slot_arithmetic_and_t
     from coordinator.__main__ import Pipeline, follow_version_offset
 
     scheduler = make_scheduler(start_version=0, overrides=("coordinator.eval.datasets=[a.jsonl]",))
-    evals = EvalRunner(scheduler.config, scheduler.fleet, [], scorer=None)
+    evals = EvalRunner(scheduler.run, scheduler.fleet, [], scorer=None)
     evals.schedule([4])
     pipeline = Pipeline(scheduler, evals, executor=None)
     scheduler.set_trainer_version(2)
@@ -78,10 +78,8 @@ def test_versions_skipped_by_a_restarted_trainer_shift_the_slot_arithmetic_and_t
 def test_on_policy_admission_goes_on_after_steps_that_published_nothing():
     from coordinator.__main__ import Pipeline, follow_version_offset
 
-    scheduler = make_scheduler(
-        start_version=5, overrides=("coordinator.max_staleness=0", "coordinator.eval.datasets=[a.jsonl]")
-    )
-    evals = EvalRunner(scheduler.config, scheduler.fleet, [], scorer=None)
+    scheduler = make_scheduler(start_version=5, overrides=("max_staleness=0", "coordinator.eval.datasets=[a.jsonl]"))
+    evals = EvalRunner(scheduler.run, scheduler.fleet, [], scorer=None)
     evals.schedule([7])  # the round after 2 steps
     pipeline = Pipeline(scheduler, evals, executor=None)
     assert admit_all(scheduler) == 4  # k = 0: one step's slots
@@ -98,9 +96,7 @@ def test_a_restarted_coordinator_counts_the_groups_still_queued_and_produces_onl
     from coordinator.__main__ import remaining_groups
     from protos.records import Array, TrajectoryGroup
 
-    config = load_run_config(
-        overrides=["coordinator.groups_per_step=4", "coordinator.max_staleness=1", "trainer.num_steps=10"]
-    )
+    config = load_run_config(overrides=["groups_per_step=4", "max_staleness=1", "num_steps=10"])
     keys = RedisKeys("restart-unit")
 
     async def scenario():
@@ -118,7 +114,7 @@ def test_a_restarted_coordinator_counts_the_groups_still_queued_and_produces_onl
     total, queued = asyncio.run(scenario())
     assert (total, queued) == (40 - 14, 14 - 8)
     scheduler = Scheduler(
-        make_scheduler().config,
+        make_scheduler().run,
         Fleet([]),
         make_scheduler().queue,
         EchoTask(),
@@ -139,11 +135,12 @@ def test_a_restarted_coordinator_continues_the_prompts_after_the_groups_it_pushe
     from protos.records import Array, FinishReason, Sample, TrajectoryGroup, VersionSpan
 
     keys = RedisKeys(f"cursor-{kind}")
-    overrides = ["coordinator.groups_per_step=4", "coordinator.max_staleness=1", "coordinator.seed=7"]
+    overrides = ["groups_per_step=4", "max_staleness=1", "coordinator.seed=7"]
     if kind == "dataset":
         path = write_plain(tmp_path / "d.jsonl", [(f"q{i}", str(i)) for i in range(5)])  # 5: draws cross epochs
         overrides += [f"coordinator.task={path}", "coordinator.prompt_template='{problem}'"]
-    config = load_run_config(overrides=overrides).coordinator
+    run = load_run_config(overrides=overrides)
+    config = run.coordinator
 
     def group(slot: int) -> TrajectoryGroup:
         sample = Sample(
@@ -159,7 +156,7 @@ def test_a_restarted_coordinator_continues_the_prompts_after_the_groups_it_pushe
         client = aioredis.Redis.from_url(redis_server.url)
         await client.delete(keys.trajectories, keys.prompt_cursor)
         queue = RolloutQueue(client, keys)
-        first = Scheduler(config, Fleet([]), queue, build_task(config, 256, tiny_tokenizer, None), 40)
+        first = Scheduler(run, Fleet([]), queue, build_task(config, 256, tiny_tokenizer, None), 40)
         drawn = [first.admit()[1].prompt_id for _ in range(7)]  # slots 0-6 admitted
         for slot in (2, 0, 1, 5, 4):  # finished out of order: 0, 1, 2 pushed; 4 and 5 wait for 3
             await first.complete(slot, group(slot))
@@ -244,7 +241,7 @@ def test_a_restarted_coordinator_finds_the_eval_rounds_reported_before(redis_ser
 
 def test_eval_holds_admission_at_its_version_until_the_round_ran():
     scheduler = make_scheduler(start_version=5, overrides=("coordinator.eval.datasets=[a.jsonl]",))
-    evals = EvalRunner(scheduler.config, scheduler.fleet, [], scorer=None)
+    evals = EvalRunner(scheduler.run, scheduler.fleet, [], scorer=None)
     evals.schedule([5, 7])
     assert evals.due(scheduler) == 5  # at_start: the trainer is there already
     assert scheduler.admission_limit() == 0  # held while the round runs
@@ -259,7 +256,7 @@ def test_eval_holds_admission_at_its_version_until_the_round_ran():
 
 def test_an_eval_version_the_trainer_already_passed_is_skipped_and_counted():
     scheduler = make_scheduler(overrides=("coordinator.eval.datasets=[a.jsonl]",))
-    evals = EvalRunner(scheduler.config, scheduler.fleet, [], scorer=None)
+    evals = EvalRunner(scheduler.run, scheduler.fleet, [], scorer=None)
     evals.schedule([2, 4])
     scheduler.set_trainer_version(3)
     assert evals.due(scheduler) is None
@@ -268,7 +265,7 @@ def test_an_eval_version_the_trainer_already_passed_is_skipped_and_counted():
 
 def test_an_eval_the_trainer_never_reaches_is_given_up_only_when_it_alone_holds_the_run():
     scheduler = make_scheduler(overrides=("coordinator.eval.datasets=[a.jsonl]", "coordinator.eval.timeout_s=0.05"))
-    evals = EvalRunner(scheduler.config, scheduler.fleet, [], scorer=None)
+    evals = EvalRunner(scheduler.run, scheduler.fleet, [], scorer=None)
     evals.schedule([2])
     scheduler.pause()  # slots before v2 not admitted yet: the coordinator, not the trainer, holds the run
     for _ in range(3):
@@ -293,21 +290,26 @@ def test_eval_accepts_only_samples_whose_every_span_is_the_pinned_version():
 def test_set_changes_the_live_config_after_validating_the_whole_run_config():
     run = load_run_config()
     live = run.coordinator
-    assert apply_setting(run, "max_staleness", "2") == ("max_staleness", 1, 2)
-    assert apply_setting(run, "coordinator.sampling.temperature", "0.8")[2] == pytest.approx(0.8)
-    assert live.max_staleness == 2 and live.sampling.temperature == pytest.approx(0.8)
+    assert apply_setting(run, "max_staleness", "2") == ("max_staleness", 1, 2)  # top-level keys as they are
+    assert apply_setting(run, "temperature", "0.8")[2] == pytest.approx(0.8)
+    assert apply_setting(run, "sampling.top_p", "0.9") == ("coordinator.sampling.top_p", 1.0, 0.9)  # the section's
+    assert apply_setting(run, "coordinator.sampling.temperature", "0.7")[0] == "temperature"  # deprecated spelling
+    assert run.max_staleness == 2 and run.temperature == pytest.approx(0.7) and live.sampling.top_p == 0.9
+    assert run.coordinator is live and run.training_sampling().temperature == pytest.approx(0.7)
     with pytest.raises(UnknownSetting, match="unknown key coordinator.max_stalenes;.*settable.*max_staleness"):
         apply_setting(run, "max_stalenes", "2")
     with pytest.raises(FixedSetting, match="coordinator.group_size is fixed at start"):
         apply_setting(run, "group_size", "4")
-    with pytest.raises(ValueError, match="sampling.temperature"):
-        apply_setting(run, "sampling.temperature", "hot")
+    with pytest.raises(FixedSetting, match="num_steps is fixed at start"):
+        apply_setting(run, "num_steps", "4")
+    with pytest.raises(ValueError, match="temperature"):
+        apply_setting(run, "temperature", "hot")
     with pytest.raises(ValueError, match="max_model_len"):  # a cross-section rule of RunConfig
         apply_setting(run, "sampling.max_tokens", str(run.rollout.max_model_len))
     with pytest.raises(ValueError, match="buffer"):
         apply_setting(run, "overlong.buffer_len", "100")
         apply_setting(run, "overlong.enabled", "true")
-    assert live.sampling.max_tokens == 8 and live.max_staleness == 2  # refused changes left nothing behind
+    assert live.sampling.max_tokens == 8 and run.max_staleness == 2  # refused changes left nothing behind
 
 
 @pytest.fixture
@@ -347,7 +349,8 @@ def test_a_tokenizer_without_chat_template_gets_the_plain_fallback(tiny_tokenize
 def test_prompts_longer_than_the_model_allows_are_skipped_and_counted(tiny_tokenizer, tmp_path):
     path = write_plain(tmp_path / "mixed.jsonl", [("x" * 300, "1"), ("short", "2")])
     overrides = [f"coordinator.task={path}", "coordinator.prompt_template='{problem}'"]
-    config = load_run_config(overrides=overrides).coordinator
+    run = load_run_config(overrides=overrides)
+    config = run.coordinator
     task = build_task(config, 256, tiny_tokenizer, None)
     assert {task.next_prompt().payload.ground_truth for _ in range(4)} == {"2"}
     assert 3 <= task.prompts_too_long <= 5  # one per epoch, give or take the shuffles

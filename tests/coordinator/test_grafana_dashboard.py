@@ -144,11 +144,11 @@ def test_listed_coordinator_metrics_are_served_on_its_metrics_endpoint():
     from coordinator.queue_writer import RolloutQueue
     from coordinator.scheduler import Scheduler
     from coordinator.tasks import EchoTask
-    from protos.config import CoordinatorConfig
+    from protos.config import RunConfig
     from protos.redis_keys import RedisKeys
 
     async def scrape() -> str:
-        config, keys = CoordinatorConfig(), RedisKeys("metrics-test")
+        config, keys = RunConfig(), RedisKeys("metrics-test")
         queue = RolloutQueue(aioredis.Redis.from_url("redis://127.0.0.1:1"), keys)  # never used by a scrape
         scheduler = Scheduler(config, Fleet([]), queue, EchoTask(), 10)
         evals = EvalRunner(config, scheduler.fleet, [], scorer=None)

@@ -45,6 +45,9 @@ def test_speed_figures_are_medians_after_the_first_step_with_the_replay_mismatch
         (["trainer.lr=-1"], "trainer.lr: Input should be greater than 0"),
         (["trainer.learning_rate=1"], "trainer.learning_rate: Extra inputs are not permitted"),
         (["trainer.icepop=[0.5"], "is not a valid value"),
+        (["max_stalenes=1"], "max_stalenes: Extra inputs are not permitted"),
+        (["max_staleness=-1"], "max_staleness: Input should be greater than or equal to 0"),
+        (["rollout.num_steps=3"], "rollout.num_steps: Extra inputs are not permitted (num_steps is a top-level key"),
     ],
 )
 def test_demo_user_errors_print_one_line_and_exit_2(args, needle):

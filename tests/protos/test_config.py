@@ -19,22 +19,22 @@ def test_defaults_load_without_a_file():
     assert config == RunConfig()
     assert config.run_id == "demo"
     assert config.trainer.lr == 5e-3
-    assert config.coordinator.max_staleness == 1
-    assert config.coordinator.sampling.temperature == 1.0
+    assert config.max_staleness == 1
+    assert config.temperature == 1.0
     assert config.weight_bus.transport == "tcp"
     assert config.coordinator.sampling.max_tokens < config.rollout.max_model_len
 
 
 def test_dotted_overrides_reach_nested_sections():
     config = load_run_config(
-        overrides=["trainer.lr=1e-6", "coordinator.max_staleness=2", "coordinator.sampling.temperature=0.8"]
+        overrides=["trainer.lr=1e-6", "coordinator.sampling.top_p=0.9", "rollout.weight_updates=manual"]
     )
     assert config.trainer.lr == pytest.approx(1e-6)
-    assert config.coordinator.max_staleness == 2
-    assert config.coordinator.sampling.temperature == pytest.approx(0.8)
+    assert config.coordinator.sampling.top_p == pytest.approx(0.9)
+    assert config.rollout.weight_updates == "manual"
     # untouched siblings keep their defaults
-    assert config.coordinator.sampling.top_p == 1.0
-    assert config.trainer.num_steps == 40
+    assert config.coordinator.sampling.top_k == -1
+    assert config.trainer.lr_warmup_steps == 0
 
 
 def test_override_values_are_parsed_as_yaml():
@@ -81,14 +81,15 @@ def test_yaml_file_is_loaded_and_overrides_win(tmp_path):
     path = tmp_path / "run.yaml"
     path.write_text(
         "run_id: yaml-run\n"
-        "trainer:\n  lr: 2.0e-4\n  num_steps: 7\n"
-        "coordinator:\n  sampling: {temperature: 0.5, max_tokens: 16}\n"
+        "num_steps: 7\ntemperature: 0.5\n"
+        "trainer:\n  lr: 2.0e-4\n"
+        "coordinator:\n  sampling: {max_tokens: 16}\n"
     )
-    config = load_run_config(path, overrides=["trainer.num_steps=9"])
+    config = load_run_config(path, overrides=["num_steps=9"])
     assert config.run_id == "yaml-run"
     assert config.trainer.lr == pytest.approx(2e-4)
-    assert config.trainer.num_steps == 9
-    assert config.coordinator.sampling.temperature == 0.5
+    assert config.num_steps == 9
+    assert config.temperature == 0.5
     assert config.coordinator.sampling.max_tokens == 16
 
 
@@ -109,8 +110,8 @@ def test_demo_echo_recipe_loads():
     config = load_run_config(REPO_ROOT / "recipes" / "demo-echo.yaml")
     assert config.run_id == "demo"
     assert config.coordinator.task == "echo"
-    assert config.coordinator.groups_per_step == 16
-    assert config.trainer.num_steps == 50
+    assert config.groups_per_step == 16
+    assert config.num_steps == 50
     assert config.trainer.geo_mask is None
     assert config.trainer.token_tis_cap == 2.0
     assert config.rollout.num_servers == 2
@@ -214,13 +215,14 @@ def test_a_literal_override_outside_its_choices_names_the_field_and_the_choices(
 
 
 def test_a_recipe_composes_from_its_base_and_several_files_merge_in_order(tmp_path):
-    (tmp_path / "base.yaml").write_text("run_id: base\ntrainer:\n  lr: 1.0e-3\n  num_steps: 7\n")
+    (tmp_path / "base.yaml").write_text("run_id: base\nnum_steps: 7\ntrainer:\n  lr: 1.0e-3\n  seed: 3\n")
     (tmp_path / "delta.yaml").write_text("base: base.yaml\nrun_id: delta\ntrainer:\n  lr: 2.0e-3\n")
-    (tmp_path / "more.yaml").write_text("coordinator:\n  max_staleness: 3\n")
-    config = load_run_config([tmp_path / "delta.yaml", tmp_path / "more.yaml"], ["trainer.num_steps=9"])
-    assert (config.run_id, config.trainer.lr, config.coordinator.max_staleness) == ("delta", 2e-3, 3)
-    assert config.trainer.num_steps == 9  # the base's 7, then the override
-    assert load_run_config(tmp_path / "delta.yaml").trainer.num_steps == 7  # sections merge key by key
+    (tmp_path / "more.yaml").write_text("max_staleness: 3\n")
+    config = load_run_config([tmp_path / "delta.yaml", tmp_path / "more.yaml"], ["num_steps=9"])
+    assert (config.run_id, config.trainer.lr, config.max_staleness) == ("delta", 2e-3, 3)
+    assert config.num_steps == 9  # the base's 7, then the override
+    assert load_run_config(tmp_path / "delta.yaml").trainer.seed == 3  # sections merge key by key
+    assert load_run_config(tmp_path / "delta.yaml").num_steps == 7
 
 
 def test_config_file_errors_name_the_file(tmp_path):
@@ -241,3 +243,54 @@ def test_a_validation_error_is_described_on_one_line_naming_each_field():
         load_run_config(overrides=["trainer.lr=-1", "rollout.dtype=float64"])
     line = describe_config_error(caught.value)
     assert "\n" not in line and "trainer.lr: Input should be greater than 0" in line and "rollout.dtype" in line
+
+
+def test_keys_several_roles_read_live_once_at_the_top_and_dotted_overrides_set_them():
+    config = load_run_config(overrides=["num_steps=3", "groups_per_step=2", "max_staleness=0", "temperature=0.7"])
+    assert (config.num_steps, config.groups_per_step, config.max_staleness) == (3, 2, 0)
+    assert config.temperature == pytest.approx(0.7)
+    sampling = config.training_sampling()  # what a training request gets: the section at the run's temperature
+    assert sampling.temperature == pytest.approx(0.7) and sampling.max_tokens == config.coordinator.sampling.max_tokens
+    assert config.eval_sampling() == sampling  # eval without its own sampling samples as training does
+    from protos.config import CoordinatorConfig, TrainerConfig, TrainingSamplingConfig
+
+    assert "num_steps" not in TrainerConfig.model_fields and "temperature" not in TrainingSamplingConfig.model_fields
+    assert not {"groups_per_step", "max_staleness"} & set(CoordinatorConfig.model_fields)
+
+
+def test_deprecated_spellings_of_moved_keys_map_to_the_top_with_one_warning_each(tmp_path, caplog):
+    path = tmp_path / "old.yaml"
+    path.write_text(
+        "trainer: {num_steps: 7}\ncoordinator: {groups_per_step: 3, max_staleness: 2, sampling: {temperature: 0.5}}\n"
+    )
+    with caplog.at_level("WARNING", logger="protos.config.loading"):
+        config = load_run_config(path, ["coordinator.max_staleness=0"])  # an old override still wins over the file
+    assert (config.num_steps, config.groups_per_step, config.max_staleness, config.temperature) == (7, 3, 0, 0.5)
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 5 and all("deprecated" in line and "\n" not in line for line in lines)
+    assert any(
+        "coordinator.sampling.temperature is deprecated" in line and "write temperature" in line for line in lines
+    )
+    path.write_text("max_staleness: 1\ncoordinator: {max_staleness: 2}\n")
+    with pytest.raises(ValueError, match="coordinator.max_staleness .deprecated. = 2 and max_staleness = 1"):
+        load_run_config(path)
+
+
+def test_a_moved_key_written_inside_a_section_is_a_one_line_error_saying_where_it_lives():
+    from protos.config import describe_config_error
+
+    with pytest.raises(pydantic.ValidationError) as caught:
+        load_run_config(overrides=["trainer.max_staleness=1"])
+    line = describe_config_error(caught.value)
+    assert (
+        line
+        == "trainer.max_staleness: Extra inputs are not permitted (max_staleness is a top-level key: write max_staleness=...)"
+    )
+
+
+def test_eval_with_several_samples_needs_a_temperature_above_zero_from_its_own_sampling_or_the_run():
+    evals = ["coordinator.eval.datasets=[a.jsonl]", "coordinator.eval.samples_per_problem=4"]
+    with pytest.raises(pydantic.ValidationError, match="samples_per_problem > 1 needs a sampling temperature > 0"):
+        load_run_config(overrides=[*evals, "temperature=0"])
+    config = load_run_config(overrides=[*evals, "temperature=0", "coordinator.eval.sampling.temperature=0.6"])
+    assert config.eval_sampling().temperature == pytest.approx(0.6) and config.training_sampling().temperature == 0

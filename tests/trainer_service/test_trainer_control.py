@@ -44,10 +44,10 @@ def test_sync_republishes_the_current_version_and_set_changes_staleness_and_temp
     try:
         asyncio.run(
             send(
-                lambda c: c.announce_setting("coordinator.max_staleness", 4),
-                lambda c: c.announce_setting("coordinator.sampling.temperature", 0.7),
+                lambda c: c.announce_setting("max_staleness", 4),
+                lambda c: c.announce_setting("temperature", 0.7),
                 lambda c: c.announce_setting("coordinator.request_timeout_s", 9.0),  # another role's setting
-                lambda c: c.send(ControlKind.SET, "coordinator.max_staleness", "not json"),  # ignored, logged
+                lambda c: c.send(ControlKind.SET, "max_staleness", "not json"),  # ignored, logged
                 lambda c: c.send(ControlKind.SYNC),
                 lambda c: c.send(ControlKind.SYNC),  # two requests before one poll: one publish
             )

@@ -42,9 +42,9 @@ def _start_trainer(model_dir: str, url: str, ckpt_dir: Path, log: Path, *extra: 
         f"run_id={RUN_ID}",
         f"trainer.ckpt_dir={ckpt_dir}",
         "trainer.ckpt_interval=3",
-        f"trainer.num_steps={NUM_GROUPS // GROUPS_PER_STEP}",
-        f"coordinator.groups_per_step={GROUPS_PER_STEP}",
-        "coordinator.max_staleness=1000",
+        f"num_steps={NUM_GROUPS // GROUPS_PER_STEP}",
+        f"groups_per_step={GROUPS_PER_STEP}",
+        "max_staleness=1000",
         "trainer.geo_mask=null",
         "trainer.batch_timeout_s=60",
         *extra,
@@ -134,7 +134,7 @@ def test_megatron_backend_runs_in_the_trainer_process_and_publishes(redis_server
     push_groups(redis_server.url, keys, list(range(4)))
     log = tmp_path / "trainer.log"
     trainer = _start_trainer(
-        model_dir, redis_server.url, tmp_path / "ckpt", log, "trainer.backend=megatron", "trainer.num_steps=2"
+        model_dir, redis_server.url, tmp_path / "ckpt", log, "trainer.backend=megatron", "num_steps=2"
     )
     assert trainer.wait(timeout=300) == 0, log.read_text()[-3000:]
     final = _latest_state(tmp_path / "ckpt")
