@@ -4,6 +4,8 @@ Served on ``coordinator.admin_host:admin_port`` as ``fleetrl.admin.v1.Coordinato
 ``fleetrl status|pause|resume|drain|set|sync|servers`` commands are its client (``admin_cli``).
 Errors of the core map to gRPC codes: unknown key or server -> NOT_FOUND, bad value ->
 INVALID_ARGUMENT, not allowed now (or a rollout server to add is unreachable) -> FAILED_PRECONDITION.
+With a token file configured, every call needs a bearer token of scope ``admin`` (``coordinator.auth``,
+docs/auth.md); without one the API is open.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from dataclasses import dataclass
 
 import grpc
 
+from coordinator.auth import TOKENS_FILE_ENV, Authenticator, Scope, ScopeInterceptor, add_port, configured_token_book
 from coordinator.control import ControlChannel
 from coordinator.evaluation import EvalRunner
 from coordinator.metrics import MetricsReporter
@@ -205,11 +208,18 @@ class AdminServicer(pb_grpc.CoordinatorAdminServicer):
 
 
 async def start_admin_server(core: AdminCore, host: str, port: int) -> tuple[grpc.aio.Server, int]:
-    """Serve the admin API on ``host:port`` (0 picks a free port); returns the server and its port."""
-    server = grpc.aio.server()
+    """Serve the admin API on ``host:port`` (0 picks a free port); returns the server and its port.
+
+    With a token file configured (``agent.tokens_file`` or ``$FLEETRL_TOKENS_FILE``) every call needs a token of
+    scope ``admin``; without one the API is open (the local demo). TLS when ``agent.tls_cert_file`` is set.
+    """
+    agent = core.run_config.agent
+    book = configured_token_book(agent)
+    interceptors = [ScopeInterceptor(Authenticator(book), Scope.ADMIN)] if book is not None else []
+    server = grpc.aio.server(interceptors=interceptors)
     pb_grpc.add_CoordinatorAdminServicer_to_server(AdminServicer(core), server)
     try:
-        bound = server.add_insecure_port(f"{host}:{port}")
+        bound = add_port(server, f"{host}:{port}", agent)
     except RuntimeError as error:
         raise OSError(
             f"coordinator.admin_port {port} on {host} cannot be bound (in use?); "
@@ -217,5 +227,10 @@ async def start_admin_server(core: AdminCore, host: str, port: int) -> tuple[grp
         ) from error
     if bound == 0:
         raise OSError(f"coordinator.admin_port {port} on {host} cannot be bound (in use?)")
+    tls = " over TLS" if agent.tls_cert_file else ""
+    if book is None:
+        logger.warning("admin API%s is open: no token file (agent.tokens_file or $%s)", tls, TOKENS_FILE_ENV)
+    else:
+        logger.info("admin API%s needs scope admin (%d tokens from %s)", tls, len(book.grants), book.source)
     await server.start()
     return server, bound

@@ -1,9 +1,10 @@
 """``fleetrl status|pause|resume|drain|set|sync|servers``: the CLI of the coordinator's admin API.
 
 The CLI finds the coordinator at ``--admin HOST:PORT``, else ``$FLEETRL_ADMIN``, else
-``127.0.0.1:50050`` (the default ``coordinator.admin_port``). Exit codes: 0 done; 1 the operation did
-not complete in time (drain, sync); 2 the coordinator refused the request (unknown key, bad value,
-not allowed now); 3 the coordinator is unreachable.
+``127.0.0.1:50050`` (the default ``coordinator.admin_port``). A coordinator with a token file wants
+``--token`` (default ``$FLEETRL_TOKEN``) of scope ``admin``; one that speaks TLS wants ``--tls-ca FILE``.
+Exit codes: 0 done; 1 the operation did not complete in time (drain, sync); 2 the coordinator refused
+the request (unknown key, bad value, not allowed now, no or wrong token); 3 the coordinator is unreachable.
 """
 
 from __future__ import annotations
@@ -25,25 +26,51 @@ class AdminCallFailed(Exception):
         self.exit_code = exit_code
 
 
+# What to do about a refused token, by code.
+_AUTH_HINTS = {
+    grpc.StatusCode.UNAUTHENTICATED: "pass --token TOKEN or set FLEETRL_TOKEN",
+    grpc.StatusCode.PERMISSION_DENIED: "the admin verbs need a token of scope admin",
+}
+
+
+def _channel(args: argparse.Namespace) -> grpc.Channel:
+    from coordinator.auth import channel_credentials
+
+    if args.tls_ca:
+        try:
+            return grpc.secure_channel(args.admin, channel_credentials(args.tls_ca))
+        except OSError as error:
+            raise AdminCallFailed(f"--tls-ca {args.tls_ca}: cannot read it ({error.strerror})", EXIT_REFUSED) from None
+    return grpc.insecure_channel(args.admin)
+
+
 def _call(args: argparse.Namespace, method: str, request, timeout_s: float | None = None):
+    from coordinator.auth import call_metadata
     from protos import admin_pb2_grpc as pb_grpc
 
-    with grpc.insecure_channel(args.admin) as channel:
+    with _channel(args) as channel:
         try:
             grpc.channel_ready_future(channel).result(timeout=min(args.timeout_s, 5.0))
         except grpc.FutureTimeoutError:
+            tls = "" if args.tls_ca else " (if it speaks TLS, pass --tls-ca FILE)"
             raise AdminCallFailed(
                 f"cannot reach the coordinator admin API at {args.admin}; is the coordinator running? "
-                "Pass --admin HOST:PORT or set FLEETRL_ADMIN",
+                f"Pass --admin HOST:PORT or set FLEETRL_ADMIN{tls}",
                 EXIT_UNREACHABLE,
             ) from None
         stub = pb_grpc.CoordinatorAdminStub(channel)
         try:
-            return getattr(stub, method)(request, timeout=timeout_s or args.timeout_s)
+            return getattr(stub, method)(
+                request, timeout=timeout_s or args.timeout_s, metadata=call_metadata(args.token)
+            )
         except grpc.RpcError as error:
             if error.code() == grpc.StatusCode.UNAVAILABLE:
                 raise AdminCallFailed(
                     f"the coordinator admin API at {args.admin} went away: {error.details()}", EXIT_UNREACHABLE
+                ) from None
+            if error.code() in _AUTH_HINTS:
+                raise AdminCallFailed(
+                    f"{error.details()} ({error.code().name}); {_AUTH_HINTS[error.code()]}", EXIT_REFUSED
                 ) from None
             raise AdminCallFailed(f"{error.details()} ({error.code().name})", EXIT_REFUSED) from None
 
@@ -173,6 +200,12 @@ def add_admin_commands(commands) -> None:
         help=f"coordinator admin API HOST:PORT (default $FLEETRL_ADMIN or {DEFAULT_ADMIN})",
     )
     common.add_argument("--timeout-s", type=float, default=10.0, help="deadline of one admin call")
+    common.add_argument(
+        "--token",
+        default=os.environ.get("FLEETRL_TOKEN", ""),
+        help="bearer token of scope admin (default $FLEETRL_TOKEN; prefer the variable: argv is visible to others)",
+    )
+    common.add_argument("--tls-ca", default="", metavar="FILE", help="PEM CA (or server) certificate: connect by TLS")
     status = commands.add_parser("status", parents=[common], help="fleet, versions, queue, staleness, throughput")
     status.add_argument("--json", action="store_true", help="print the raw status as JSON")
     status.set_defaults(func=_cmd_status)
