@@ -220,9 +220,8 @@ class AgentDoor:
 
 
 async def start_agent_door(config, pipeline: Pipeline, fleet, stop: asyncio.Event) -> AgentDoor:
-    from coordinator.agent_api import start_agent_server
+    from coordinator.agent_api import agent_authenticator, start_agent_server
     from coordinator.agent_sessions import SessionBook
-    from coordinator.auth import authenticator_for
 
     scheduler = pipeline.scheduler
     info = await fleet.clients[0].info()  # every server serves the run's one model
@@ -230,11 +229,11 @@ async def start_agent_door(config, pipeline: Pipeline, fleet, stop: asyncio.Even
         config.agent,
         scheduler,
         fleet,
-        lambda: scheduler.config.sampling.temperature,  # live: the admin API may change it
+        lambda: scheduler.run.temperature,  # live: the admin API may change it
         info.max_model_len,
         info.vocab_size,
     )
-    server, port = await start_agent_server(book, authenticator_for(config.agent), config.agent)
+    server, port = await start_agent_server(book, agent_authenticator(config.agent), config.agent)
     logger.info("agent API on %s:%d (only agents: %s)", config.agent.host, port, config.agent.only_agents)
 
     async def expire_sessions() -> None:

@@ -13,7 +13,7 @@ import grpc
 from coordinator.agent_errors import AgentRefused
 from coordinator.agent_groups import SessionState
 from coordinator.agent_sessions import SessionBook
-from coordinator.auth import Authenticator, Scope
+from coordinator.auth import Authenticator, Scope, configured_token_book
 from protos import agent_pb2 as pb
 from protos import agent_pb2_grpc as pb_grpc
 from protos import rollout_pb2 as rpb
@@ -177,6 +177,16 @@ def _chunk_message(chunk) -> pb.GenerateChunk:
                 rpb.Tensor(data=routes.tobytes(), dtype=routes.dtype.name, shape=list(routes.shape))
             )
     return message
+
+
+def agent_authenticator(agent) -> Authenticator:
+    """The agent API's token check; it never runs open: without a tokens file it refuses to start."""
+    book = configured_token_book(agent)
+    if book is None:
+        raise ValueError(
+            "agent.enabled needs bearer tokens: set agent.tokens_file or FLEETRL_TOKENS_FILE (docs/auth.md)"
+        )
+    return Authenticator(book)
 
 
 async def start_agent_server(book: SessionBook, auth: Authenticator, config) -> tuple[grpc.aio.Server, int]:

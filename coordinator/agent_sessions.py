@@ -166,7 +166,7 @@ class SessionBook:
         if slot is None:
             raise Exhausted(
                 f"the staleness budget is spent (trainer v{self.scheduler.trainer_version}, max_staleness "
-                f"{self.scheduler.config.max_staleness}): retry later",
+                f"{self.scheduler.run.max_staleness}): retry later",
                 self.config.admission_retry_ms,
             )
         chosen = self.temperature() if temperature is None else temperature

@@ -19,9 +19,8 @@ import pytest
 import redis
 import redis.asyncio as aioredis
 import yaml
-from coordinator.auth import authenticator_for
 
-from coordinator.agent_api import start_agent_server
+from coordinator.agent_api import agent_authenticator, start_agent_server
 from coordinator.agent_sessions import SessionBook
 from coordinator.fleet import Fleet
 from coordinator.queue_writer import RolloutQueue
@@ -61,7 +60,7 @@ def rollout_server(tmp_path_factory):
 @pytest.fixture
 def tokens_file(tmp_path) -> Path:
     grants = [
-        {"name": name, "token_sha256": hashlib.sha256(token.encode()).hexdigest(), "scopes": scopes}
+        {"name": name, "token_sha256": hashlib.sha256(token.encode()).hexdigest(), "scopes": scopes, "rate_per_s": 500}
         for name, (token, scopes) in {**TOKENS, "gen-only": GENERATE_ONLY}.items()
     ]
     path = tmp_path / "tokens.yaml"
@@ -76,8 +75,8 @@ class AgentHarness:
         self.config = load_run_config(
             overrides=[
                 "coordinator.group_size=2",
-                "coordinator.groups_per_step=1",
-                "coordinator.max_staleness=1",
+                "groups_per_step=1",
+                "max_staleness=1",
                 "agent.enabled=true",
                 f"agent.tokens_file={tokens_file}",
                 *overrides,
@@ -90,11 +89,13 @@ class AgentHarness:
         client = RolloutClient(self.address)
         info = await client.info()
         self.fleet = Fleet([client])
-        self.scheduler = Scheduler(self.config.coordinator, self.fleet, RolloutQueue(self.redis, KEYS), EchoTask(), 8)
+        self.scheduler = Scheduler(self.config, self.fleet, RolloutQueue(self.redis, KEYS), EchoTask(), 8)
         self.book = SessionBook(
             self.config.agent, self.scheduler, self.fleet, lambda: 1.0, info.max_model_len, info.vocab_size
         )
-        self.server, port = await start_agent_server(self.book, authenticator_for(self.config.agent), self.config.agent)
+        self.server, port = await start_agent_server(
+            self.book, agent_authenticator(self.config.agent), self.config.agent
+        )
         self.channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
         self.stub = pb_grpc.AgentServiceStub(self.channel)
         return self
@@ -228,7 +229,7 @@ def test_admission_refuses_a_group_beyond_the_staleness_budget_with_a_retry_dela
     rollout_server, redis_url, tokens_file
 ):
     async def scenario():
-        async with harness(rollout_server, redis_url, tokens_file, "coordinator.max_staleness=0") as h:
+        async with harness(rollout_server, redis_url, tokens_file, "max_staleness=0") as h:
             await open_session(h.stub, key="first")  # on-policy, 1 group per step: one slot at v0
             await open_session(h.stub, key="first")  # the same group: no new slot
             call = h.stub.OpenSession(
@@ -274,7 +275,7 @@ def test_an_abandoned_group_frees_its_slot_for_the_next_group_and_nothing_reache
     rollout_server, redis_url, tokens_file
 ):
     async def scenario():
-        async with harness(rollout_server, redis_url, tokens_file, "coordinator.max_staleness=0") as h:
+        async with harness(rollout_server, redis_url, tokens_file, "max_staleness=0") as h:
             session = await open_session(h.stub, key="dies")
             await turn(h.stub, session.session_id)
             await h.stub.CloseSession(pb.CloseSessionRequest(session_id=session.session_id, abandon=True), metadata=A)
