@@ -3,7 +3,8 @@ memory, which records every call (method, metadata, request) and plays injected 
 
 It keeps the proto's rules the SDK relies on (bearer token, open_id and submission_id idempotency,
 expected_length checks, the record read back by GetSession) and is no model of the coordinator's server:
-its "model" emits ``last token + 1, + 2, ...`` (mod 50, offset 3) so turns are predictable.
+its "model" emits ``3 + (last token + i) % 50`` at position i = 1, 2, ..., and echoes the last token at every
+fourth position, so turns (and the echo reward) are predictable.
 """
 
 from __future__ import annotations
@@ -51,6 +52,8 @@ class StoredSession:
     session_id: str
     prompt: list[int]
     group_key: str
+    group_size: int = 1
+    reward: float | None = None
     state: int = agent_pb2.SESSION_STATE_OPEN
     turns: list[agent_pb2.Turn] = field(default_factory=list)
     submission: tuple[str, agent_pb2.SubmitResponse] | None = None
@@ -114,7 +117,9 @@ class ScriptedAgentService(agent_pb2_grpc.AgentServiceServicer):
         session_id = self.sessions_by_open_id.get(request.open_id)
         if session_id is None:
             session_id = uuid.uuid4().hex
-            self.sessions[session_id] = StoredSession(session_id, list(request.prompt_token_ids), request.group_key)
+            self.sessions[session_id] = StoredSession(
+                session_id, list(request.prompt_token_ids), request.group_key, request.group_size
+            )
             self.sessions_by_open_id[request.open_id] = session_id
         if fault is Fault.LOST_REPLY:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "injected: reply lost")
@@ -133,7 +138,7 @@ class ScriptedAgentService(agent_pb2_grpc.AgentServiceServicer):
         session = await self._session(request.session_id, context)
         await self._check_length(session, request.expected_length, context)
         last = session.token_ids()[-1]
-        tokens = [3 + (last + i) % 50 for i in range(1, request.max_tokens + 1)]
+        tokens = [last if i % 4 == 0 else 3 + (last + i) % 50 for i in range(1, request.max_tokens + 1)]
         logprobs = [-0.5] * len(tokens)
         turn = agent_pb2.Turn(generated=True, token_ids=tokens, logprobs=logprobs, finish_reason=2)
         session.turns.append(turn)  # recorded before the reply is sent, as the real server does
@@ -183,11 +188,16 @@ class ScriptedAgentService(agent_pb2_grpc.AgentServiceServicer):
             return session.submission[1]
         if request.expected_token_ids and list(request.expected_token_ids) != session.token_ids():
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "expected_token_ids: differ from the record")
-        group = [s for s in self.sessions.values() if s.group_key == session.group_key]
         session.state = agent_pb2.SESSION_STATE_SUBMITTED
+        session.reward = request.reward if request.HasField("reward") else None
+        group = [s for s in self.sessions.values() if s.group_key == session.group_key]
         submitted = sum(1 for s in group if s.state == agent_pb2.SESSION_STATE_SUBMITTED)
+        queued = submitted == session.group_size
         response = agent_pb2.SubmitResponse(
-            group_state=agent_pb2.GROUP_STATE_WAITING, sessions_submitted=submitted, group_size=2, group_id="g-1"
+            group_state=agent_pb2.GROUP_STATE_QUEUED if queued else agent_pb2.GROUP_STATE_WAITING,
+            sessions_submitted=submitted,
+            group_size=session.group_size,
+            group_id=f"group-{session.group_key}",
         )
         session.submission = (request.submission_id, response)
         if fault is Fault.LOST_REPLY:

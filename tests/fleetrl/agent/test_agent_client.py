@@ -273,14 +273,14 @@ def test_stream_recovers_the_rest_of_a_turn_recorded_before_the_stream_broke(ser
                 return s, chunks
 
     s, chunks = run(scenario())
-    assert [c.token_ids for c in chunks] == [[10, 11], [12, 13, 14, 15]] and chunks[-1].finished
-    assert chunks[-1].turn.token_ids == list(range(10, 16)) and s.length == 10
+    assert [c.token_ids for c in chunks] == [[10, 11], [12, 6, 14, 15]] and chunks[-1].finished
+    assert chunks[-1].turn.token_ids == [10, 11, 12, 6, 14, 15] and s.length == 10
     assert len(server.servicer.calls_of("Generate")) == 1  # recovered from the record, not generated again
 
 
-def test_sync_client_recovers_a_lost_generate_reply_and_abandons_on_exit(server):
+def test_sync_client_waits_admission_recovers_lost_replies_and_abandons_on_exit(server):
     server.servicer.inject("Generate", Fault.LOST_REPLY)
-    server.servicer.inject("OpenSession", Fault.LOST_REPLY)
+    server.servicer.inject("OpenSession", Exhausted(30), Fault.LOST_REPLY)
     with AgentClient(server.address, TOKEN, timeout_s=10.0, retry=FAST) as client:
         with client.session(PROMPT, group_key="k", group_size=1) as s:
             turn = s.generate(6)
@@ -288,6 +288,8 @@ def test_sync_client_recovers_a_lost_generate_reply_and_abandons_on_exit(server)
             after = s.generate(2)
     record = server.servicer.sessions[s.session_id]
     assert len(server.servicer.sessions) == 1 and len(record.turns) == 3
-    assert turn.recovered and turn.token_ids == list(range(10, 16)) and after.turn_index == 2
+    assert turn.recovered and turn.token_ids == [10, 11, 12, 6, 14, 15] and after.turn_index == 2
     assert s.token_ids == record.token_ids() and record.state == agent_pb2.SESSION_STATE_ABANDONED
     assert {call.metadata["authorization"] for call in server.servicer.calls} == {f"Bearer {TOKEN}"}
+    opens = server.servicer.calls_of("OpenSession")
+    assert len(opens) == 3 and len({c.request.open_id for c in opens}) == 1 and opens[1].at_s - opens[0].at_s >= 0.03
