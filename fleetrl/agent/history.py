@@ -1,0 +1,131 @@
+"""The session's own record of its tokens (prompt + every turn) and the rules that keep it equal to the
+server's: the ``expected_length`` each Generate/Append carries, the assembly of a streamed turn, and the resync
+check after a lost reply.
+
+Transport-free: the async and the sync session share it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fleetrl.agent.errors import AgentError, SessionLost
+from fleetrl.agent.types import FinishReason, GeneratedTurn, TurnChunk, VersionSpan, tensor_to_numpy
+from protos import agent_pb2
+
+_SESSION_STATE_NAMES = {value: name for name, value in agent_pb2.SessionState.items()}
+
+
+@dataclass(frozen=True)
+class HistoryTurn:
+    generated: bool  # True: model tokens (trained); False: appended (tool results, user turns)
+    token_ids: tuple[int, ...]
+
+
+class SessionHistory:
+    """Prompt and turns as this client knows them; ``length`` is the next call's ``expected_length``."""
+
+    def __init__(self, prompt_token_ids: list[int]):
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.turns: list[HistoryTurn] = []
+        self.length = len(self.prompt_token_ids)
+
+    @property
+    def token_ids(self) -> list[int]:
+        """Every token of the session in order (what Submit's ``expected_token_ids`` cross-checks)."""
+        tokens = list(self.prompt_token_ids)
+        for turn in self.turns:
+            tokens.extend(turn.token_ids)
+        return tokens
+
+    def add(self, generated: bool, token_ids: list[int], session_length: int) -> None:
+        """Record a turn the server confirmed; its ``session_length`` (0 = not sent) must agree."""
+        length = self.length + len(token_ids)
+        if session_length and session_length != length:
+            raise SessionLost(
+                f"the server holds {session_length} tokens after turn {len(self.turns)}, the client {length}"
+            )
+        self.turns.append(HistoryTurn(generated, tuple(token_ids)))
+        self.length = length
+
+    def extra_turn(self, info: agent_pb2.SessionInfo) -> agent_pb2.Turn | None:
+        """The server's record compared with this history: None when they are equal, the one turn the record
+        holds beyond it; SessionLost for anything else (the session closed, or a record that diverges)."""
+        if info.state not in (agent_pb2.SESSION_STATE_OPEN, agent_pb2.SESSION_STATE_CLOSED):
+            state = _SESSION_STATE_NAMES.get(info.state, str(info.state))
+            raise SessionLost(f"session {info.session_id} is {state} on the server")
+        if list(info.prompt_token_ids) != self.prompt_token_ids:
+            raise SessionLost(f"session {info.session_id}: the server's prompt differs from the client's")
+        num_turns = len(self.turns)
+        if len(info.turns) not in (num_turns, num_turns + 1):
+            raise SessionLost(
+                f"session {info.session_id}: the server holds {len(info.turns)} turns, the client {num_turns} "
+                "(another client drives this session?)"
+            )
+        for index, (mine, theirs) in enumerate(zip(self.turns, info.turns, strict=False)):
+            if mine.generated != theirs.generated or list(mine.token_ids) != list(theirs.token_ids):
+                raise SessionLost(f"session {info.session_id}: turn {index} differs between server and client")
+        return info.turns[num_turns] if len(info.turns) > num_turns else None
+
+
+def recovered_turn(turn: agent_pb2.Turn, turn_index: int, session_length: int) -> GeneratedTurn:
+    """A generated turn read back from GetSession (no version spans or routed experts there)."""
+    return GeneratedTurn(
+        token_ids=list(turn.token_ids),
+        logprobs=list(turn.logprobs),
+        finish_reason=FinishReason(turn.finish_reason),
+        version_spans=[],
+        routed_experts=None,
+        turn_index=turn_index,
+        session_length=session_length,
+        recovered=True,
+    )
+
+
+class TurnAssembler:
+    """Collects one Generate stream's chunks into a ``GeneratedTurn``."""
+
+    def __init__(self, start_length: int):
+        self.start_length = start_length
+        self.token_ids: list[int] = []
+        self.logprobs: list[float] = []
+        self.turn: GeneratedTurn | None = None
+
+    def add(self, chunk: agent_pb2.GenerateChunk) -> TurnChunk:
+        if self.turn is not None:
+            raise AgentError("Generate: the server sent a chunk after the finished one")
+        self.token_ids.extend(chunk.token_ids)
+        self.logprobs.extend(chunk.logprobs)
+        session_length = chunk.session_length or self.start_length + len(self.token_ids)
+        if chunk.finished:
+            self.turn = GeneratedTurn(
+                token_ids=list(self.token_ids),
+                logprobs=list(self.logprobs),
+                finish_reason=FinishReason(chunk.finish_reason),
+                version_spans=[VersionSpan(s.version, s.start, s.end) for s in chunk.version_spans],
+                routed_experts=tensor_to_numpy(chunk.routed_experts) if chunk.HasField("routed_experts") else None,
+                turn_index=chunk.turn_index,
+                session_length=session_length,
+            )
+        return TurnChunk(
+            token_ids=list(chunk.token_ids),
+            logprobs=list(chunk.logprobs),
+            turn_index=chunk.turn_index,
+            session_length=session_length,
+            finished=chunk.finished,
+            turn=self.turn,
+        )
+
+    def remainder(self, turn: GeneratedTurn) -> TurnChunk:
+        """The last chunk of a streamed turn recovered with GetSession: the tokens not yet handed out."""
+        if turn.token_ids[: len(self.token_ids)] != self.token_ids:
+            raise SessionLost("the recorded turn does not start with the tokens already streamed")
+        done = len(self.token_ids)
+        return TurnChunk(
+            token_ids=turn.token_ids[done:],
+            logprobs=turn.logprobs[done:],
+            turn_index=turn.turn_index,
+            session_length=turn.session_length,
+            finished=True,
+            turn=turn,
+        )
