@@ -77,7 +77,8 @@ def detect(force_fallback: bool | None = None) -> VllmFeatures:
     from vllm import SamplingParams
     from vllm.v1.engine.async_llm import AsyncLLM
 
-    check_supported(vllm.__version__)
+    if check_supported(vllm.__version__) == (0, 26):
+        keep_routes_through_output_merges()
     if force_fallback is None:
         force_fallback = os.environ.get(FALLBACK_ENV, "") not in ("", "0")
     client_errors, server_errors = _error_types()
@@ -116,6 +117,32 @@ def serves_mxfp8_checkpoint(quantization) -> bool:
     loads (q, scale) pairs. Plain 'mxfp8' is the online method, which takes high-precision weights."""
     name = str(quantization or "").lower()
     return "mxfp8" in name and name != "mxfp8"
+
+
+def keep_routes_through_output_merges() -> bool:
+    """vLLM 0.26: when the front end falls behind the engine, ``RequestOutputCollector`` merges DELTA outputs
+    through ``RequestOutput.add``, which copies tokens, logprobs and finish_reason but not ``routed_experts``.
+    Only the terminal output carries the routes, so a merged sample finished with ``routed_experts=None`` (the
+    tiny Beam's GPU check saw every route missing). vLLM 0.32 copies them in ``add`` itself; this is the same fix,
+    in the front-end process. Returns True when it patched (False: patched already)."""
+    from vllm.outputs import RequestOutput
+
+    original = RequestOutput.add
+    if getattr(original, "_fleetrl_keeps_routes", False):
+        return False
+
+    def add(self, next_output, aggregate):
+        routes = {
+            c.index: c.routed_experts for c in next_output.outputs if getattr(c, "routed_experts", None) is not None
+        }
+        original(self, next_output, aggregate)
+        for completion in self.outputs:
+            if completion.index in routes:
+                completion.routed_experts = routes[completion.index]
+
+    add._fleetrl_keeps_routes = True
+    RequestOutput.add = add
+    return True
 
 
 def moe_factory():
