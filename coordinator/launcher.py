@@ -13,6 +13,7 @@ import logging
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -20,6 +21,7 @@ from pathlib import Path
 
 import redis
 
+from coordinator.demo_agents import demo_agent_commands, prepare_agents
 from coordinator.redis_server import EmbeddedRedis
 from protos.config import RunConfig
 from protos.records import decode_done, decode_metrics
@@ -165,6 +167,7 @@ class DemoLauncher:
         self.config.redis_url = redis_url
         if not self.config.out_dir:  # eval samples and trainer checkpoints go under the run directory
             self.config.out_dir = str(self.out_dir)
+        agent_token = prepare_agents(self.config, self.out_dir) if self.config.agent.enabled else ""
         config_path = self.out_dir / "config.json"
         config_path.write_text(self.config.model_dump_json(indent=2))
         common = ["--config", str(config_path)]
@@ -195,7 +198,29 @@ class DemoLauncher:
         self.spawn("trainer", [*trainer, *common])
         addresses = self.wait_for_addresses(address_files)
         self.spawn("coordinator", ["-m", "coordinator", "run", "--servers", ",".join(addresses), *common])
+        self.spawn_demo_agents(agent_token)
         return redis_url
+
+    def spawn_demo_agents(self, token: str) -> None:
+        """``agent.demo_agents`` example agents, once the coordinator's agent API listens."""
+        commands = demo_agent_commands(self.config, token)
+        if commands:
+            self.wait_for_port(self.config.agent.host, self.config.agent.port, "the coordinator's agent API")
+        for name, args, env in commands:
+            self.spawn(name, args, env=env)
+
+    def wait_for_port(self, host: str, port: int, what: str, timeout_s: float = 300.0) -> None:
+        """Until ``host:port`` accepts connections (its role keeps running meanwhile)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                socket.create_connection((host, port), timeout=1.0).close()
+                return
+            except OSError:
+                self.check_children()
+                if time.monotonic() > deadline:
+                    raise RoleFailed(f"{what} not listening on {host}:{port} within {timeout_s:.0f}s") from None
+                time.sleep(0.2)
 
     def wait_for_addresses(self, address_files: dict[str, Path], timeout_s: float = 900.0) -> list[str]:
         """The rollout servers' host:port, once each is serving (engine start takes ~30 s each on CPU)."""
