@@ -1,0 +1,328 @@
+"""The OpenAI-compatible door: ``POST /v1/chat/completions`` onto SessionBook sessions (docs/openai_door.md).
+
+An adapter like ``agent_api.py``, over HTTP: an agent that speaks the OpenAI chat API trains by changing its base
+URL. Each request's messages are rendered with the model's chat template; the first request of a session opens
+it with that rendering as its prompt, a later one (header ``X-Fleetrl-Session``) must render to the session's
+record followed by new tokens, which are appended (mask 0) before the model's turn. Token truth is the core's:
+what is trained is the record, never the agent's text.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import logging
+import math
+import time
+from dataclasses import dataclass
+
+from aiohttp import web
+
+from coordinator.agent_errors import AgentRefused
+from coordinator.agent_sessions import Session, SessionBook
+from protos.records import FinishReason
+
+logger = logging.getLogger(__name__)
+
+STATUS = {"invalid": 400, "not_found": 404, "precondition": 409, "denied": 403, "exhausted": 429, "unavailable": 503}
+ERROR_TYPE = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    409: "conflict_error",
+    429: "rate_limit_error",
+    503: "service_unavailable",
+}
+# Fields that would change the sampling distribution: accepted only at their neutral values (the trainer needs
+# the logprobs of full-vocabulary sampling at the group's temperature). Other unknown fields are ignored.
+NEUTRAL = {
+    "n": (1,),
+    "best_of": (1,),
+    "top_p": (1,),
+    "top_k": (0, -1),
+    "min_p": (0,),
+    "presence_penalty": (0,),
+    "frequency_penalty": (0,),
+    "repetition_penalty": (1,),
+    "logit_bias": ({},),
+    "top_logprobs": (0,),
+    "stream": (False,),
+    "tool_choice": ("auto", "none"),
+    "response_format": ({"type": "text"},),
+}
+MAX_BODY_BYTES = 64 * 2**20  # a long agent history in JSON
+SESSION_ID = web.RequestKey("fleetrl_session_id", str)  # answered as X-Fleetrl-Session, refusals included
+
+
+class DoorRefused(Exception):
+    """An HTTP refusal: ``authorize`` raises it (401 missing/unknown token, 403 scope, 429 rate), so does the door."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, retry_after_ms: int = 0):
+        super().__init__(message)
+        self.status, self.param, self.retry_after_ms = status, param, retry_after_ms
+
+
+@dataclass
+class ChatRequest:
+    messages: list
+    max_tokens: int
+    temperature: float | None
+    stop_token_ids: list[int]
+    model: str
+    logprobs: bool
+    template_kwargs: dict
+
+
+def _refusal(status: int, message: str, param: str | None = None, retry_after_ms: int = 0) -> web.Response:
+    headers = {}
+    if retry_after_ms:
+        headers = {"Retry-After": str(max(1, math.ceil(retry_after_ms / 1000))), "retry-after-ms": str(retry_after_ms)}
+    body = {"error": {"message": message, "type": ERROR_TYPE.get(status, "server_error"), "param": param}}
+    return web.json_response(body, status=status, headers=headers)
+
+
+@web.middleware
+async def refusals(request: web.Request, handler) -> web.StreamResponse:
+    """Every refusal is an OpenAI-style error body; an unexpected failure is logged here, never sent."""
+    try:
+        response = await handler(request)
+    except DoorRefused as error:
+        response = _refusal(error.status, str(error), error.param, error.retry_after_ms)
+    except AgentRefused as error:
+        field = str(error).split(":", 1)[0]
+        param = field if field.replace("_", "").replace(".", "").isalnum() else None
+        response = _refusal(STATUS[error.kind], str(error), param, error.retry_after_ms)
+    except web.HTTPException as error:  # unknown route, wrong method, body too large
+        response = _refusal(error.status, error.reason)
+    except Exception:
+        logger.exception("openai door: %s %s failed", request.method, request.path)
+        response = _refusal(500, "internal error in the fleetrl door (logged by the coordinator)")
+    if SESSION_ID in request:
+        response.headers["X-Fleetrl-Session"] = request[SESSION_ID]
+    return response
+
+
+class OpenAIDoor:
+    """Handlers of the door; every decision about sessions stays in ``SessionBook``."""
+
+    def __init__(self, book: SessionBook, tokenizer, authorize):
+        self.book, self.tokenizer, self.authorize = book, tokenizer, authorize
+
+    async def grant(self, request: web.Request, scope: str) -> str:
+        header = request.headers.get("Authorization", "")
+        token = header[7:].strip() if header[:7].lower() == "bearer " else None
+        name = self.authorize(token or None, scope)
+        return await name if inspect.isawaitable(name) else name
+
+    # 1) completions ------------------------------------------------------------------------------
+    async def completions(self, request: web.Request) -> web.Response:
+        owner = await self.grant(request, "generate")
+        chat = self.parse(await _json_body(request))
+        rendered = self.render(chat)
+        session_id = request.headers.get("X-Fleetrl-Session", "")
+        if session_id:
+            session = self.book.get(owner, session_id)
+        else:
+            session = await self.open(request, owner, rendered, chat.temperature)
+        request[SESSION_ID] = session.session_id
+        if chat.temperature is not None and chat.temperature != session.group.temperature:
+            raise DoorRefused(
+                400, f"temperature: session {session.session_id} samples at {session.group.temperature}", "temperature"
+            )
+        record = session.tokens()
+        last = session.turns[-1] if session.turns else None
+        if last is not None and last.generated and rendered == record[: len(record) - len(last.token_ids)]:
+            index = len(session.turns) - 1  # a retry whose answer was lost: the recorded turn again
+        else:
+            _check_prefix(session.session_id, record, rendered)
+            if len(rendered) > len(record):
+                self.book.append(owner, session.session_id, rendered[len(record) :], len(record))
+            index = await self.generate(owner, session, chat, len(rendered))
+        return web.json_response(self.answer(session, index, chat))
+
+    def parse(self, body: dict) -> ChatRequest:
+        for name, neutral in NEUTRAL.items():
+            if body.get(name) is not None and body[name] not in neutral:
+                why = "streaming is not supported; send stream false" if name == "stream" else "unsupported"
+                raise DoorRefused(400, f"{name}: {body[name]!r} {why} (fleetrl trains on its own sampling)", name)
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
+            raise DoorRefused(400, "messages: a non-empty list of message objects is required", "messages")
+        max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+        if max_tokens is None:
+            max_tokens = self.book.max_model_len  # OpenAI's default: up to the context; the core clips to the room
+        if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens <= 0:
+            raise DoorRefused(400, f"max_tokens: {max_tokens!r}, must be an integer > 0", "max_tokens")
+        temperature = body.get("temperature")
+        if temperature is not None and (isinstance(temperature, bool) or not isinstance(temperature, int | float)):
+            raise DoorRefused(400, f"temperature: {temperature!r} is not a number", "temperature")
+        kwargs = dict(body.get("chat_template_kwargs") or {})
+        if body.get("tools"):
+            kwargs["tools"] = body["tools"]
+        model = body.get("model") if isinstance(body.get("model"), str) else "fleetrl"
+        stop = self.stop_tokens(body.get("stop"))
+        return ChatRequest(messages, max_tokens, temperature, stop, model, bool(body.get("logprobs")), kwargs)
+
+    def stop_tokens(self, stop) -> list[int]:
+        """OpenAI stop strings, each of which must be one token (the core stops on token ids only)."""
+        stops = [stop] if isinstance(stop, str) else stop or []
+        ids = []
+        for text in stops:
+            encoded = self.tokenizer.encode(text, add_special_tokens=False) if isinstance(text, str) else []
+            if len(encoded) != 1:
+                raise DoorRefused(400, f"stop: {text!r} is not a single token of this model's vocabulary", "stop")
+            ids += encoded
+        return ids
+
+    def render(self, chat: ChatRequest) -> list[int]:
+        try:
+            result = self.tokenizer.apply_chat_template(
+                chat.messages, add_generation_prompt=True, tokenize=True, **chat.template_kwargs
+            )
+        except Exception as error:  # a template's own refusal (a role it does not know, a missing key)
+            raise DoorRefused(400, f"messages: the chat template cannot render them: {error}", "messages") from error
+        return list(result if isinstance(result, list) else result["input_ids"])
+
+    async def open(self, request: web.Request, owner: str, prompt: list[int], temperature) -> Session:
+        key = request.headers.get("X-Fleetrl-Group-Key", "")
+        if not key:
+            raise DoorRefused(
+                400, "X-Fleetrl-Group-Key: required to open a session (or send X-Fleetrl-Session to continue one)"
+            )
+        size = request.headers.get("X-Fleetrl-Group-Size", "0")
+        if not size.isdigit():
+            raise DoorRefused(400, f"X-Fleetrl-Group-Size: {size!r} is not a non-negative integer")
+        open_id = request.headers.get("X-Fleetrl-Open-Id", "")
+        return await self.book.open(owner, prompt, key, int(size), temperature, {"door": "openai"}, open_id)
+
+    async def generate(self, owner: str, session: Session, chat: ChatRequest, length: int) -> int:
+        """The model's turn; the iterator is drained so that the core's ``finally`` frees the session now."""
+        index = None
+        turns = self.book.generate(owner, session.session_id, chat.max_tokens, chat.stop_token_ids, length)
+        async for chunk in turns:
+            if chunk.finished:
+                index = chunk.turn_index
+        if index is None:
+            raise AssertionError("SessionBook.generate ended without its finished chunk")
+        return index
+
+    def answer(self, session: Session, index: int, chat: ChatRequest) -> dict:
+        turn = session.turns[index]
+        tokens = turn.token_ids
+        if turn.finish_reason == FinishReason.STOP and tokens and tokens[-1] in self.tokenizer.all_special_ids:
+            tokens = tokens[:-1]  # the end-of-turn token is the template's to render (OpenAI leaves it out)
+        # A ``stop`` token that is not special stays in the content (unlike OpenAI): the record holds it, so the
+        # next request's rendering must too.
+        content = self.tokenizer.decode(tokens, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        context = len(session.prompt) + sum(len(t.token_ids) for t in session.turns[:index])
+        choice = {
+            "index": 0,
+            "message": {"role": "assistant", "content": content},
+            "finish_reason": "length" if turn.finish_reason == FinishReason.LENGTH else "stop",
+            "logprobs": None,
+        }
+        if chat.logprobs:
+            pieces = self.tokenizer.convert_ids_to_tokens(turn.token_ids)
+            entries = zip(pieces, turn.logprobs, strict=True)
+            choice["logprobs"] = {"content": [{"token": p, "logprob": lp, "top_logprobs": []} for p, lp in entries]}
+        versions = [v for v, _, _ in turn.version_spans]
+        return {
+            "id": f"chatcmpl-{session.session_id[:16]}-{index}",
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "model": chat.model,
+            "choices": [choice],
+            "usage": {
+                "prompt_tokens": context,
+                "completion_tokens": len(turn.token_ids),
+                "total_tokens": context + len(turn.token_ids),
+            },
+            "fleetrl": {
+                "session_id": session.session_id,
+                "turn_index": index,
+                "token_ids": list(turn.token_ids),
+                "logprobs": list(turn.logprobs),
+                "policy_version": max(versions) if versions else session.policy_version,
+            },
+        }
+
+    # 2) submission ---------------------------------------------------------------------------------
+    async def submit(self, request: web.Request) -> web.Response:
+        owner = await self.grant(request, "submit")
+        body = await _json_body(request)
+        session_id = request[SESSION_ID] = request.match_info["session_id"]
+        submission_id, reward = body.get("submission_id", ""), body.get("reward")
+        if not isinstance(submission_id, str):
+            raise DoorRefused(400, "submission_id: must be a string", "submission_id")
+        if reward is not None and (isinstance(reward, bool) or not isinstance(reward, int | float)):
+            raise DoorRefused(400, f"reward: {reward!r} is not a number (or null to set it later)", "reward")
+        result = await self.book.submit(owner, session_id, submission_id, reward, [])
+        return web.json_response(
+            {
+                "session_id": session_id,
+                "queued": result.queued,
+                "sessions_submitted": result.sessions_submitted,
+                "group_size": result.group_size,
+                "group_id": result.group_id,
+            }
+        )
+
+    async def abandon(self, request: web.Request) -> web.Response:
+        owner = await self.grant(request, "generate")
+        session_id = request[SESSION_ID] = request.match_info["session_id"]
+        self.book.close(owner, session_id, abandon=True)
+        return web.json_response({"session_id": session_id, "abandoned": True})
+
+
+async def _json_body(request: web.Request) -> dict:
+    try:
+        body = json.loads(await request.read())
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise DoorRefused(400, f"the body is not valid JSON: {error}") from error
+    if not isinstance(body, dict):
+        raise DoorRefused(400, "the body must be a JSON object")
+    return body
+
+
+def _check_prefix(session_id: str, record: list[int], rendered: list[int]) -> None:
+    """The rendering must start with every token the session holds; else name the first differing position."""
+    if rendered[: len(record)] == record:
+        return
+    position = next((i for i, (a, b) in enumerate(zip(record, rendered, strict=False)) if a != b), len(rendered))
+    held = record[position]
+    sent = rendered[position] if position < len(rendered) else "nothing (the rendering is shorter)"
+    raise DoorRefused(
+        400,
+        f"messages: the rendered conversation differs from session {session_id}'s record at token position "
+        f"{position} (recorded {held}, rendered {sent}): its history was altered; send the messages and answers "
+        "as they were, or open a new session",
+        "messages",
+    )
+
+
+def build_app(book: SessionBook, tokenizer, authorize) -> web.Application:
+    door = OpenAIDoor(book, tokenizer, authorize)
+    app = web.Application(middlewares=[refusals], client_max_size=MAX_BODY_BYTES)
+    app.router.add_post("/v1/chat/completions", door.completions)
+    app.router.add_post("/v1/fleetrl/sessions/{session_id}/submit", door.submit)
+    app.router.add_post("/v1/fleetrl/sessions/{session_id}/abandon", door.abandon)
+    return app
+
+
+async def start_openai_door(book: SessionBook, tokenizer, authorize, host: str, port: int) -> tuple[web.AppRunner, int]:
+    """Serve the door on ``host:port`` (0 picks a free port); returns the runner and the bound port.
+
+    ``authorize(token, scope) -> grant name`` (or an awaitable of it) raises ``DoorRefused``. Stop the door with
+    ``await runner.cleanup()``.
+    """
+    runner = web.AppRunner(build_app(book, tokenizer, authorize), access_log=None)
+    await runner.setup()
+    try:
+        await web.TCPSite(runner, host, port).start()
+    except OSError as error:
+        await runner.cleanup()
+        raise OSError(error.errno, f"openai door port {port} on {host}: {error.strerror}") from error
+    bound_port = runner.addresses[0][1]
+    logger.info("openai door on http://%s:%d/v1", host, bound_port)
+    return runner, bound_port

@@ -1,0 +1,255 @@
+"""The OpenAI-compatible door over real HTTP against a real rollout server (vLLM CPU, tiny model) and real Redis.
+
+One rollout server process is shared by the module; each test gets its own SessionBook, scheduler and door in
+this process, writing trajectory groups to the test's Redis (flushed per test).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+
+import aiohttp
+import pytest
+import redis
+import redis.asyncio as aioredis
+
+from coordinator.agent_sessions import SessionBook
+from coordinator.fleet import Fleet
+from coordinator.openai_door import DoorRefused, start_openai_door
+from coordinator.queue_writer import RolloutQueue
+from coordinator.rollout_client import RolloutClient
+from coordinator.scheduler import Scheduler
+from coordinator.tasks import EchoTask, load_tokenizer
+from modeling.tiny_model import init_tiny
+from protos.config import load_run_config
+from protos.records import decode_group
+from protos.redis_keys import RedisKeys
+from tests.rollout_service.server_process import spawn_rollout_server
+
+pytestmark = pytest.mark.integration
+
+KEYS = RedisKeys("openai-door")
+GRANTS = {"secret-a": ("team-a", {"generate", "submit"}), "secret-gen": ("gen-only", {"generate"})}
+# As real chat templates do, an assistant message ends with the end-of-turn token the model stops on.
+TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}{{ m['content'] }}"
+    "{% if m['role'] == 'assistant' %}{{ eos_token }}{% endif %}{% endfor %}"
+)
+USER = {"role": "user", "content": "314"}
+
+
+def authorize(token: str | None, scope: str) -> str:
+    if token is None:
+        raise DoorRefused(401, "Authorization: a bearer token is required")
+    if token not in GRANTS:
+        raise DoorRefused(401, "Authorization: unknown token")
+    name, scopes = GRANTS[token]
+    if scope not in scopes:
+        raise DoorRefused(403, f"token {name!r} lacks the {scope!r} scope")
+    return name
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory) -> str:
+    return str(init_tiny(tmp_path_factory.mktemp("tiny")))
+
+
+@pytest.fixture(scope="module")
+def rollout_server(tiny_model, tmp_path_factory):
+    server = spawn_rollout_server(tiny_model, tmp_path_factory.mktemp("logs") / "rollout.log", "--server-id", "r0")
+    try:
+        yield server.wait_serving(timeout_s=300)
+    finally:
+        os.killpg(server.process.pid, signal.SIGTERM)
+        try:
+            server.process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.process.pid, signal.SIGKILL)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model):
+    tokenizer = load_tokenizer(tiny_model)
+    # The char tokenizer names 52 of the model's 64 ids; the other 12 get characters so that every sampled token
+    # reads back as itself, as a real model's tokenizer covers its vocabulary.
+    tokenizer.add_tokens(list("ABCDEFGHIJKL"))
+    assert len(tokenizer) == 64
+    tokenizer.chat_template = TEMPLATE
+    return tokenizer
+
+
+class DoorHarness:
+    """A SessionBook + scheduler + door in this process, against the module's rollout server."""
+
+    def __init__(self, address: str, redis_url: str, tokenizer):
+        overrides = ["coordinator.group_size=2", "coordinator.groups_per_step=1", "coordinator.max_staleness=1"]
+        self.config = load_run_config(overrides=overrides)
+        self.address, self.redis_url, self.tokenizer = address, redis_url, tokenizer
+
+    async def __aenter__(self) -> DoorHarness:
+        self.redis = aioredis.Redis.from_url(self.redis_url)
+        client = RolloutClient(self.address)
+        info = await client.info()
+        self.fleet = Fleet([client])
+        self.scheduler = Scheduler(self.config.coordinator, self.fleet, RolloutQueue(self.redis, KEYS), EchoTask(), 8)
+        self.book = SessionBook(
+            self.config.agent, self.scheduler, self.fleet, lambda: 1.0, info.max_model_len, info.vocab_size
+        )
+        self.runner, port = await start_openai_door(self.book, self.tokenizer, authorize, "127.0.0.1", 0)
+        self.base = f"http://127.0.0.1:{port}/v1"
+        self.http = aiohttp.ClientSession()
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.http.close()
+        await self.runner.cleanup()
+        await self.fleet.close()
+        await self.redis.aclose()
+
+    async def post(self, path: str, body, token: str | None = "secret-a", **headers) -> tuple[int, dict, dict]:
+        if token is not None:
+            headers["Authorization"] = f"Bearer {token}"
+        data = body if isinstance(body, bytes) else None
+        payload = None if isinstance(body, bytes) else body
+        async with self.http.post(self.base + path, json=payload, data=data, headers=headers) as reply:
+            return reply.status, await reply.json(), dict(reply.headers)
+
+    async def chat(self, messages, session="", key="task-1", size="", **fields) -> tuple[int, dict, dict]:
+        headers = {"X-Fleetrl-Session": session} if session else {"X-Fleetrl-Group-Key": key}
+        if size:
+            headers["X-Fleetrl-Group-Size"] = size
+        body = {"model": "tiny", "messages": messages, "max_tokens": 6, **fields}
+        return await self.post("/chat/completions", body, **headers)
+
+    def render(self, messages) -> list[int]:
+        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)["input_ids"]
+
+    def queued(self) -> list:
+        entries = redis.Redis.from_url(self.redis_url).xrange(KEYS.trajectories)
+        return [decode_group(fields[b"g"]) for _, fields in entries]
+
+
+def test_two_chat_turns_continue_one_session_whose_record_is_prompt_generated_appended_generated(
+    rollout_server, redis_url, tokenizer
+):
+    async def scenario():
+        async with DoorHarness(rollout_server.address, redis_url, tokenizer) as h:
+            status, first, headers = await h.chat([USER], logprobs=True)
+            assert status == 200, first
+            sid = headers["X-Fleetrl-Session"]
+            assert first["object"] == "chat.completion" and first["fleetrl"]["session_id"] == sid
+            gen1 = first["fleetrl"]["token_ids"]
+            assert 1 <= len(gen1) <= 6 and len(first["fleetrl"]["logprobs"]) == len(gen1)
+            assert first["choices"][0]["message"]["role"] == "assistant"
+            assert first["choices"][0]["finish_reason"] in ("stop", "length")
+            assert len(first["choices"][0]["logprobs"]["content"]) == len(gen1)
+            answer = first["choices"][0]["message"]
+            messages = [USER, {"role": "assistant", "content": answer["content"]}, {"role": "tool", "content": "27"}]
+            status, second, headers = await h.chat(messages, session=sid)
+            assert status == 200, second
+            assert headers["X-Fleetrl-Session"] == sid and second["fleetrl"]["turn_index"] == 2
+            gen2 = second["fleetrl"]["token_ids"]
+            prompt, rendered = h.render([USER]), h.render(messages)
+            assert rendered[: len(prompt) + len(gen1)] == prompt + gen1  # the record is a prefix of the rendering
+            session = h.book.sessions[sid]
+            assert session.tokens() == rendered + gen2
+            appended = rendered[len(prompt) + len(gen1) :]
+            turns = [(t.generated, t.token_ids) for t in session.turns]
+            assert turns == [(True, gen1), (False, appended), (True, gen2)]
+            assert session.turns[2].logprobs == second["fleetrl"]["logprobs"]
+            assert second["usage"]["prompt_tokens"] == len(rendered)
+
+            # The same request again (its answer lost): the recorded turn comes back, nothing is generated.
+            status, again, _ = await h.chat(messages, session=sid)
+            assert status == 200 and again["fleetrl"] == second["fleetrl"] and len(session.turns) == 3
+
+            altered = dict(messages[1], content=("x" if answer["content"][:1] != "x" else "y") + answer["content"][1:])
+            status, error, _ = await h.chat([USER, altered, messages[2]], session=sid)
+            assert status == 400 and error["error"]["param"] == "messages"
+            assert f"position {len(prompt)}" in error["error"]["message"], error
+            assert session.tokens() == rendered + gen2  # nothing recorded by the refused call
+
+    asyncio.run(scenario())
+
+
+def test_two_sessions_of_a_group_submitted_through_the_door_queue_one_trajectory_group(
+    rollout_server, redis_url, tokenizer
+):
+    async def scenario():
+        async with DoorHarness(rollout_server.address, redis_url, tokenizer) as h:
+            sids = []
+            for _ in range(2):
+                status, reply, headers = await h.chat([USER], key="g1", size="2")
+                assert status == 200, reply
+                sids.append(headers["X-Fleetrl-Session"])
+            for k, sid in enumerate(sids):
+                status, reply, _ = await h.post(
+                    f"/fleetrl/sessions/{sid}/submit", {"submission_id": f"s{k}", "reward": float(k)}
+                )
+                assert status == 200 and reply["sessions_submitted"] == k + 1, reply
+            assert reply["queued"] is True
+            [group] = h.queued()
+            assert group.group_id == reply["group_id"] and list(group.prompt_token_ids.to_numpy()) == h.render([USER])
+            assert [s.reward for s in group.samples] == [0.0, 1.0]
+            status, error, _ = await h.post(f"/fleetrl/sessions/{sids[0]}/abandon", {})
+            assert status == 409 and "submitted" in error["error"]["message"]
+
+    asyncio.run(scenario())
+
+
+def test_a_missing_token_is_401_a_generate_only_token_cannot_submit_and_nothing_is_written(
+    rollout_server, redis_url, tokenizer
+):
+    async def scenario():
+        async with DoorHarness(rollout_server.address, redis_url, tokenizer) as h:
+            body = {"messages": [USER], "max_tokens": 4}
+            status, error, _ = await h.post("/chat/completions", body, token=None, **{"X-Fleetrl-Group-Key": "k"})
+            assert status == 401 and error["error"]["type"] == "authentication_error"
+            status, error, _ = await h.post("/chat/completions", body, token="nope", **{"X-Fleetrl-Group-Key": "k"})
+            assert status == 401
+            status, reply, headers = await h.post(
+                "/chat/completions", body, token="secret-gen", **{"X-Fleetrl-Group-Key": "k"}
+            )
+            assert status == 200, reply
+            sid = headers["X-Fleetrl-Session"]
+            submit = {"submission_id": "s", "reward": 1.0}
+            status, error, _ = await h.post(f"/fleetrl/sessions/{sid}/submit", submit, token="secret-gen")
+            assert status == 403 and "submit" in error["error"]["message"]
+            status, error, _ = await h.post(f"/fleetrl/sessions/{sid}/submit", submit)  # another grant's session
+            assert status == 403 and error["error"]["type"] == "permission_error"
+            assert h.queued() == [] and h.scheduler.stats.slots_admitted == 1
+
+    asyncio.run(scenario())
+
+
+def test_malformed_json_and_sampling_changes_are_400_naming_the_field_and_the_door_keeps_answering(
+    rollout_server, redis_url, tokenizer
+):
+    async def scenario():
+        async with DoorHarness(rollout_server.address, redis_url, tokenizer) as h:
+            status, error, _ = await h.post("/chat/completions", b"{not json", **{"X-Fleetrl-Group-Key": "k"})
+            assert status == 400 and "JSON" in error["error"]["message"]
+            for field, value in [("top_p", 0.9), ("n", 2), ("logit_bias", {"5": 3}), ("stream", True)]:
+                status, error, _ = await h.chat([USER], **{field: value})
+                assert status == 400 and error["error"]["param"] == field, (field, error)
+            status, error, _ = await h.chat([USER], stop=["12"])
+            assert status == 400 and error["error"]["param"] == "stop"
+            status, error, _ = await h.post("/chat/completions", {"messages": [USER]})
+            assert status == 400 and "X-Fleetrl-Group-Key" in error["error"]["message"]
+            status, error, _ = await h.post("/fleetrl/sessions/nope/submit", {"submission_id": "s", "reward": 1})
+            assert status == 404 and error["error"]["param"] == "session_id"
+            assert h.scheduler.stats.slots_admitted == 0  # no refused call opened anything
+
+            status, reply, headers = await h.chat([USER], stop=["7"], user="ignored", seed=3)
+            assert status == 200, reply
+            sid = headers["X-Fleetrl-Session"]
+            messages = [USER, reply["choices"][0]["message"], {"role": "user", "content": "1"}]
+            status, error, _ = await h.chat(messages, session=sid, temperature=0.5)
+            assert status == 400 and error["error"]["param"] == "temperature"
+            status, reply, _ = await h.chat(messages, session=sid, temperature=1.0)
+            assert status == 200 and reply["fleetrl"]["turn_index"] == 2, reply
+
+    asyncio.run(scenario())
