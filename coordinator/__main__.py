@@ -217,9 +217,11 @@ class AgentDoor:
     server: object  # grpc.aio.Server
     port: int
     expiry: asyncio.Task
+    openai_door: object = None  # aiohttp AppRunner of the OpenAI-compatible door, when agent.openai_port >= 0
 
 
-async def start_agent_door(config, pipeline: Pipeline, fleet, stop: asyncio.Event) -> AgentDoor:
+async def start_agent_door(config, pipeline: Pipeline, fleet, stop: asyncio.Event, operators: Operators) -> AgentDoor:
+    """The agent API (and the OpenAI door when configured); its expiry loop is supervised with the operators'."""
     from coordinator.agent_api import agent_authenticator, start_agent_server
     from coordinator.agent_sessions import SessionBook
 
@@ -233,8 +235,20 @@ async def start_agent_door(config, pipeline: Pipeline, fleet, stop: asyncio.Even
         info.max_model_len,
         info.vocab_size,
     )
-    server, port = await start_agent_server(book, agent_authenticator(config.agent), config.agent)
+    auth = agent_authenticator(config.agent)
+    server, port = await start_agent_server(book, auth, config.agent)
     logger.info("agent API on %s:%d (only agents: %s)", config.agent.host, port, config.agent.only_agents)
+    door = None
+    if config.agent.openai_port >= 0:
+        from coordinator.agent_api import http_authorize
+        from coordinator.openai_door import start_openai_door
+        from coordinator.tasks import load_tokenizer
+
+        tokenizer = load_tokenizer(config.model_path)
+        door, door_port = await start_openai_door(
+            book, tokenizer, http_authorize(auth), config.agent.host, config.agent.openai_port
+        )
+        logger.info("OpenAI-compatible door on http://%s:%d/v1", config.agent.host, door_port)
 
     async def expire_sessions() -> None:
         while not stop.is_set():
@@ -244,7 +258,9 @@ async def start_agent_door(config, pipeline: Pipeline, fleet, stop: asyncio.Even
             except TimeoutError:
                 pass
 
-    return AgentDoor(book, server, port, asyncio.create_task(expire_sessions(), name="agent-expiry"))
+    expiry = asyncio.create_task(expire_sessions(), name="agent-expiry")
+    operators.background.append(expiry)
+    return AgentDoor(book, server, port, expiry, door)
 
 
 async def run(args: argparse.Namespace) -> None:
@@ -280,9 +296,7 @@ async def run(args: argparse.Namespace) -> None:
     scheduler, evals = pipeline.scheduler, pipeline.evals
     # 3) serve operators and watch the fleet: admin API, /metrics, metrics reports (supervised below)
     operators = await start_operators(config, pipeline, client, keys, fleet, runners, stop)
-    agents = await start_agent_door(config, pipeline, fleet, stop) if config.agent.enabled else None
-    if agents is not None:
-        operators.background.append(agents.expiry)
+    agents = await start_agent_door(config, pipeline, fleet, stop, operators) if config.agent.enabled else None
     producers: set[asyncio.Task] = set()
     eval_task: asyncio.Task | None = None
     # 4) loop: supervise; start a due eval round; admit while the staleness bound (and eval hold) allows
@@ -304,6 +318,8 @@ async def run(args: argparse.Namespace) -> None:
     stop.set()
     if agents is not None:
         await agents.server.stop(grace=0.5)
+        if agents.openai_door is not None:
+            await agents.openai_door.cleanup()
     await shutdown([*producers, *([eval_task] if eval_task else [])], operators, pipeline, fleet)
     await client.aclose()
 

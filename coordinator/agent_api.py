@@ -13,7 +13,7 @@ import grpc
 from coordinator.agent_errors import AgentRefused
 from coordinator.agent_groups import SessionState
 from coordinator.agent_sessions import SessionBook
-from coordinator.auth import Authenticator, Scope, configured_token_book
+from coordinator.auth import Authenticator, Refused, Scope, configured_token_book
 from protos import agent_pb2 as pb
 from protos import agent_pb2_grpc as pb_grpc
 from protos import rollout_pb2 as rpb
@@ -198,3 +198,26 @@ async def start_agent_server(book: SessionBook, auth: Authenticator, config) -> 
     port = add_port(server, f"{config.host}:{config.port}", config)
     await server.start()
     return server, port
+
+
+HTTP_STATUS = {
+    grpc.StatusCode.UNAUTHENTICATED: 401,
+    grpc.StatusCode.PERMISSION_DENIED: 403,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
+}
+
+
+def http_authorize(auth: Authenticator):
+    """The OpenAI door's ``authorize(token, scope) -> grant name`` over the same token book and rate limits."""
+    from coordinator.openai_door import DoorRefused
+
+    def authorize(token: str | None, scope: str) -> str:
+        metadata = (("authorization", f"Bearer {token}"),) if token else ()
+        try:
+            return auth.authorize(metadata, Scope(scope)).name
+        except Refused as refusal:
+            raise DoorRefused(
+                HTTP_STATUS.get(refusal.code, 401), refusal.message, retry_after_ms=refusal.retry_after_ms
+            ) from None
+
+    return authorize
