@@ -40,7 +40,7 @@ async def wait_for_servers(clients, timeout_s: float) -> None:
 
 @dataclass
 class Pipeline:
-    """``PromptSource -> RolloutClient -> RewardFn -> RolloutQueue`` and the eval runner, built from the config."""
+    """``PromptSource -> RolloutClient -> RewardFn -> TrajectoryStreamWriter`` and the eval runner, from the config."""
 
     scheduler: object  # coordinator.scheduler.Scheduler
     evals: object | None  # coordinator.evaluation.EvalRunner
@@ -48,9 +48,9 @@ class Pipeline:
 
 
 async def build_pipeline(config, client, keys, fleet) -> Pipeline:
+    from channels.trajectory_stream import TrajectoryStreamWriter
     from coordinator.evaluation import EvalRunner, eval_versions, load_eval_sets
     from coordinator.metrics import reported_eval_versions
-    from coordinator.queue_writer import RolloutQueue
     from coordinator.rewards import get_reward_fn
     from coordinator.scheduler import Scheduler
     from coordinator.tasks import PromptRenderer, ResponseScorer, build_task, load_tokenizer
@@ -70,7 +70,7 @@ async def build_pipeline(config, client, keys, fleet) -> Pipeline:
     executor = ThreadPoolExecutor(cfg.reward_threads, thread_name_prefix="reward")
     task = build_task(cfg, config.rollout.max_model_len, tokenizer, executor)
     start_version, version_offset = await rendezvous.version_and_offset(client, keys)  # read together
-    queue = RolloutQueue(client, keys)
+    queue = TrajectoryStreamWriter(client, keys)
     # version - offset = the steps the trainer has taken (RedisKeys.version_offset)
     pushed = await queue.pushed_total()
     steps_done = max(0, start_version - version_offset)

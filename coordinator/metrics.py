@@ -18,8 +18,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from redis.exceptions import ConnectionError as RedisConnectionError
 
+from channels.trajectory_stream import TrajectoryStreamWriter
 from coordinator.evaluation import EvalRunner
-from coordinator.queue_writer import RolloutQueue
 from coordinator.scheduler import Scheduler
 from protos.records import MetricsReport, decode_metrics, encode
 from protos.redis_keys import RedisKeys
@@ -36,7 +36,7 @@ class MetricsReporter:
         self,
         scheduler: Scheduler,
         evals: EvalRunner | None,
-        queue: RolloutQueue,
+        queue: TrajectoryStreamWriter,
         client: aioredis.Redis,
         keys: RedisKeys,
     ):

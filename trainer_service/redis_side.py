@@ -50,9 +50,9 @@ class RedisSide:
     def __init__(self, redis_url: str, config, trainer, stop: threading.Event):
         import redis
 
+        from channels.trajectory_stream import TrajectoryStreamReader
         from protos.redis_keys import RedisKeys
         from trainer_service.publisher import WeightPublisher
-        from trainer_service.queue import TrajectoryQueue
 
         self.config = config
         self.trainer = trainer
@@ -63,7 +63,7 @@ class RedisSide:
             start_http_server(config.trainer.metrics_port)
         self.client = redis.Redis.from_url(redis_url, socket_timeout=30)
         self.keys = RedisKeys(config.run_id)
-        self.queue = TrajectoryQueue(self.client, self.keys, trim=config.trainer.trim_acknowledged)
+        self.queue = TrajectoryStreamReader(self.client, self.keys, trim=config.trainer.trim_acknowledged)
         self.reclaimed = self.queue.reclaim_pending()
         self.publisher = WeightPublisher(self.client, self.keys, config.weight_bus)
         self.control = ControlReader(self.client, self.keys, trainer, publish=None)

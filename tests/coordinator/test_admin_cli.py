@@ -17,12 +17,12 @@ import pytest
 import redis
 import redis.asyncio as aioredis
 
+from channels.trajectory_stream import TrajectoryStreamWriter
 from coordinator.admin import AdminCore, start_admin_server
 from coordinator.cli import main as fleetrl
 from coordinator.control import ControlChannel
 from coordinator.fleet import Fleet
 from coordinator.metrics import MetricsReporter
-from coordinator.queue_writer import RolloutQueue
 from coordinator.redis_server import free_port
 from coordinator.scheduler import Scheduler
 from coordinator.tasks import EchoTask
@@ -46,7 +46,7 @@ def admin(redis_url):
     async def start() -> None:
         run = load_run_config(overrides=[f"run_id={RUN_ID}", "coordinator.groups_per_step=2"])
         client, keys = aioredis.Redis.from_url(redis_url), RedisKeys(RUN_ID)
-        scheduler = Scheduler(run.coordinator, Fleet([]), RolloutQueue(client, keys), EchoTask(), 20)
+        scheduler = Scheduler(run.coordinator, Fleet([]), TrajectoryStreamWriter(client, keys), EchoTask(), 20)
         reporter = MetricsReporter(scheduler, None, scheduler.queue, client, keys)
         core = AdminCore(run, scheduler, reporter, ControlChannel(client, keys), None)
         server, port = await start_admin_server(core, "127.0.0.1", 0)
