@@ -18,6 +18,7 @@ import redis
 import redis.asyncio as aioredis
 
 from channels.trajectory_stream import TrajectoryStreamWriter
+from channels.version_board import VersionBoard
 from coordinator.admin import AdminCore, start_admin_server
 from coordinator.cli import main as fleetrl
 from coordinator.control import ControlChannel
@@ -29,7 +30,6 @@ from coordinator.tasks import EchoTask
 from protos.config import load_run_config
 from protos.records import ControlKind, WeightManifest, decode_control
 from protos.redis_keys import RedisKeys
-from weight_bus import rendezvous
 
 pytestmark = pytest.mark.integration
 
@@ -136,7 +136,7 @@ def test_sync_asks_the_trainer_and_reports_its_publish(admin, capsys, redis_url)
                 for cursor, fields in entries:  # noqa: B007 - the next read starts after the last entry
                     if decode_control(fields[b"c"]).kind is ControlKind.SYNC:
                         manifest = WeightManifest(7, [], [], "127.0.0.1:0", "tcp", time.time())
-                        rendezvous.publish_manifest(client, keys, manifest)
+                        VersionBoard(client, keys).publish_manifest(manifest)
                         return
 
     player = threading.Thread(target=trainer_side)
