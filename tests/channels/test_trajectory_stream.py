@@ -183,7 +183,7 @@ def test_depth_counts_undelivered_entries(redis_url, client):
     assert queue.depth() == 0
 
 
-def test_rollout_queue_depth_matches_the_trainer_view(redis_url, client):
+def test_the_writers_depth_matches_the_readers(redis_url, client):
     async def depth() -> int:
         c = aioredis.Redis.from_url(redis_url)
         try:
