@@ -1,1 +1,6 @@
-"""Shared infrastructure of the run's Redis channels, below the roles (it imports only protos)."""
+"""The run's typed Redis channels, below the roles and the weight bus (it imports only protos).
+
+- ``trajectory_stream``: the coordinator's pushes and the trainer's consumer-group reads of trajectory groups.
+- ``version_board``: the version pointer and offset, manifests, IPC records, announcements, fleet reports, RoleDone.
+- ``retry``: the one retry policy for Redis outages.
+"""

@@ -40,7 +40,7 @@ async def wait_for_servers(clients, timeout_s: float) -> None:
 
 @dataclass
 class Pipeline:
-    """``PromptSource -> RolloutClient -> RewardFn -> RolloutQueue`` and the eval runner, built from the config."""
+    """``PromptSource -> RolloutClient -> RewardFn -> TrajectoryStreamWriter`` and the eval runner, from the config."""
 
     scheduler: object  # coordinator.scheduler.Scheduler
     evals: object | None  # coordinator.evaluation.EvalRunner
@@ -48,13 +48,13 @@ class Pipeline:
 
 
 async def build_pipeline(config, client, keys, fleet) -> Pipeline:
+    from channels.trajectory_stream import TrajectoryStreamWriter
+    from channels.version_board import AsyncVersionBoard
     from coordinator.evaluation import EvalRunner, eval_versions, load_eval_sets
     from coordinator.metrics import reported_eval_versions
-    from coordinator.queue_writer import RolloutQueue
     from coordinator.rewards import get_reward_fn
     from coordinator.scheduler import Scheduler
     from coordinator.tasks import PromptRenderer, ResponseScorer, build_task, load_tokenizer
-    from weight_bus import rendezvous
 
     cfg = config.coordinator
     if cfg.sampling.top_p < 1.0 or cfg.sampling.top_k > 0:
@@ -69,8 +69,8 @@ async def build_pipeline(config, client, keys, fleet) -> Pipeline:
     tokenizer = load_tokenizer(config.model_path) if needs_tokenizer else None
     executor = ThreadPoolExecutor(cfg.reward_threads, thread_name_prefix="reward")
     task = build_task(cfg, config.rollout.max_model_len, tokenizer, executor)
-    start_version, version_offset = await rendezvous.version_and_offset(client, keys)  # read together
-    queue = RolloutQueue(client, keys)
+    start_version, version_offset = await AsyncVersionBoard(client, keys).version_and_offset()  # read together
+    queue = TrajectoryStreamWriter(client, keys)
     # version - offset = the steps the trainer has taken (RedisKeys.version_offset)
     pushed = await queue.pushed_total()
     steps_done = max(0, start_version - version_offset)
@@ -155,14 +155,14 @@ async def resume_prompts(task, queue) -> None:
 
 
 async def eval_round(evals, reporter, version: int) -> None:
-    from redis.exceptions import ConnectionError as RedisConnectionError
+    from channels.retry import UNREACHABLE
 
     values = await evals.run_round(version)
     if values is None:
         return
     try:
         await reporter.report_eval(version, values)
-    except (RedisConnectionError, OSError) as error:  # the round's figures are logged; losing the report is not fatal
+    except UNREACHABLE as error:  # an XADD, not retried (not idempotent); the round's figures are logged anyway
         logger.warning("eval report of v%d to Redis failed: %s", version, error)
 
 

@@ -12,7 +12,6 @@ The coordinator only writes; each reader keeps its own cursor (plain XREAD, no c
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
 import uuid
@@ -20,6 +19,7 @@ from dataclasses import dataclass
 
 import redis.asyncio as aioredis
 
+from channels.version_board import AsyncVersionBoard
 from protos.records import ControlCommand, ControlKind, encode
 from protos.redis_keys import RedisKeys, as_text
 
@@ -37,6 +37,7 @@ class ControlChannel:
     def __init__(self, client: aioredis.Redis, keys: RedisKeys):
         self.client = client
         self.keys = keys
+        self.board = AsyncVersionBoard(client, keys)
 
     async def send(self, kind: ControlKind, key: str = "", value_json: str = "") -> str:
         """Append one command; returns its stream entry id."""
@@ -51,16 +52,12 @@ class ControlChannel:
 
     async def request_sync(self, wait_s: float) -> SyncResult:
         """Ask for a weight publish; with ``wait_s`` > 0, wait that long for a version announcement."""
-        last = await self.client.xrevrange(self.keys.weight_announcements, count=1)
-        cursor = as_text(last[0][0]) if last else "0-0"
+        cursor = await self.board.last_announcement_id()
         entry_id = await self.send(ControlKind.SYNC)
         deadline = time.monotonic() + wait_s
         while (remaining := deadline - time.monotonic()) > 0:
             # short blocks: the client's socket timeout must not fire under a long XREAD
-            block_ms = int(min(remaining, 1.0) * 1000)
-            reply = await self.client.xread({self.keys.weight_announcements: cursor}, block=block_ms)
-            if reply:
-                _entry, fields = reply[0][1][-1]
-                return SyncResult(entry_id, True, int(fields[b"v"]))
-            await asyncio.sleep(0)
+            _, announced = await self.board.wait_for_announcement(cursor, timeout_s=min(remaining, 1.0))
+            if announced is not None:
+                return SyncResult(entry_id, True, announced)
         return SyncResult(entry_id, False, -1)

@@ -24,12 +24,11 @@ from importlib import resources
 import msgspec
 import redis.asyncio as aioredis
 from aiohttp import web
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from channels.retry import UNREACHABLE
+from channels.version_board import AsyncVersionBoard
 from protos.records import MetricsReport, VersionReport, decode_metrics
 from protos.redis_keys import RedisKeys
-from weight_bus import rendezvous
 
 logger = logging.getLogger(__name__)
 
@@ -146,6 +145,7 @@ class DashboardState:
     ):
         self.client = client
         self.keys = keys
+        self.board = AsyncVersionBoard(client, keys)
         self.max_points = max_points
         self.min_refresh_s = min_refresh_s
         self.roles = roles
@@ -162,9 +162,8 @@ class DashboardState:
         """Read the reports added since the last refresh, the fleet hash and the trainer's version."""
         for role in self.roles:
             await self._read_role(role)
-        self.servers = await rendezvous.fleet_reports(self.client, self.keys)
-        raw_version = await self.client.get(self.keys.policy_version)
-        self.trainer_version = int(raw_version) if raw_version is not None else None
+        self.servers = await self.board.fleet_reports()
+        self.trainer_version = await self.board.published_version()
         self._last_refresh = time.monotonic()
 
     async def refresh_if_due(self) -> None:
@@ -323,7 +322,7 @@ async def _state_handler(request: web.Request) -> web.Response:
     state = request.app[STATE_KEY]
     try:
         await state.refresh_if_due()
-    except (RedisConnectionError, RedisTimeoutError, OSError) as error:
+    except UNREACHABLE as error:
         # The page keeps its last data and shows this; the coordinator itself is not disturbed.
         logger.warning("dashboard: Redis read failed: %s", error)
         body = msgspec.json.encode({"error": f"Redis unreachable: {error}"})

@@ -14,12 +14,12 @@ import time
 from collections.abc import Callable
 
 import redis.asyncio as aioredis
-from redis.exceptions import ConnectionError as RedisConnectionError
 
+from channels.retry import UNREACHABLE
+from channels.version_board import AsyncVersionBoard
 from coordinator.rollout_client import RolloutClient, RolloutFailed, SampleResult
 from protos.config import SamplingConfig
 from protos.redis_keys import RedisKeys
-from weight_bus import rendezvous
 
 logger = logging.getLogger(__name__)
 
@@ -139,14 +139,15 @@ class FleetWatcher:
         self.on_version_offset = on_version_offset  # (the trainer's version - steps) -> None
         self.client = client
         self.keys = keys
+        self.board = AsyncVersionBoard(client, keys)
         self.interval_s = interval_s
 
     async def refresh(self) -> None:
-        version, offset = await rendezvous.version_and_offset(self.client, self.keys)
+        version, offset = await self.board.version_and_offset()
         if self.on_version_offset is not None:  # first: the shift must be in place before the new version counts
             self.on_version_offset(offset)
         self.on_version(version)
-        reports = await rendezvous.fleet_reports(self.client, self.keys)
+        reports = await self.board.fleet_reports()
         by_address = {report.address: report for report in reports.values()}
         for client in self.fleet.clients:
             report = by_address.get(client.address)
@@ -168,8 +169,8 @@ class FleetWatcher:
         while not stop.is_set():
             try:
                 await self.refresh()
-            except (RedisConnectionError, OSError) as error:
-                logger.warning("fleet refresh failed (Redis unreachable?): %s", error)
+            except UNREACHABLE as error:  # periodic: the next tick is the retry
+                logger.warning("fleet refresh skipped, Redis unreachable: %s", error)
             if ticks % 10 == 0:
                 await self.check_health()
             ticks += 1

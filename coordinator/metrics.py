@@ -16,10 +16,10 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
-from redis.exceptions import ConnectionError as RedisConnectionError
 
+from channels.retry import UNREACHABLE
+from channels.trajectory_stream import TrajectoryStreamWriter
 from coordinator.evaluation import EvalRunner
-from coordinator.queue_writer import RolloutQueue
 from coordinator.scheduler import Scheduler
 from protos.records import MetricsReport, decode_metrics, encode
 from protos.redis_keys import RedisKeys
@@ -36,7 +36,7 @@ class MetricsReporter:
         self,
         scheduler: Scheduler,
         evals: EvalRunner | None,
-        queue: RolloutQueue,
+        queue: TrajectoryStreamWriter,
         client: aioredis.Redis,
         keys: RedisKeys,
     ):
@@ -106,9 +106,9 @@ class MetricsReporter:
             try:
                 self.queue_depth = await self.queue.depth()
                 await self.report()
-            except (RedisConnectionError, OSError) as error:
+            except UNREACHABLE as error:  # periodic: the next report is the retry
                 logger.warning(
-                    "metrics report to %s failed (Redis unreachable?): %s", self.keys.metrics("coordinator"), error
+                    "metrics report to %s skipped, Redis unreachable: %s", self.keys.metrics("coordinator"), error
                 )
             if stop.is_set():  # one last report after the stop so the totals are final
                 return

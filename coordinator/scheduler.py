@@ -32,8 +32,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from channels.trajectory_stream import TrajectoryStreamWriter
 from coordinator.fleet import Fleet
-from coordinator.queue_writer import RolloutQueue
 from coordinator.rewards import RewardResult
 from coordinator.rollout_client import RolloutClient, SampleResult
 from coordinator.tasks import Task, TaskPrompt
@@ -74,7 +74,7 @@ class Scheduler:
         self,
         run: RunConfig,
         fleet: Fleet,
-        queue: RolloutQueue,
+        queue: TrajectoryStreamWriter,
         task: Task,
         total_groups: int,
         start_version: int = 0,

@@ -17,16 +17,16 @@ import time
 from dataclasses import dataclass
 
 import redis.asyncio as aioredis
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from channels.retry import UNREACHABLE
+from channels.version_board import AsyncVersionBoard
 from protos.config import WeightBusConfig
-from protos.records import ReportStatus, WeightManifest, encode
+from protos.records import ReportStatus, VersionReport, WeightManifest, encode
 from protos.redis_keys import RedisKeys
 from rollout_service import metrics
 from rollout_service.engine import RolloutEngine
 from rollout_service.vllm_adapter import serves_mxfp8_checkpoint
-from weight_bus import packing, receiver, rendezvous, tcp
+from weight_bus import packing, receiver, tcp
 from weight_bus.ipc import IpcUnavailable
 
 logger = logging.getLogger(__name__)
@@ -71,6 +71,7 @@ class WeightFollower:
         self.nccl_subscriber_factory = nccl_subscriber_factory
         self.client = client
         self.keys = keys
+        self.board = AsyncVersionBoard(client, keys)
         self.config = config
         self.address = address
         self.last_update_s = 0.0  # receive + commit of the last version (reported with the version)
@@ -82,17 +83,18 @@ class WeightFollower:
         self._lock = asyncio.Lock()
 
     async def report(self, status: ReportStatus = ReportStatus.OK, message: str = "") -> None:
-        await rendezvous.report_version(
-            self.client,
-            self.keys,
-            self.engine.server_id,
+        engine = self.engine
+        report = VersionReport(
+            engine.server_id,
             self.address,
-            self.engine.policy_version,
+            engine.policy_version,
             status,
             message,
+            time.time(),
             self.last_update_s,
             self.last_paused_s,
         )
+        await self.board.report_version(report)
 
     async def begin(self, version: int) -> PendingUpdate:
         """Reserve staging for ``version`` (0 = latest); replaces an older pending update."""
@@ -148,7 +150,7 @@ class WeightFollower:
             version = await self._latest_version()
         if version <= self.engine.policy_version:
             raise UpdateConflict(f"version {version} is not newer than the server's v{self.engine.policy_version}")
-        manifest = await rendezvous.get_manifest(self.client, self.keys, version)
+        manifest = await self.board.manifest(version)
         # A late or restarted server whose Redis lost the manifest still finds it with the snapshot.
         manifest = receiver.resolve_manifest(manifest, version, self.config.snapshot_dir)
         if manifest is None:
@@ -164,7 +166,7 @@ class WeightFollower:
         config = self.engine.config
         if manifest.transport != "ipc" or config.tensor_parallel_size * config.pipeline_parallel_size != 1:
             return None
-        record = await rendezvous.get_ipc_version(self.client, self.keys, manifest.version)
+        record = await self.board.ipc_record(manifest.version)
         if record is None:
             return None
         reason = await self.engine.ipc_unopenable_reason(record)
@@ -175,7 +177,7 @@ class WeightFollower:
 
     async def _latest_version(self) -> int:
         # Redis is the truth; after Redis lost its keys the newest snapshot still says how far the trainer got.
-        latest = await rendezvous.latest_version(self.client, self.keys)
+        latest = await self.board.latest_version()
         return max(latest, receiver.latest_snapshot_version(self.config.snapshot_dir))
 
     async def _load_locked(self, pending: PendingUpdate) -> None:
@@ -282,12 +284,10 @@ class WeightFollower:
                 if catch_up:
                     await self._try_update(0)
                     catch_up = False
-                last_id, announced = await rendezvous.wait_for_announcement(
-                    self.client, self.keys, last_id, timeout_s=1.0
-                )
+                last_id, announced = await self.board.wait_for_announcement(last_id, timeout_s=1.0)
                 if announced is not None:
                     await self._try_update(0)
-            except (RedisConnectionError, RedisTimeoutError) as error:
+            except UNREACHABLE as error:  # the loop is periodic: its next pass is the retry
                 logger.warning(
                     "server %s (v%d): Redis unreachable, following again once it is back: %s",
                     self.engine.server_id,

@@ -1,5 +1,5 @@
-"""The layering contracts of pyproject.toml [tool.importlinter] hold (protos/modeling import no role,
-weight_bus imports only protos, the three roles never import each other)."""
+"""The layering contracts of pyproject.toml [tool.importlinter] hold (protos/modeling import no role, channels
+imports only protos, weight_bus only protos and channels, the three roles never import each other)."""
 
 from __future__ import annotations
 

@@ -50,9 +50,10 @@ class RedisSide:
     def __init__(self, redis_url: str, config, trainer, stop: threading.Event):
         import redis
 
+        from channels.trajectory_stream import TrajectoryStreamReader
+        from channels.version_board import VersionBoard
         from protos.redis_keys import RedisKeys
         from trainer_service.publisher import WeightPublisher
-        from trainer_service.queue import TrajectoryQueue
 
         self.config = config
         self.trainer = trainer
@@ -63,14 +64,15 @@ class RedisSide:
             start_http_server(config.trainer.metrics_port)
         self.client = redis.Redis.from_url(redis_url, socket_timeout=30)
         self.keys = RedisKeys(config.run_id)
-        self.queue = TrajectoryQueue(self.client, self.keys, trim=config.trainer.trim_acknowledged)
+        self.board = VersionBoard(self.client, self.keys)
+        self.queue = TrajectoryStreamReader(self.client, self.keys, trim=config.trainer.trim_acknowledged)
         self.reclaimed = self.queue.reclaim_pending()
         self.publisher = WeightPublisher(self.client, self.keys, config.weight_bus)
         self.control = ControlReader(self.client, self.keys, trainer, publish=None)
         self.unacked: list[str] = []  # entries consumed since the last checkpoint
 
     def published_version(self) -> int:
-        return int(self.client.get(self.keys.policy_version) or 0)
+        return self.board.latest_version()
 
     def read_groups(self, relay) -> list:
         """The next step's new groups; ``relay(sync, settings)`` gets the operator commands read meanwhile."""
@@ -126,27 +128,31 @@ class RedisSide:
         )
 
     def finish(self, linger_s: float, stop: threading.Event) -> None:
+        from channels.retry import UNREACHABLE
 
         done = RoleDone("trainer", self.trainer.totals.steps, self.trainer.policy_version, time.time())
-        send_report(self.client, self.keys, done)
+        try:
+            self.board.post_done(done, timeout_s=30.0)
+        except UNREACHABLE as error:  # a lost marker costs the launcher its wait for it, an exit a model reload
+            logger.error("metrics end-of-run marker dropped, Redis unreachable for 30s: %s", error)
         stop.wait(linger_s)  # keep serving the last versions so slow rollout servers can fetch them
         self.publisher.close()
 
 
 def send_report(client, keys, report, timeout_s: float = 30.0) -> None:
-    """XADD a trainer MetricsReport (field ``m``) or its RoleDone (field ``d``), retried while Redis is unreachable;
-    after ``timeout_s`` it is dropped (logged): a lost report costs a dashboard point, an exit a model reload.
+    """XADD a trainer MetricsReport (field ``m``), retried while Redis is unreachable; after ``timeout_s`` it is
+    dropped (logged): a lost report costs a dashboard point, an exit a model reload.
 
     XADD is not idempotent: after a reply lost in transit a report can land twice (readers keep a step's last one).
     """
     from channels.retry import UNREACHABLE, retry_sync
     from protos.records import encode
 
-    field, what = ("d", "end-of-run marker") if isinstance(report, RoleDone) else ("m", f"report of step {report.step}")
+    what = f"report of step {report.step}"
     payload = encode(report)
     try:
         retry_sync(
-            lambda: client.xadd(keys.metrics("trainer"), {field: payload}, maxlen=100000, approximate=True),
+            lambda: client.xadd(keys.metrics("trainer"), {"m": payload}, maxlen=100000, approximate=True),
             f"metrics {what}",
             timeout_s,
         )
@@ -205,11 +211,11 @@ class ControlReader:
 
         Redis unreachable: none for now (they stay in the stream and come with a later read).
         """
-        import redis
+        from channels.retry import UNREACHABLE
 
         try:
             entries = self.client.xread({self.keys.control: self.last_id}, count=100) or []
-        except (redis.ConnectionError, redis.TimeoutError) as error:
+        except UNREACHABLE as error:  # polled about once a second: the next poll is the retry
             logger.warning("control commands not read, Redis unreachable: %s", error)
             return False, []
         sync, settings = False, []

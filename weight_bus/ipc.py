@@ -25,11 +25,11 @@ import msgspec
 import redis
 import torch
 
-from channels.retry import retry_sync
-from protos.records import CudaIpcBucket, CudaIpcVersion, WeightManifest, encode
+from channels.version_board import VersionBoard
+from protos.records import CudaIpcBucket, CudaIpcVersion, WeightManifest
 from protos.redis_keys import RedisKeys
 from weight_bus import nccl_group as ng
-from weight_bus import packing, rendezvous
+from weight_bus import packing
 from weight_bus.nccl_device import ChunkPacker, FlatHost, host_buffer
 from weight_bus.sender import PublishStats, WeightSender
 
@@ -144,6 +144,7 @@ class IpcWeightPublisher:
 
     def __init__(self, client: redis.Redis, keys: RedisKeys, config, device: torch.device | None = None):
         self.client, self.keys, self.config = client, keys, config
+        self.board = VersionBoard(client, keys)
         self.fallback = WeightSender(client, keys, config, transport="ipc", recycle=False)
         self.tcp = self.fallback.tcp
         self.codec = self.fallback.codec
@@ -176,24 +177,16 @@ class IpcWeightPublisher:
     def _hold(self, version: int, buckets: list[torch.Tensor], record: CudaIpcVersion) -> None:
         """Keep this version's device buckets and publish their handles (before the manifest announces it)."""
         self.held[version] = buckets
-        retry_sync(
-            lambda: self.client.set(self.keys.ipc_buckets(version), encode(record), ex=rendezvous.MANIFEST_TTL_S),
-            f"storing the IPC handles of v{version}",
-            60.0,
-        )
+        self.board.store_ipc_record(record)
         for old in sorted(self.held)[:-IPC_KEEP_VERSIONS]:
             # Handles first: a receiver that reads none takes tcp instead of opening memory about to be reused.
-            retry_sync(
-                lambda old=old: self.client.delete(self.keys.ipc_buckets(old)),
-                f"dropping the IPC handles of v{old}",
-                60.0,
-            )
+            self.board.drop_ipc_record(old)
             del self.held[old]
 
     def close(self) -> None:
         for version in list(self.held):
             try:
-                self.client.delete(self.keys.ipc_buckets(version))
+                self.board.drop_ipc_record(version, timeout_s=0)
             except redis.RedisError as error:  # expiring on their own; nothing is lost
                 logger.warning("weight bus (ipc): could not drop the handles of v%d: %s", version, error)
         self.held.clear()

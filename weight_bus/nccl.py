@@ -29,10 +29,11 @@ import numpy as np
 import redis
 import torch
 
+from channels.version_board import VersionBoard
 from protos.records import WeightManifest
 from protos.redis_keys import RedisKeys
 from weight_bus import nccl_group as ng
-from weight_bus import packing, rendezvous
+from weight_bus import packing
 from weight_bus.nccl_comm import NcclCommunicator, new_unique_id
 from weight_bus.nccl_device import ChunkPacker, DeviceRing, FlatHost, host_buffer, new_event, on_stream
 from weight_bus.pipeline import SendPipeline
@@ -208,6 +209,7 @@ class NcclWeightSubscriber:
         self.client, self.keys, self.config, self.member_id = client, keys, config, member_id
         self.comm_factory = comm_factory
         self.nkeys = ng.NcclKeys(keys)
+        self.board = VersionBoard(client, keys)
         self.device = device or torch.device("cuda", torch.cuda.current_device())
         self.generation = 0
         self.version = 0
@@ -258,7 +260,7 @@ class NcclWeightSubscriber:
                 received = None  # a rebuilt group re-broadcasts the version
                 continue
             if received is not None:
-                manifest = rendezvous.get_manifest_sync(self.client, self.keys, received.version)
+                manifest = self.board.manifest(received.version)
                 if manifest is not None:
                     packing.verify(manifest, view)
                     self.version = manifest.version

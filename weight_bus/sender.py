@@ -16,9 +16,10 @@ from dataclasses import dataclass
 import redis
 import torch
 
+from channels.version_board import VersionBoard
 from protos.records import WeightManifest
 from protos.redis_keys import RedisKeys
-from weight_bus import packing, rendezvous
+from weight_bus import packing
 from weight_bus.pipeline import SendPipeline
 from weight_bus.snapshot import SnapshotWriter
 from weight_bus.tcp import TcpWeightPublisher
@@ -43,6 +44,7 @@ class WeightSender:
     def __init__(self, client: redis.Redis, keys: RedisKeys, config, transport: str = "tcp", recycle: bool = True):
         self.client = client
         self.keys = keys
+        self.board = VersionBoard(client, keys)
         self.config = config
         self.codec = packing.WireCodec.from_config(config)
         self.bytes_per_bucket = int(config.bucket_mib * 2**20)
@@ -103,7 +105,7 @@ class WeightSender:
         self.tcp.hold(manifest.version, buckets)
         if self.snapshots is not None:
             self.snapshots.commit(manifest)
-        rendezvous.publish_manifest(self.client, self.keys, manifest)
+        self.board.publish_manifest(manifest)
 
     def close(self) -> None:
         self.tcp.close()

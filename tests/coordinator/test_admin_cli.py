@@ -17,19 +17,19 @@ import pytest
 import redis
 import redis.asyncio as aioredis
 
+from channels.trajectory_stream import TrajectoryStreamWriter
+from channels.version_board import VersionBoard
 from coordinator.admin import AdminCore, start_admin_server
 from coordinator.cli import main as fleetrl
 from coordinator.control import ControlChannel
 from coordinator.fleet import Fleet
 from coordinator.metrics import MetricsReporter
-from coordinator.queue_writer import RolloutQueue
 from coordinator.redis_server import free_port
 from coordinator.scheduler import Scheduler
 from coordinator.tasks import EchoTask
 from protos.config import load_run_config
 from protos.records import ControlKind, WeightManifest, decode_control
 from protos.redis_keys import RedisKeys
-from weight_bus import rendezvous
 
 pytestmark = pytest.mark.integration
 
@@ -46,7 +46,7 @@ def admin(redis_url):
     async def start() -> None:
         run = load_run_config(overrides=[f"run_id={RUN_ID}", "groups_per_step=2"])
         client, keys = aioredis.Redis.from_url(redis_url), RedisKeys(RUN_ID)
-        scheduler = Scheduler(run, Fleet([]), RolloutQueue(client, keys), EchoTask(), 20)
+        scheduler = Scheduler(run, Fleet([]), TrajectoryStreamWriter(client, keys), EchoTask(), 20)
         reporter = MetricsReporter(scheduler, None, scheduler.queue, client, keys)
         core = AdminCore(run, scheduler, reporter, ControlChannel(client, keys), None)
         server, port = await start_admin_server(core, "127.0.0.1", 0)
@@ -137,7 +137,7 @@ def test_sync_asks_the_trainer_and_reports_its_publish(admin, capsys, redis_url)
                 for cursor, fields in entries:  # noqa: B007 - the next read starts after the last entry
                     if decode_control(fields[b"c"]).kind is ControlKind.SYNC:
                         manifest = WeightManifest(7, [], [], "127.0.0.1:0", "tcp", time.time())
-                        rendezvous.publish_manifest(client, keys, manifest)
+                        VersionBoard(client, keys).publish_manifest(manifest)
                         return
 
     player = threading.Thread(target=trainer_side)

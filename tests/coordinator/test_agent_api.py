@@ -20,10 +20,10 @@ import redis
 import redis.asyncio as aioredis
 import yaml
 
+from channels.trajectory_stream import TrajectoryStreamWriter
 from coordinator.agent_api import agent_authenticator, start_agent_server
 from coordinator.agent_sessions import SessionBook
 from coordinator.fleet import Fleet
-from coordinator.queue_writer import RolloutQueue
 from coordinator.rollout_client import RolloutClient
 from coordinator.scheduler import Scheduler
 from coordinator.tasks import EchoTask
@@ -89,7 +89,7 @@ class AgentHarness:
         client = RolloutClient(self.address)
         info = await client.info()
         self.fleet = Fleet([client])
-        self.scheduler = Scheduler(self.config, self.fleet, RolloutQueue(self.redis, KEYS), EchoTask(), 8)
+        self.scheduler = Scheduler(self.config, self.fleet, TrajectoryStreamWriter(self.redis, KEYS), EchoTask(), 8)
         self.book = SessionBook(
             self.config.agent, self.scheduler, self.fleet, lambda: 1.0, info.max_model_len, info.vocab_size
         )

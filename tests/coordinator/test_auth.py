@@ -16,6 +16,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
+from channels.trajectory_stream import TrajectoryStreamWriter
 from coordinator.admin import AdminCore, start_admin_server
 from coordinator.auth import (
     Authenticator,
@@ -30,7 +31,6 @@ from coordinator.cli import main as fleetrl
 from coordinator.control import ControlChannel
 from coordinator.fleet import Fleet
 from coordinator.metrics import MetricsReporter
-from coordinator.queue_writer import RolloutQueue
 from coordinator.scheduler import Scheduler
 from coordinator.tasks import EchoTask
 from protos.config import load_run_config
@@ -281,7 +281,7 @@ def guarded_admin(redis_url, tokens_file, tls_pair):
         overrides = [f"agent.tokens_file={tokens_file}", f"agent.tls_cert_file={cert_file}"]
         run = load_run_config(overrides=["run_id=admin-auth", *overrides, f"agent.tls_key_file={key_file}"])
         client, keys = aioredis.Redis.from_url(redis_url), RedisKeys(run.run_id)
-        scheduler = Scheduler(run.coordinator, Fleet([]), RolloutQueue(client, keys), EchoTask(), 20)
+        scheduler = Scheduler(run, Fleet([]), TrajectoryStreamWriter(client, keys), EchoTask(), 20)
         reporter = MetricsReporter(scheduler, None, scheduler.queue, client, keys)
         core = AdminCore(run, scheduler, reporter, ControlChannel(client, keys), None)
         server, port = await start_admin_server(core, "127.0.0.1", 0)

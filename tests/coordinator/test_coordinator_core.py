@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 import redis.asyncio as aioredis
 
+from channels.trajectory_stream import TrajectoryStreamWriter
 from coordinator.evaluation import EvalRunner, eval_versions, pass_at_k, spans_match
 from coordinator.fleet import Fleet
-from coordinator.queue_writer import RolloutQueue
 from coordinator.rewards import get_reward_fn
 from coordinator.rollout_client import SampleResult
 from coordinator.runtime_config import FixedSetting, UnknownSetting, apply_setting
@@ -31,7 +31,7 @@ DATA_DIR = REPO_ROOT.parent / "shared" / "data"
 
 def make_scheduler(start_version: int = 0, total_groups: int = 40, overrides: tuple[str, ...] = ()) -> Scheduler:
     config = load_run_config(overrides=["groups_per_step=4", "max_staleness=1", *overrides])
-    queue = RolloutQueue(aioredis.Redis.from_url("redis://127.0.0.1:1"), RedisKeys("unit"))  # never used here
+    queue = TrajectoryStreamWriter(aioredis.Redis.from_url("redis://127.0.0.1:1"), RedisKeys("unit"))  # never used here
     return Scheduler(config, Fleet([]), queue, EchoTask(), total_groups, start_version)
 
 
@@ -101,7 +101,7 @@ def test_a_restarted_coordinator_counts_the_groups_still_queued_and_produces_onl
 
     async def scenario():
         client = aioredis.Redis.from_url(redis_server.url)
-        queue = RolloutQueue(client, keys)
+        queue = TrajectoryStreamWriter(client, keys)
         assert remaining_groups(config, await queue.pushed_total(), steps_trained=0) == (40, 0)  # a fresh run
         empty = Array.from_numpy(np.zeros(1, np.int32))
         for index in range(14):  # the first coordinator pushed 14 groups, then died
@@ -155,7 +155,7 @@ def test_a_restarted_coordinator_continues_the_prompts_after_the_groups_it_pushe
     async def scenario():
         client = aioredis.Redis.from_url(redis_server.url)
         await client.delete(keys.trajectories, keys.prompt_cursor)
-        queue = RolloutQueue(client, keys)
+        queue = TrajectoryStreamWriter(client, keys)
         first = Scheduler(run, Fleet([]), queue, build_task(config, 256, tiny_tokenizer, None), 40)
         drawn = [first.admit()[1].prompt_id for _ in range(7)]  # slots 0-6 admitted
         for slot in (2, 0, 1, 5, 4):  # finished out of order: 0, 1, 2 pushed; 4 and 5 wait for 3

@@ -20,10 +20,10 @@ import pytest
 import redis
 import redis.asyncio as aioredis
 
+from channels.version_board import AsyncVersionBoard
 from coordinator.dashboard import DashboardPortTaken, start_dashboard
-from protos.records import MetricsReport, ReportStatus, RoleDone, encode
+from protos.records import MetricsReport, ReportStatus, RoleDone, VersionReport, encode
 from protos.redis_keys import RedisKeys
-from weight_bus import rendezvous
 
 pytestmark = pytest.mark.integration
 
@@ -75,10 +75,11 @@ async def write_run(redis_url: str, num_steps: int = 5, start_s: float | None = 
     sync.set(KEYS.policy_version, num_steps)
     sync.close()
     client = aioredis.Redis.from_url(redis_url)
-    await rendezvous.report_version(
-        client, KEYS, "rollout-1", "127.0.0.1:50052", num_steps - 2, ReportStatus.STALE, "fetch timed out"
-    )
-    await rendezvous.report_version(client, KEYS, "rollout-0", "127.0.0.1:50051", num_steps)
+    board = AsyncVersionBoard(client, KEYS)
+    now = time.time()
+    stale = VersionReport("rollout-1", "127.0.0.1:50052", num_steps - 2, ReportStatus.STALE, "fetch timed out", now)
+    await board.report_version(stale)
+    await board.report_version(VersionReport("rollout-0", "127.0.0.1:50051", num_steps, ReportStatus.OK, "", now))
     await client.aclose()
     return start_s
 

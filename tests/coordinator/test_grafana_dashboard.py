@@ -138,10 +138,10 @@ def test_listed_coordinator_metrics_are_served_on_its_metrics_endpoint():
     import redis.asyncio as aioredis
     from prometheus_client.parser import text_string_to_metric_families
 
+    from channels.trajectory_stream import TrajectoryStreamWriter
     from coordinator.evaluation import EvalRunner
     from coordinator.fleet import Fleet
     from coordinator.metrics import MetricsReporter, start_metrics_server
-    from coordinator.queue_writer import RolloutQueue
     from coordinator.scheduler import Scheduler
     from coordinator.tasks import EchoTask
     from protos.config import RunConfig
@@ -149,7 +149,7 @@ def test_listed_coordinator_metrics_are_served_on_its_metrics_endpoint():
 
     async def scrape() -> str:
         config, keys = RunConfig(), RedisKeys("metrics-test")
-        queue = RolloutQueue(aioredis.Redis.from_url("redis://127.0.0.1:1"), keys)  # never used by a scrape
+        queue = TrajectoryStreamWriter(aioredis.Redis.from_url("redis://127.0.0.1:1"), keys)  # never used by a scrape
         scheduler = Scheduler(config, Fleet([]), queue, EchoTask(), 10)
         evals = EvalRunner(config, scheduler.fleet, [], scorer=None)
         evals.latest = {"eval/aime-2025/acc": 0.25, "eval/aime-2025/pass@4": 0.5}

@@ -16,10 +16,10 @@ import pytest
 import redis
 import redis.asyncio as aioredis
 
+from channels.trajectory_stream import TrajectoryStreamWriter
 from coordinator.agent_sessions import SessionBook
 from coordinator.fleet import Fleet
 from coordinator.openai_door import DoorRefused, start_openai_door
-from coordinator.queue_writer import RolloutQueue
 from coordinator.rollout_client import RolloutClient
 from coordinator.scheduler import Scheduler
 from coordinator.tasks import EchoTask, load_tokenizer
@@ -94,7 +94,7 @@ class DoorHarness:
         client = RolloutClient(self.address)
         info = await client.info()
         self.fleet = Fleet([client])
-        self.scheduler = Scheduler(self.config.coordinator, self.fleet, RolloutQueue(self.redis, KEYS), EchoTask(), 8)
+        self.scheduler = Scheduler(self.config, self.fleet, TrajectoryStreamWriter(self.redis, KEYS), EchoTask(), 8)
         self.book = SessionBook(
             self.config.agent, self.scheduler, self.fleet, lambda: 1.0, info.max_model_len, info.vocab_size
         )

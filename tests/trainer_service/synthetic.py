@@ -42,16 +42,16 @@ def with_nonfinite_rewards(group: TrajectoryGroup) -> TrajectoryGroup:
 
 def push_groups(url: str, keys, indices: list[int], seed: int = 11, nonfinite: tuple[int, ...] = ()) -> None:
     """Push groups ``g<i>`` for ``indices`` (policy version 0) onto the run's trajectory queue, as the coordinator
-    does (``coordinator.queue_writer.RolloutQueue``); those in ``nonfinite`` carry NaN rewards."""
+    does (``channels.trajectory_stream.TrajectoryStreamWriter``); those in ``nonfinite`` carry NaN rewards."""
     import asyncio
 
     import redis.asyncio as aioredis
 
-    from coordinator.queue_writer import RolloutQueue
+    from channels.trajectory_stream import TrajectoryStreamWriter
 
     async def push():
         client = aioredis.Redis.from_url(url)
-        queue = RolloutQueue(client, keys)
+        queue = TrajectoryStreamWriter(client, keys)
         for index in indices:
             group = make_group(index, version=0, seed=seed)
             await queue.push(with_nonfinite_rewards(group) if index in nonfinite else group)

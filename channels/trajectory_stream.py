@@ -1,8 +1,17 @@
-"""TrajectoryQueue: the trainer's side of the Redis Stream (consumer group, ack after commit).
+"""The trajectory stream (``RedisKeys.trajectories``): encoded ``TrajectoryGroup`` records, field ``g``.
 
-An entry is acknowledged only after the step that used it has been committed; entries left pending
-by a crashed trainer are reclaimed on start (XAUTOCLAIM). Undecodable payloads go to a dead-letter
-list instead of stopping the trainer.
+``TrajectoryStreamWriter`` is the coordinator's end (async XADD); ``TrajectoryStreamReader`` is the trainer's (sync
+consumer-group read, pending-list recovery, ack, trim).
+
+Exactly once, writer side: each push also sets the run's prompt cursor in the same server-side step (a Lua script),
+so a restarted coordinator resumes the prompt stream exactly after the groups that reached the queue, and a retried
+push is not added twice. A push that fails because Redis is down or restarting is retried until ``timeout_s``: a
+finished group is never dropped silently.
+
+Exactly once, reader side: an entry is acknowledged only after the step that used it has been committed; entries
+left pending by a crashed trainer are reclaimed on start (XAUTOCLAIM), and entries a broken read delivered without
+its reply reaching us are taken from our pending list (XPENDING). Undecodable payloads go to a dead-letter list
+instead of stopping the trainer.
 """
 
 from __future__ import annotations
@@ -12,18 +21,86 @@ import time
 
 import msgspec
 import redis
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import TimeoutError as RedisTimeoutError
+import redis.asyncio as aioredis
 
-from channels.retry import retry_sync
-from protos.records import TrajectoryGroup, decode_group
+from channels.retry import UNREACHABLE, retry_async, retry_sync
+from protos.records import PromptCursor, TrajectoryGroup, decode_cursor, decode_group, encode
 from protos.redis_keys import RedisKeys, as_text
 
 logger = logging.getLogger(__name__)
 
+# One server-side step: a cursor equal to the one being set means this very push ran already (cursors name their
+# group, and group ids are unique in a run), so a retried push adds no second stream entry.
+_PUSH_ONCE = """
+if redis.call('GET', KEYS[2]) == ARGV[2] then return '' end
+local entry_id = redis.call('XADD', KEYS[1], '*', 'g', ARGV[1])
+redis.call('SET', KEYS[2], ARGV[2])
+return entry_id
+"""
 
-class TrajectoryQueue:
-    """Reads whole groups for one consumer of the trainers' consumer group."""
+
+class TrajectoryStreamWriter:
+    """The coordinator's end of the stream: pushes whole groups, each with the prompt cursor after it."""
+
+    def __init__(self, client: aioredis.Redis, keys: RedisKeys, timeout_s: float = 120.0):
+        self.client = client
+        self.keys = keys
+        self.timeout_s = timeout_s
+        self._push_once = client.register_script(_PUSH_ONCE)  # EVALSHA, re-loaded if Redis lost it
+
+    async def push(self, group: TrajectoryGroup, cursor: PromptCursor | None = None) -> str:
+        """Append one group and set the prompt cursor, atomically; returns the stream entry id ("" when this push
+        had landed already).
+
+        With a cursor the push is idempotent: a retry (ours, or the Redis client's own after a lost reply) finds the
+        cursor it set and adds no second entry. Without one it is a plain XADD.
+        """
+        payload = encode(group)
+
+        async def push_once() -> str:
+            if cursor is None:
+                return as_text(await self.client.xadd(self.keys.trajectories, {"g": payload}))
+            keys = [self.keys.trajectories, self.keys.prompt_cursor]
+            entry_id = as_text(await self._push_once(keys=keys, args=[payload, encode(cursor)]))
+            if not entry_id:
+                logger.warning("group %s had been pushed before its reply was lost; not pushed again", group.group_id)
+            return entry_id
+
+        try:
+            return await retry_async(push_once, f"pushing group {group.group_id}", self.timeout_s)
+        except UNREACHABLE as error:
+            raise TimeoutError(
+                f"pushing group {group.group_id} to {self.keys.trajectories}: Redis unreachable "
+                f"for {self.timeout_s}s ({error})"
+            ) from error
+
+    async def prompt_cursor(self) -> PromptCursor | None:
+        """The cursor the last push set (None: no coordinator pushed on this run yet)."""
+        data = await self.client.get(self.keys.prompt_cursor)
+        return None if data is None else decode_cursor(data)
+
+    async def pushed_total(self) -> int:
+        """Groups ever pushed onto the run's stream, by any coordinator (the stream's entries-added counter)."""
+        try:
+            info = await self.client.xinfo_stream(self.keys.trajectories)
+        except aioredis.ResponseError:  # no stream yet: a fresh run
+            return 0
+        return int(info.get("entries-added", info.get("length", 0)))
+
+    async def depth(self) -> int:
+        """Entries not yet delivered to the trainers (lag of their consumer group)."""
+        try:
+            groups = await self.client.xinfo_groups(self.keys.trajectories)
+        except aioredis.ResponseError:
+            return 0
+        group = self.keys.trainer_group_info(groups)
+        if group is not None:
+            return int(group.get("lag") or 0)
+        return await self.client.xlen(self.keys.trajectories)  # no trainer yet: nothing was delivered
+
+
+class TrajectoryStreamReader:
+    """The trainer's end of the stream: reads whole groups for one consumer of the trainers' consumer group."""
 
     def __init__(self, client: redis.Redis, keys: RedisKeys, consumer: str = "trainer-0", trim: bool = True):
         self.client = client
@@ -58,9 +135,9 @@ class TrajectoryQueue:
     def read(self, num_groups: int, timeout_s: float) -> list[tuple[str, TrajectoryGroup]]:
         """Return up to ``num_groups`` (entry id, group) pairs, waiting at most ``timeout_s`` in total.
 
-        A read whose connection breaks is retried until the timeout. Entries it delivered without the reply reaching
-        us stay in this consumer's pending list; the next attempt (this call's or a later one's) takes them from
-        there (``_take_orphans``).
+        A read whose connection breaks is retried until the timeout (by hand, not ``retry_sync``: a broken XREADGROUP
+        is not idempotent, see below). Entries it delivered without the reply reaching us stay in this consumer's
+        pending list; the next attempt (this call's or a later one's) takes them from there (``_take_orphans``).
         """
         batch: list[tuple[str, TrajectoryGroup]] = []
         while self._reclaimed and len(batch) < num_groups:
@@ -82,7 +159,7 @@ class TrajectoryQueue:
                     count=num_groups - len(batch),
                     block=min(remaining_ms, 1000),
                 )
-            except (RedisConnectionError, RedisTimeoutError) as error:
+            except UNREACHABLE as error:
                 logger.warning(
                     "reading %s failed, retrying for %.1fs more: %s", self.keys.trajectories, remaining_ms / 1000, error
                 )
@@ -144,7 +221,7 @@ class TrajectoryQueue:
         if self.trim:
             try:
                 self.trim_acknowledged()
-            except (RedisConnectionError, RedisTimeoutError) as error:  # only space: the next ack trims them too
+            except UNREACHABLE as error:  # only space: the next ack trims them too
                 logger.warning("trimming acknowledged entries failed: %s", error)
 
     def trim_acknowledged(self) -> int:
@@ -167,7 +244,7 @@ class TrajectoryQueue:
         while Redis is unreachable (a figure for reports, not worth stopping for)."""
         try:
             group = self.keys.trainer_group_info(self.client.xinfo_groups(self.keys.trajectories))
-        except (RedisConnectionError, RedisTimeoutError) as error:
+        except UNREACHABLE as error:
             logger.warning("queue depth not read, Redis unreachable: %s", error)
             return self._last_depth
         self._last_depth = int(group.get("lag") or 0) if group else 0
