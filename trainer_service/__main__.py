@@ -45,7 +45,7 @@ def make_backend(model_path: str, config):
     tcfg, temperature = config.trainer, config.coordinator.sampling.temperature
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if tcfg.backend == "megatron":
-        from trainer_service.megatron_backend import MegatronBackend
+        from trainer_service.megatron.backend import MegatronBackend
 
         return MegatronBackend(model_path, tcfg, temperature=temperature, device=device)
     from trainer_service.torch_backend import TorchBackend
