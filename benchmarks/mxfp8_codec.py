@@ -33,7 +33,7 @@ import time
 
 import torch
 
-from weight_bus.codecs import mxfp8
+from weight_bus.codecs import mxfp8, mxfp8_triton
 
 GiB = 1 << 30
 
@@ -200,7 +200,7 @@ def run_check(big: torch.Tensor | None, configs: list[dict], dev: str = "cuda") 
         for cfg in configs:
             for name, x in (("edge", cases[0][1]), ("randn", cases[1][1]), ("ragged", cases[4][1])):
                 xx = mxfp8._prepare_input(x.to(torch.bfloat16), rule)
-                got = mxfp8._quantize_triton(xx, rule, **cfg)
+                got = mxfp8_triton.quantize_triton(xx, rule, **cfg)
                 ref = mxfp8.quantize_reference(xx, rule)
                 n_cases += 1
                 dq, ds = _same(got, ref)
@@ -271,7 +271,7 @@ def device_info(dev: torch.device, args: argparse.Namespace) -> dict:
         "triton": triton.__version__,
         "shape": [args.rows, args.cols],
         "dtype": "bfloat16",
-        "default_config": mxfp8.DEFAULT_TRITON_CONFIG,
+        "default_config": mxfp8_triton.DEFAULT_TRITON_CONFIG,
         "uses_triton": mxfp8._use_triton(torch.empty(1, device=dev)),
     }
 
@@ -279,7 +279,7 @@ def device_info(dev: torch.device, args: argparse.Namespace) -> dict:
 def check_section(x: torch.Tensor, sweep: bool) -> dict:
     """``--check``: kernel vs reference on every case (every swept config with ``--sweep``), printed."""
     t0 = time.time()
-    chk = run_check(x, sweep_configs() if sweep else [mxfp8.DEFAULT_TRITON_CONFIG])
+    chk = run_check(x, sweep_configs() if sweep else [mxfp8_triton.DEFAULT_TRITON_CONFIG])
     print(f"check: {'PASS' if chk['passed'] else 'FAIL'} ({chk['cases']} comparisons, {time.time() - t0:.1f} s)")
     for f in chk["failures"][:20]:
         print("  FAIL", f)
@@ -317,7 +317,7 @@ def sweep_section(bandwidth: Bandwidth) -> list[dict]:
     sweep = []
     for cfg in sweep_configs():
         figures = bandwidth.figures(
-            time_ms(lambda cfg=cfg: mxfp8._quantize_triton(xp, "rceil", **cfg), reps=bandwidth.reps)
+            time_ms(lambda cfg=cfg: mxfp8_triton.quantize_triton(xp, "rceil", **cfg), reps=bandwidth.reps)
         )
         sweep.append({**cfg, **figures})
         print(f"  sweep {cfg}: {figures['ms']:.4f} ms {figures['GBps']:.1f} GB/s ratio {figures['ratio']:.3f}")
