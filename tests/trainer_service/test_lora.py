@@ -2,7 +2,7 @@
 
 Torch backend on the tiny Qwen3-MoE (fused expert tensors) and the tiny Beam (per-expert modules); the Megatron
 backend's LoRA is test_megatron_lora.py. The engine side (a partial update into a real vLLM server) is
-tests/rollout_service/test_server.py.
+tests/rollout_service/test_server_weight_updates.py.
 """
 
 from __future__ import annotations
