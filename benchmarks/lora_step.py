@@ -87,7 +87,7 @@ def write_config(path: str, size: dict) -> None:
 
 
 def build(model_dir: str, config, cuda: bool) -> tuple[object, dict]:
-    from trainer_service.megatron_backend import MegatronBackend
+    from trainer_service.megatron.backend import MegatronBackend
 
     if cuda:
         torch.cuda.synchronize()

@@ -33,7 +33,7 @@ import time
 
 import torch
 
-from weight_bus.codecs import mxfp8
+from weight_bus.codecs import mxfp8, mxfp8_triton
 
 GiB = 1 << 30
 
@@ -47,33 +47,41 @@ def _f32_from_bits(bits: torch.Tensor) -> torch.Tensor:
     return bits.to(torch.int32).view(torch.float32)
 
 
-def edge_case_tensor(seed: int = 0) -> torch.Tensor:
-    """fp32 [R, 64] tensor (CPU) whose 32-element blocks hit the codec's edge cases."""
-    g = torch.Generator().manual_seed(seed)
-    blocks: list[torch.Tensor] = []
+class _Blocks:
+    """The 32-element blocks of ``edge_case_tensor``, drawn from one generator in a fixed order."""
 
-    def rnd(n=32):
-        return torch.randn(n, generator=g)
+    def __init__(self, seed: int):
+        self.g = torch.Generator().manual_seed(seed)
+        self.blocks: list[torch.Tensor] = []
 
-    def block(first: list[float] | torch.Tensor, fill: torch.Tensor | None = None) -> None:
+    def rnd(self, n: int = 32) -> torch.Tensor:
+        return torch.randn(n, generator=self.g)
+
+    def block(self, first: list[float] | torch.Tensor, fill: torch.Tensor | None = None) -> None:
+        """A block of ``fill`` (zeros by default) whose first elements are ``first``."""
         b = torch.zeros(32) if fill is None else fill.clone()
         first = torch.as_tensor(first, dtype=torch.float32)
         b[: first.numel()] = first
-        blocks.append(b)
+        self.blocks.append(b)
 
-    block([0.0])  # all zero
-    block(torch.full((32,), -0.0))  # all -0
+
+def _zeros_and_subnormals(b: _Blocks) -> None:
+    b.block([0.0])  # all zero
+    b.block(torch.full((32,), -0.0))  # all -0
     # fp32 subnormals: random mantissas, random signs; and subnormals next to a normal
     for _ in range(4):
-        m = torch.randint(1, 1 << 23, (32,), generator=g)
-        sgn = torch.randint(0, 2, (32,), generator=g) << 31
-        blocks.append(_f32_from_bits(m | sgn))
-    m = torch.randint(1, 1 << 23, (32,), generator=g)
-    block([1.0, -(2.0**-120)], _f32_from_bits(m))
-    block([2.0**-126, -(2.0**-127)], _f32_from_bits(torch.randint(1, 1 << 23, (32,), generator=g)))
+        m = torch.randint(1, 1 << 23, (32,), generator=b.g)
+        sgn = torch.randint(0, 2, (32,), generator=b.g) << 31
+        b.blocks.append(_f32_from_bits(m | sgn))
+    m = torch.randint(1, 1 << 23, (32,), generator=b.g)
+    b.block([1.0, -(2.0**-120)], _f32_from_bits(m))
+    b.block([2.0**-126, -(2.0**-127)], _f32_from_bits(torch.randint(1, 1 << 23, (32,), generator=b.g)))
+
+
+def _scale_boundaries(b: _Blocks) -> None:
     # the smallest E8M0 scales: amax near 448 * 2**-127 and friends
     for k in range(-150, -110):
-        block([2.0**k, -(2.0 ** (k - 3)), 3 * 2.0 ** (k - 5)], rnd() * 2.0 ** (k - 2))
+        b.block([2.0**k, -(2.0 ** (k - 3)), 3 * 2.0 ** (k - 5)], b.rnd() * 2.0 ** (k - 2))
     # block max around 448 * 2**k and 512 * 2**k (both rules' boundaries), fp32 neighbours
     for k in range(-135, 120):
         for base in (448.0 * 2.0**k, 512.0 * 2.0**k, 256.0 * 2.0**k):
@@ -82,34 +90,48 @@ def edge_case_tensor(seed: int = 0) -> torch.Tensor:
             t = torch.tensor(base, dtype=torch.float32)
             for v in (t, t.nextafter(torch.tensor(math.inf)), t.nextafter(torch.tensor(0.0))):
                 if math.isfinite(v.item()):
-                    block([v.item(), -v.item()], rnd() * base / 8)
+                    b.block([v.item(), -v.item()], b.rnd() * base / 8)
     # huge values
     fmax = torch.finfo(torch.float32).max
-    block([1e38, -3e38, 2.5e37, 1.0])
-    block([fmax, -fmax, fmax / 2, 1e30])
-    block([3.3e38], rnd() * 1e37)
+    b.block([1e38, -3e38, 2.5e37, 1.0])
+    b.block([fmax, -fmax, fmax / 2, 1e30])
+    b.block([3.3e38], b.rnd() * 1e37)
+
+
+def _rounding_ties(b: _Blocks) -> None:
     # E4M3 rounding ties at scale 2**0: midpoints between consecutive E4M3 values (+ subnormals)
     e4m3 = torch.arange(0, 127, dtype=torch.uint8).view(torch.float8_e4m3fn).float()  # 0 .. 448
     mids = (e4m3[:-1] + e4m3[1:]) / 2
     for i in range(0, mids.numel(), 31):
         chunk = mids[i : i + 31]
-        block([448.0] + chunk.tolist() + (-chunk).tolist()[: 31 - chunk.numel()])
+        b.block([448.0] + chunk.tolist() + (-chunk).tolist()[: 31 - chunk.numel()])
     for i in range(0, mids.numel(), 31):
         chunk = -mids[i : i + 31]
-        block([-448.0] + chunk.tolist())
-    # non-finite
+        b.block([-448.0] + chunk.tolist())
+
+
+def _non_finite_and_random_bits(b: _Blocks) -> None:
     for bad in (math.nan, math.inf, -math.inf):
-        block([1.0, bad], rnd())
-    block([math.nan] * 32)
+        b.block([1.0, bad], b.rnd())
+    b.block([math.nan] * 32)
     # random finite bit patterns over the whole fp32 range (NaN/Inf excluded), and with them
-    bits = torch.randint(-(2**31), 2**31 - 1, (64, 32), generator=g, dtype=torch.int64)
-    exponent = torch.randint(0, 0xFF, (64, 32), generator=g, dtype=torch.int64)  # 0..254: finite
+    bits = torch.randint(-(2**31), 2**31 - 1, (64, 32), generator=b.g, dtype=torch.int64)
+    exponent = torch.randint(0, 0xFF, (64, 32), generator=b.g, dtype=torch.int64)  # 0..254: finite
     bits = (bits & ~0x7F800000) | (exponent << 23)
-    blocks.extend(_f32_from_bits(bits).unbind(0))
-    blocks.extend(_f32_from_bits(torch.randint(-(2**31), 2**31 - 1, (16, 32), generator=g)).unbind(0))
-    if len(blocks) % 2:
-        block([0.5])
-    return torch.stack(blocks).reshape(-1, 64)
+    b.blocks.extend(_f32_from_bits(bits).unbind(0))
+    b.blocks.extend(_f32_from_bits(torch.randint(-(2**31), 2**31 - 1, (16, 32), generator=b.g)).unbind(0))
+
+
+def edge_case_tensor(seed: int = 0) -> torch.Tensor:
+    """fp32 [R, 64] tensor (CPU) whose 32-element blocks hit the codec's edge cases."""
+    b = _Blocks(seed)
+    _zeros_and_subnormals(b)
+    _scale_boundaries(b)
+    _rounding_ties(b)
+    _non_finite_and_random_bits(b)
+    if len(b.blocks) % 2:
+        b.block([0.5])
+    return torch.stack(b.blocks).reshape(-1, 64)
 
 
 def random_tensors(device: str, seed: int = 1) -> list[tuple[str, torch.Tensor]]:
@@ -178,7 +200,7 @@ def run_check(big: torch.Tensor | None, configs: list[dict], dev: str = "cuda") 
         for cfg in configs:
             for name, x in (("edge", cases[0][1]), ("randn", cases[1][1]), ("ragged", cases[4][1])):
                 xx = mxfp8._prepare_input(x.to(torch.bfloat16), rule)
-                got = mxfp8._quantize_triton(xx, rule, **cfg)
+                got = mxfp8_triton.quantize_triton(xx, rule, **cfg)
                 ref = mxfp8.quantize_reference(xx, rule)
                 n_cases += 1
                 dq, ds = _same(got, ref)
@@ -227,7 +249,7 @@ def time_ms(fn, warmup: int = 3, reps: int = 7, batch: int = 10) -> float:
     return statistics.median(out)
 
 
-def main() -> int:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", type=int, default=32768)
     ap.add_argument("--cols", type=int, default=16384)
@@ -235,93 +257,121 @@ def main() -> int:
     ap.add_argument("--sweep", action="store_true", help="time every Triton config")
     ap.add_argument("--no-compare", action="store_true", help="skip eager/torch.compile comparisons")
     ap.add_argument("--reps", type=int, default=7)
-    args = ap.parse_args()
+    return ap.parse_args()
 
-    if not torch.cuda.is_available():
-        print("CUDA is not available: this benchmark needs a GPU", file=sys.stderr)
-        print(json.dumps({"error": "no cuda"}))
-        return 2
 
-    dev = torch.device("cuda")
-    props = torch.cuda.get_device_properties(dev)
+def device_info(dev: torch.device, args: argparse.Namespace) -> dict:
     import triton
 
-    info = {
+    props = torch.cuda.get_device_properties(dev)
+    return {
         "device": props.name,
         "sm": f"{props.major}.{props.minor}",
         "torch": torch.__version__,
         "triton": triton.__version__,
         "shape": [args.rows, args.cols],
         "dtype": "bfloat16",
-        "default_config": mxfp8.DEFAULT_TRITON_CONFIG,
+        "default_config": mxfp8_triton.DEFAULT_TRITON_CONFIG,
         "uses_triton": mxfp8._use_triton(torch.empty(1, device=dev)),
     }
-    print("#", json.dumps(info))
 
+
+def check_section(x: torch.Tensor, sweep: bool) -> dict:
+    """``--check``: kernel vs reference on every case (every swept config with ``--sweep``), printed."""
+    t0 = time.time()
+    chk = run_check(x, sweep_configs() if sweep else [mxfp8_triton.DEFAULT_TRITON_CONFIG])
+    print(f"check: {'PASS' if chk['passed'] else 'FAIL'} ({chk['cases']} comparisons, {time.time() - t0:.1f} s)")
+    for f in chk["failures"][:20]:
+        print("  FAIL", f)
+    return {"passed": chk["passed"], "cases": chk["cases"], "failures": chk["failures"][:20]}
+
+
+class Bandwidth:
+    """Times quantize-like calls on ``x`` against the copy bandwidth (bytes: read + q + scales)."""
+
+    def __init__(self, x: torch.Tensor, reps: int):
+        self.x, self.reps = x, reps
+        in_bytes = x.numel() * x.element_size()
+        self.quant_bytes = in_bytes + x.numel() + x.numel() // 32  # 1 byte per element, 1 per 32-block
+        y = torch.empty_like(x)
+        self.copy_ms = time_ms(lambda: y.copy_(x), reps=reps)
+        self.copy_bw = 2 * in_bytes / (self.copy_ms * 1e-3) / 1e9
+        y = None  # free the copy target before the quantize buffers
+        print(
+            f"copy      : {self.copy_ms:8.4f} ms  {self.copy_bw:8.1f} GB/s  (read+write {2 * in_bytes / GiB:.2f} GiB)"
+        )
+
+    def figures(self, ms: float) -> dict:
+        bw = self.quant_bytes / (ms * 1e-3) / 1e9
+        return {"ms": ms, "GBps": bw, "ratio": bw / self.copy_bw}
+
+    def measure(self, label: str, fn) -> dict:
+        result = self.figures(time_ms(fn, reps=self.reps))
+        print(f"{label:10s}: {result['ms']:8.4f} ms  {result['GBps']:8.1f} GB/s  ratio {result['ratio']:.3f}")
+        return result
+
+
+def sweep_section(bandwidth: Bandwidth) -> list[dict]:
+    """``--sweep``: every Triton config's figures (rceil)."""
+    xp = mxfp8._prepare_input(bandwidth.x, "rceil")
+    sweep = []
+    for cfg in sweep_configs():
+        figures = bandwidth.figures(
+            time_ms(lambda cfg=cfg: mxfp8_triton.quantize_triton(xp, "rceil", **cfg), reps=bandwidth.reps)
+        )
+        sweep.append({**cfg, **figures})
+        print(f"  sweep {cfg}: {figures['ms']:.4f} ms {figures['GBps']:.1f} GB/s ratio {figures['ratio']:.3f}")
+    print(f"best config: {max(sweep, key=lambda r: r['GBps'])}")
+    return sweep
+
+
+def compare_section(bandwidth: Bandwidth) -> dict:
+    """torch.compile and eager quantize, and eager dequantize, on the same tensor."""
+    x, compare = bandwidth.x, {}
+    try:
+        compare["torch_compile"] = bandwidth.measure("compile", lambda: mxfp8._quantize_compiled(x, "rceil"))
+    except Exception as e:  # pragma: no cover - informational only
+        print("torch.compile comparison failed:", repr(e)[:300])
+    compare["eager_reference"] = bandwidth.measure("eager", lambda: mxfp8.quantize_reference(x, "rceil"))
+    q, s = mxfp8.quantize_kernel(x)
+    dequantized = bandwidth.figures(time_ms(lambda: mxfp8.dequantize(q, s), reps=bandwidth.reps))
+    print(
+        f"dequant   : {dequantized['ms']:8.4f} ms  {dequantized['GBps']:8.1f} GB/s  "
+        f"ratio {dequantized['ratio']:.3f} (eager torch)"
+    )
+    compare["dequantize_eager"] = dequantized
+    return compare
+
+
+def main() -> int:
+    args = parse_args()
+    if not torch.cuda.is_available():
+        print("CUDA is not available: this benchmark needs a GPU", file=sys.stderr)
+        print(json.dumps({"error": "no cuda"}))
+        return 2
+    dev = torch.device("cuda")
+    info = device_info(dev, args)
+    print("#", json.dumps(info))
     torch.manual_seed(0)
     x = torch.randn(args.rows, args.cols, device=dev, dtype=torch.bfloat16)
     result: dict = dict(info)
-
     if args.check:
-        t0 = time.time()
-        chk = run_check(x, sweep_configs() if args.sweep else [mxfp8.DEFAULT_TRITON_CONFIG])
-        result["check"] = {"passed": chk["passed"], "cases": chk["cases"], "failures": chk["failures"][:20]}
-        print(f"check: {'PASS' if chk['passed'] else 'FAIL'} ({chk['cases']} comparisons, {time.time() - t0:.1f} s)")
-        for f in chk["failures"][:20]:
-            print("  FAIL", f)
-
-    in_bytes = x.numel() * x.element_size()
-    q_bytes = x.numel()  # 1 byte per element
-    s_bytes = x.numel() // 32
-    quant_bytes = in_bytes + q_bytes + s_bytes
-
-    y = torch.empty_like(x)
-    copy_ms = time_ms(lambda: y.copy_(x), reps=args.reps)
-    copy_bw = 2 * in_bytes / (copy_ms * 1e-3) / 1e9
-    y = None  # free the copy target before the quantize buffers
-    print(f"copy      : {copy_ms:8.4f} ms  {copy_bw:8.1f} GB/s  (read+write {2 * in_bytes / GiB:.2f} GiB)")
-
-    def measure(label, fn):
-        ms = time_ms(fn, reps=args.reps)
-        bw = quant_bytes / (ms * 1e-3) / 1e9
-        print(f"{label:10s}: {ms:8.4f} ms  {bw:8.1f} GB/s  ratio {bw / copy_bw:.3f}")
-        return {"ms": ms, "GBps": bw, "ratio": bw / copy_bw}
-
-    res = {}
-    for rule in mxfp8.RULES:
-        res[rule] = measure(f"kernel/{rule}", lambda rule=rule: mxfp8.quantize_kernel(x, rule))
-
-    sweep = []
+        result["check"] = check_section(x, args.sweep)
+    bandwidth = Bandwidth(x, args.reps)
+    res = {
+        rule: bandwidth.measure(f"kernel/{rule}", lambda rule=rule: mxfp8.quantize_kernel(x, rule))
+        for rule in mxfp8.RULES
+    }
     if args.sweep:
-        xp = mxfp8._prepare_input(x, "rceil")
-        for cfg in sweep_configs():
-            ms = time_ms(lambda cfg=cfg: mxfp8._quantize_triton(xp, "rceil", **cfg), reps=args.reps)
-            bw = quant_bytes / (ms * 1e-3) / 1e9
-            sweep.append({**cfg, "ms": ms, "GBps": bw, "ratio": bw / copy_bw})
-            print(f"  sweep {cfg}: {ms:.4f} ms {bw:.1f} GB/s ratio {bw / copy_bw:.3f}")
-        best = max(sweep, key=lambda r: r["GBps"])
-        print(f"best config: {best}")
-        result["sweep_best"] = best
+        sweep = sweep_section(bandwidth)
+        result["sweep_best"] = max(sweep, key=lambda r: r["GBps"])
         result["sweep"] = sweep
-
-    compare = {}
-    if not args.no_compare:
-        try:
-            compare["torch_compile"] = measure("compile", lambda: mxfp8._quantize_compiled(x, "rceil"))
-        except Exception as e:  # pragma: no cover - informational only
-            print("torch.compile comparison failed:", repr(e)[:300])
-        compare["eager_reference"] = measure("eager", lambda: mxfp8.quantize_reference(x, "rceil"))
-        q, s = mxfp8.quantize_kernel(x)
-        ms = time_ms(lambda: mxfp8.dequantize(q, s), reps=args.reps)
-        dq_bw = quant_bytes / (ms * 1e-3) / 1e9
-        print(f"dequant   : {ms:8.4f} ms  {dq_bw:8.1f} GB/s  ratio {dq_bw / copy_bw:.3f} (eager torch)")
-        compare["dequantize_eager"] = {"ms": ms, "GBps": dq_bw, "ratio": dq_bw / copy_bw}
-
+    compare = {} if args.no_compare else compare_section(bandwidth)
     result.update(
         {
-            "copy_ms": copy_ms,
-            "copy_GBps": copy_bw,
-            "quant_bytes": quant_bytes,
+            "copy_ms": bandwidth.copy_ms,
+            "copy_GBps": bandwidth.copy_bw,
+            "quant_bytes": bandwidth.quant_bytes,
             "quant_ms": res["rceil"]["ms"],
             "quant_GBps": res["rceil"]["GBps"],
             "ratio": res["rceil"]["ratio"],

@@ -119,8 +119,8 @@ def time_steps(backend, batch, routes, warmup: int, steps: int, sync) -> list[fl
 
 def main() -> None:
     from protos.config import MegatronConfig, TrainerConfig
-    from trainer_service.megatron_backend import MegatronBackend
-    from trainer_service.routing_replay import megatron_record_routes
+    from trainer_service.megatron.backend import MegatronBackend
+    from trainer_service.megatron.routing_replay import megatron_record_routes
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--tiny", action="store_true", help="CPU smoke sizes, fp32")

@@ -17,6 +17,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import redis
@@ -26,6 +27,7 @@ from coordinator.redis_server import EmbeddedRedis
 from protos.config import RunConfig
 from protos.records import decode_done, decode_metrics
 from protos.redis_keys import RedisKeys
+from protos.trainer_command import trainer_argv
 
 logger = logging.getLogger(__name__)
 
@@ -64,27 +66,16 @@ def tiny_model_dir(family: str = "qwen3-moe", warmup_steps: int = WARMUP_STEPS) 
     return cache
 
 
-def trainer_command(config: RunConfig) -> list[str]:
-    """The trainer's module invocation: one process, or ``trainer.num_processes`` ranks under torchrun."""
+def trainer_command(config: RunConfig, role_args: Sequence[str] = ()) -> list[str]:
+    """The trainer's module invocation (``protos.trainer_command``): one process, or ``trainer.num_processes``
+    ranks under torchrun; ``role_args`` follow ``train``."""
     tcfg = config.trainer
     if tcfg.num_nodes > 1:
         raise ValueError(
             f"trainer.num_nodes={tcfg.num_nodes}: this launcher starts one node; launch multi-node trainers with "
             "deploy/ (torchrun on every node), or set trainer.num_nodes=1"
         )
-    if tcfg.num_processes == 1:
-        return ["-m", "trainer_service", "train"]
-    # --standalone: a local rendezvous on a free port; torchrun stops every rank when one fails.
-    return [
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node",
-        str(tcfg.num_processes),
-        "-m",
-        "trainer_service",
-        "train",
-    ]
+    return trainer_argv(config, role_args)
 
 
 def check_gpu_layout(config: RunConfig, num_gpus: int) -> None:
@@ -155,7 +146,7 @@ class DemoLauncher:
 
     # the run -------------------------------------------------------------------------------
     def start(self) -> str:
-        trainer = trainer_command(self.config)  # refuses a layout this launcher cannot start, before any child
+        trainer_command(self.config)  # refuses a layout this launcher cannot start, before any child
         check_gpu_layout(self.config, _num_gpus())
         (self.out_dir / "logs").mkdir(parents=True, exist_ok=True)
         redis_url = self.config.redis_url or os.environ.get("REDIS_URL", "")
@@ -195,7 +186,7 @@ class DemoLauncher:
                 ],
                 env={"VLLM_CPU_OMP_THREADS_BIND": str(i % (os.cpu_count() or 1)), "OMP_NUM_THREADS": "1"},
             )
-        self.spawn("trainer", [*trainer, *common])
+        self.spawn("trainer", trainer_command(self.config, common))
         addresses = self.wait_for_addresses(address_files)
         self.spawn("coordinator", ["-m", "coordinator", "run", "--servers", ",".join(addresses), *common])
         self.spawn_demo_agents(agent_token)

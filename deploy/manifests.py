@@ -1,133 +1,34 @@
 """Kubernetes objects for one run: plain dicts, one builder per role, dumped by ``deploy.render``.
 
-Every role pod runs the image's ``python -m <role>`` with ``--config CONFIG_DIR/config.json`` from the run's
-ConfigMap and ``--model model_path`` from the read-only model volume, exactly as ``coordinator/launcher.py`` starts
-the roles on one machine.
+The building blocks (labels, volumes, containers) are ``deploy.k8s``; what each container runs is
+``deploy.commands``.
 """
 
 from __future__ import annotations
 
-import re
-from dataclasses import dataclass, field
-
 from deploy import layout
+from deploy.commands import WAIT_FOR_ROLLOUT, coordinator_command, rollout_addresses, rollout_command, trainer_command
+from deploy.k8s import (
+    CONFIG_MAP_NAME,
+    CONFIG_PATH,
+    Manifest,
+    RenderOptions,
+    config_volume,
+    container,
+    data_volumes,
+    field_env,
+    gpu_limits,
+    headless_service,
+    labels,
+    metadata,
+    model_volume,
+    run_volume,
+    scrape_annotations,
+    shm_volume,
+)
 from protos.config import RunConfig
 
-CONFIG_MAP_NAME = "fleetrl-config"
-CONFIG_PATH = f"{layout.CONFIG_DIR}/config.json"
-GPU_RESOURCE = "nvidia.com/gpu"  # the NVIDIA device plugin's resource name
 
-
-@dataclass(frozen=True)
-class RenderOptions:
-    """What the cluster provides; the run config says everything else."""
-
-    image: str
-    model_pvc: str
-    run_pvc: str
-    model_subpath: str = ""
-    data_pvc: str = ""
-    redis_image: str = "valkey/valkey:8"
-    redis_storage: str = "20Gi"
-    gpus_per_node: int = 8
-    allow_multi_node_rollout: bool = False
-    workdir: str = "/opt/fleetrl"
-    backoff_limit: int = 3
-    rollout_ready_timeout_s: int = 7200
-
-
-@dataclass
-class Manifest:
-    """One output file: a comment header (why things are as they are) and its objects."""
-
-    filename: str
-    comment: list[str]
-    objects: list[dict] = field(default_factory=list)
-
-
-def label_value(text: str) -> str:
-    """Kubernetes label values allow [A-Za-z0-9_.-], at most 63 characters, alphanumeric at both ends."""
-    return re.sub(r"[^A-Za-z0-9_.-]", "-", text)[:63].strip("-_.") or "run"
-
-
-def labels(config: RunConfig, role: str) -> dict[str, str]:
-    return {
-        "app.kubernetes.io/name": "fleetrl",
-        "app.kubernetes.io/component": role,
-        "app.kubernetes.io/instance": label_value(config.run_id),
-    }
-
-
-def metadata(config: RunConfig, name: str, role: str, annotations: dict[str, str] | None = None) -> dict:
-    meta = {"name": name, "labels": labels(config, role)}
-    if annotations:
-        meta["annotations"] = annotations
-    return meta
-
-
-def scrape_annotations(port: int) -> dict[str, str]:
-    """Read by deploy/prometheus/prometheus-kubernetes.yml (and most Prometheus charts' pod scrape jobs)."""
-    return {"prometheus.io/scrape": "true", "prometheus.io/port": str(port), "prometheus.io/path": "/metrics"}
-
-
-def field_env(name: str, field_path: str) -> dict:
-    return {"name": name, "valueFrom": {"fieldRef": {"fieldPath": field_path}}}
-
-
-# Volumes --------------------------------------------------------------------------------------------------------
-def config_volume() -> tuple[dict, dict]:
-    return (
-        {"name": "config", "configMap": {"name": CONFIG_MAP_NAME}},
-        {"name": "config", "mountPath": layout.CONFIG_DIR, "readOnly": True},
-    )
-
-
-def model_volume(config: RunConfig, options: RenderOptions) -> tuple[dict, dict]:
-    mount = {"name": "model", "mountPath": config.model_path, "readOnly": True}
-    if options.model_subpath:
-        mount["subPath"] = options.model_subpath
-    return {"name": "model", "persistentVolumeClaim": {"claimName": options.model_pvc, "readOnly": True}}, mount
-
-
-def run_volume(options: RenderOptions, read_only: bool = False) -> tuple[dict, dict]:
-    return (
-        {"name": "run", "persistentVolumeClaim": {"claimName": options.run_pvc}},
-        {"name": "run", "mountPath": layout.RUN_VOLUME_PATH, "readOnly": read_only},
-    )
-
-
-def shm_volume() -> tuple[dict, dict]:
-    # Docker's default /dev/shm is 64 MiB; NCCL and vLLM's tensor-parallel workers exchange buffers through it.
-    return ({"name": "dshm", "emptyDir": {"medium": "Memory"}}, {"name": "dshm", "mountPath": "/dev/shm"})
-
-
-def data_volumes(config: RunConfig, options: RenderOptions) -> tuple[list[dict], list[dict]]:
-    """The data PVC, mounted read-only at each directory the coordinator reads datasets from."""
-    directories = sorted({path.rsplit("/", 1)[0] for path in layout.dataset_paths(config, options.workdir)})
-    if not options.data_pvc or not directories:
-        return [], []
-    volume = {"name": "data", "persistentVolumeClaim": {"claimName": options.data_pvc, "readOnly": True}}
-    return [volume], [{"name": "data", "mountPath": directory, "readOnly": True} for directory in directories]
-
-
-def container(options: RenderOptions, name: str, args: list[str], mounts: list[dict], **extra) -> dict:
-    return {
-        "name": name,
-        "image": options.image,
-        "imagePullPolicy": "IfNotPresent",
-        "workingDir": options.workdir,
-        "command": args[:1],
-        "args": args[1:],
-        "volumeMounts": mounts,
-        **extra,
-    }
-
-
-def gpu_limits(num_gpus: int) -> dict:
-    return {"limits": {GPU_RESOURCE: num_gpus}}
-
-
-# Objects ----------------------------------------------------------------------------------------------------------
 def config_map(config: RunConfig) -> Manifest:
     obj = {
         "apiVersion": "v1",
@@ -198,39 +99,6 @@ def redis(config: RunConfig, options: RenderOptions) -> Manifest:
     )
 
 
-def rollout_addresses(config: RunConfig) -> list[str]:
-    """The coordinator's --servers: each StatefulSet pod's DNS name (rollout-<i>.rollout) and gRPC port."""
-    port = config.rollout.base_port
-    return [f"{layout.ROLLOUT_SERVICE}-{i}.{layout.ROLLOUT_SERVICE}:{port}" for i in range(config.rollout.num_servers)]
-
-
-def rollout_command(config: RunConfig) -> list[str]:
-    # --host is the pod's own DNS name, not 0.0.0.0: the server binds it (the pod IP) and reports it to Redis as
-    # its address, and the coordinator matches those reports to its --servers entries by address to learn each
-    # server's policy version. With 0.0.0.0 the reports would say 0.0.0.0:<port>, match nothing, and dispatch would
-    # stall once the staleness bound needs newer versions.
-    return [
-        "python",
-        "-m",
-        "rollout_service",
-        "serve",
-        "--model",
-        config.model_path,
-        "--host",
-        f"$(POD_NAME).{layout.ROLLOUT_SERVICE}",
-        "--port",
-        str(config.rollout.base_port),
-        "--server-id",
-        "$(POD_NAME)",
-        "--redis-url",
-        config.redis_url,
-        "--config",
-        CONFIG_PATH,
-        "--metrics-port",
-        str(layout.ROLLOUT_METRICS_PORT),
-    ]
-
-
 def rollout(config: RunConfig, options: RenderOptions, pods: layout.RolePods) -> Manifest:
     role, port = "rollout", config.rollout.base_port
     volumes, mounts = zip(config_volume(), model_volume(config, options), shm_volume(), strict=False)
@@ -282,61 +150,6 @@ def rollout(config: RunConfig, options: RenderOptions, pods: layout.RolePods) ->
     return Manifest(
         "20-rollout.yaml", comment, [headless_service(config, layout.ROLLOUT_SERVICE, role, port), stateful_set]
     )
-
-
-def headless_service(config: RunConfig, name: str, role: str, port: int) -> dict:
-    # publishNotReadyAddresses: pods resolve by name before they are ready (a server binds its own name at start,
-    # torchrun's rendezvous runs before any readiness).
-    return {
-        "apiVersion": "v1",
-        "kind": "Service",
-        "metadata": metadata(config, name, role),
-        "spec": {
-            "clusterIP": "None",
-            "publishNotReadyAddresses": True,
-            "selector": labels(config, role),
-            "ports": [{"name": "main", "port": port}],
-        },
-    }
-
-
-def trainer_command(config: RunConfig) -> list[str]:
-    """The launcher's trainer command for one node; torchrun with a c10d rendezvous on trainer-0 for several."""
-    tcfg = config.trainer
-    # weight_bus.host: rank 0 advertises the address it binds in every manifest; the pod IP reaches it from the
-    # rollout pods (0.0.0.0 would be advertised as is, and 127.0.0.1 is unreachable).
-    role = [
-        "-m",
-        "trainer_service",
-        "train",
-        "--model",
-        config.model_path,
-        "--redis-url",
-        config.redis_url,
-        "--config",
-        CONFIG_PATH,
-        "weight_bus.host=$(POD_IP)",
-    ]
-    if tcfg.num_nodes == 1 and tcfg.num_processes == 1:
-        return ["python", *role]
-    if tcfg.num_nodes == 1:
-        ranks = ["--standalone", "--nproc-per-node", str(tcfg.num_processes)]
-    else:
-        ranks = [
-            "--nnodes",
-            str(tcfg.num_nodes),
-            "--nproc-per-node",
-            str(tcfg.num_processes),
-            "--node-rank",
-            "$(NODE_RANK)",
-            "--rdzv-backend",
-            "c10d",
-            "--rdzv-endpoint",
-            f"{layout.TRAINER_SERVICE}-0.{layout.TRAINER_SERVICE}:{layout.RDZV_PORT}",
-            "--rdzv-id",
-            config.run_id,
-        ]
-    return ["python", "-m", "torch.distributed.run", *ranks, *role]
 
 
 def trainer(config: RunConfig, options: RenderOptions, pods: layout.RolePods) -> Manifest:
@@ -397,45 +210,6 @@ def trainer(config: RunConfig, options: RenderOptions, pods: layout.RolePods) ->
     return Manifest(
         "30-trainer.yaml", comment, [headless_service(config, layout.TRAINER_SERVICE, role, layout.RDZV_PORT), job]
     )
-
-
-# Waits for every rollout server's gRPC health to say SERVING (vLLM loading a large model takes far longer than the
-# coordinator's own 300 s wait). argv: servers (comma-separated), timeout in seconds.
-WAIT_FOR_ROLLOUT = """\
-import sys, time, grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-servers, timeout_s = sys.argv[1].split(","), float(sys.argv[2])
-deadline = time.monotonic() + timeout_s
-for address in servers:
-    stub = health_pb2_grpc.HealthStub(grpc.insecure_channel(address))
-    while True:
-        try:
-            if stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=5).status == 1:
-                break
-        except grpc.RpcError:
-            pass
-        if time.monotonic() > deadline:
-            sys.exit(f"rollout server {address} not SERVING after {timeout_s:.0f}s")
-        print(f"waiting for rollout server {address} (gRPC health SERVING)", flush=True)
-        time.sleep(15)
-"""
-
-
-def coordinator_command(config: RunConfig) -> list[str]:
-    return [
-        "python",
-        "-m",
-        "coordinator",
-        "run",
-        "--servers",
-        ",".join(rollout_addresses(config)),
-        "--redis-url",
-        config.redis_url,
-        "--model",
-        config.model_path,
-        "--config",
-        CONFIG_PATH,
-    ]
 
 
 def coordinator(config: RunConfig, options: RenderOptions) -> Manifest:

@@ -15,6 +15,7 @@ from pathlib import Path
 import yaml
 
 from deploy import layout, manifests
+from deploy.k8s import Manifest, RenderOptions
 from protos.config import RunConfig, load_run_config
 
 
@@ -34,9 +35,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     )
     parser.add_argument("--data-pvc", default="", help="PVC holding the coordinator's dataset files (read-only)")
     parser.add_argument("--out", required=True, help="directory the manifests are written to")
-    parser.add_argument("--redis-image", default=manifests.RenderOptions.redis_image)
-    parser.add_argument("--redis-storage", default=manifests.RenderOptions.redis_storage, help="Redis volume size")
-    parser.add_argument("--gpus-per-node", type=int, default=manifests.RenderOptions.gpus_per_node)
+    parser.add_argument("--redis-image", default=RenderOptions.redis_image)
+    parser.add_argument("--redis-storage", default=RenderOptions.redis_storage, help="Redis volume size")
+    parser.add_argument("--gpus-per-node", type=int, default=RenderOptions.gpus_per_node)
     parser.add_argument(
         "--allow-multi-node-rollout",
         action="store_true",
@@ -44,13 +45,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     )
     parser.add_argument(
         "--workdir",
-        default=manifests.RenderOptions.workdir,
+        default=RenderOptions.workdir,
         help="the image's working directory; relative dataset paths resolve against it",
     )
     parser.add_argument(
         "--backoff-limit",
         type=int,
-        default=manifests.RenderOptions.backoff_limit,
+        default=RenderOptions.backoff_limit,
         help="restarts of the trainer and coordinator Jobs before they count as failed",
     )
     return parser.parse_intermixed_args(argv)
@@ -66,8 +67,8 @@ def load_for_cluster(config_path: str, overrides: list[str]) -> tuple[RunConfig,
 
 
 def build(
-    config: RunConfig, options: manifests.RenderOptions, render_redis: bool
-) -> tuple[list[manifests.Manifest], list[layout.RolePods]]:
+    config: RunConfig, options: RenderOptions, render_redis: bool
+) -> tuple[list[Manifest], list[layout.RolePods]]:
     """Every manifest of the run and the GPU pods per role; raises LayoutError for a layout that cannot run."""
     trainer_pods = layout.trainer_pods(config, options.gpus_per_node)
     rollout_pods = layout.rollout_pods(config, options.gpus_per_node, options.allow_multi_node_rollout)
@@ -94,7 +95,7 @@ def _represent_text(dumper: yaml.SafeDumper, text: str) -> yaml.Node:
 _ReadableDumper.add_representer(str, _represent_text)
 
 
-def write(rendered: list[manifests.Manifest], out_dir: Path, source: str) -> list[Path]:
+def write(rendered: list[Manifest], out_dir: Path, source: str) -> list[Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
     written = []
     for manifest in rendered:
@@ -110,7 +111,7 @@ def write(rendered: list[manifests.Manifest], out_dir: Path, source: str) -> lis
     return written
 
 
-def notes(config: RunConfig, options: manifests.RenderOptions) -> list[str]:
+def notes(config: RunConfig, options: RenderOptions) -> list[str]:
     """What the summary must point out: things this renderer cannot check from here."""
     lines = []
     datasets = layout.dataset_paths(config, options.workdir)
@@ -128,7 +129,7 @@ def notes(config: RunConfig, options: manifests.RenderOptions) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    options = manifests.RenderOptions(
+    options = RenderOptions(
         image=args.image,
         model_pvc=args.model_pvc,
         run_pvc=args.run_pvc,

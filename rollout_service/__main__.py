@@ -51,46 +51,40 @@ async def watch_engine(engine, stop: asyncio.Event, interval_s: float = 1.0) -> 
         await asyncio.sleep(interval_s)
 
 
-async def run(args: argparse.Namespace) -> None:
-    from rollout_service import metrics
-    from rollout_service.engine import RolloutEngine
-    from rollout_service.server import RolloutServicer, drain_and_stop, start_grpc_server
-
+def load_config(args: argparse.Namespace):
+    """The resolved run config: the file, then the flags (config aliases), then the dotted overrides."""
     flags = {"model_path": args.model, "redis_url": args.redis_url, "run_id": args.run_id, "rollout.host": args.host}
     run_config = load_run_config(args.config, [*flag_overrides(flags), *args.overrides])
     if not run_config.model_path:
         raise SystemExit("rollout server: model_path must be set (the config key, or --model)")
-    host = run_config.rollout.host
-    rollout_config: RolloutConfig = run_config.rollout
+    return run_config
+
+
+def make_follower(run_config, engine, address: str):
+    """The weight follower on the run's Redis rendezvous; None without ``redis_url`` (the weights stay)."""
+    if not run_config.redis_url:
+        return None
+    import redis.asyncio as aioredis
+
+    from rollout_service.weight_sync import WeightFollower
+
     bus_config: WeightBusConfig = run_config.weight_bus
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+    client = aioredis.Redis.from_url(run_config.redis_url, socket_timeout=30)
+    keys = RedisKeys(run_config.run_id)
+    return WeightFollower(
+        engine,
+        client,
+        keys,
+        bus_config,
+        address,
+        nccl_subscriber_factory=nccl_subscriber_factory(run_config.redis_url, keys, bus_config, engine.server_id),
+    )
 
-    # 1) start the engine
-    engine = RolloutEngine(run_config.model_path, rollout_config, server_id=args.server_id)
-    await engine.start()
-    # 2) connect the weight bus (Redis rendezvous) if asked, and catch up to the latest version
-    follower, follow_task = None, None
-    if run_config.redis_url:
-        import redis.asyncio as aioredis
 
-        from rollout_service.weight_sync import WeightFollower
+async def announce(args: argparse.Namespace, engine, follower, host: str, port: int) -> None:
+    """Once the gRPC server listens: metrics, the address file, and the follower's first fleet report."""
+    from rollout_service import metrics
 
-        client = aioredis.Redis.from_url(run_config.redis_url, socket_timeout=30)
-        keys = RedisKeys(run_config.run_id)
-        follower = WeightFollower(
-            engine,
-            client,
-            keys,
-            bus_config,
-            f"{host}:{args.port}",
-            nccl_subscriber_factory=nccl_subscriber_factory(run_config.redis_url, keys, bus_config, engine.server_id),
-        )
-    # 3) serve gRPC (health turns SERVING only now)
-    servicer = RolloutServicer(engine, follower)
-    server, port, health_servicer = await start_grpc_server(servicer, host, args.port)
     metrics.track_engine(engine)
     if args.metrics_port:
         from prometheus_client import start_http_server
@@ -102,29 +96,56 @@ async def run(args: argparse.Namespace) -> None:
     if follower is not None:
         follower.address = f"{host}:{port}"
         await follower.report()
-    broadcast_task = None
-    if follower is not None and rollout_config.weight_updates == "follow":
-        follow_task = asyncio.create_task(follower.run(stop), name="weight-follower")
-        if follower.nccl_subscriber_factory is not None:
-            broadcast_task = asyncio.create_task(follower.follow_broadcasts(stop), name="nccl-receiver")
+
+
+def start_following(follower, rollout_config: RolloutConfig, stop: asyncio.Event) -> list[asyncio.Task]:
+    """The follower's background tasks (``weight_updates == "follow"``): announcements, and NCCL broadcasts."""
+    if follower is None or rollout_config.weight_updates != "follow":
+        return []
+    tasks = [asyncio.create_task(follower.run(stop), name="weight-follower")]
+    if follower.nccl_subscriber_factory is not None:
+        tasks.append(asyncio.create_task(follower.follow_broadcasts(stop), name="nccl-receiver"))
+    return tasks
+
+
+async def run(args: argparse.Namespace) -> None:
+    from rollout_service.engine import RolloutEngine
+    from rollout_service.server import RolloutServicer, drain_and_stop, start_grpc_server
+
+    run_config = load_config(args)
+    host, rollout_config = run_config.rollout.host, run_config.rollout
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+
+    # 1) start the engine
+    engine = RolloutEngine(run_config.model_path, rollout_config, server_id=args.server_id)
+    await engine.start()
+    # 2) connect the weight bus (Redis rendezvous) if asked, and catch up to the latest version
+    follower = make_follower(run_config, engine, f"{host}:{args.port}")
+    # 3) serve gRPC (health turns SERVING only now), then announce the address and follow new versions
+    servicer = RolloutServicer(engine, follower)
+    server, port, health_servicer = await start_grpc_server(servicer, host, args.port)
+    await announce(args, engine, follower, host, port)
+    follow_tasks = start_following(follower, rollout_config, stop)
     # 4) wait for a stop signal; a dead follower task or a dead engine stops the server with an error
     waiter = asyncio.create_task(stop.wait())
     watchdog = asyncio.create_task(watch_engine(engine, stop), name="engine-watchdog")
-    done, _ = await asyncio.wait(
-        {t for t in (waiter, follow_task, broadcast_task, watchdog) if t}, return_when=asyncio.FIRST_COMPLETED
-    )
+    done, _ = await asyncio.wait({waiter, watchdog, *follow_tasks}, return_when=asyncio.FIRST_COMPLETED)
     # 5) graceful shutdown: NOT_SERVING, refuse new calls, give in-flight calls the grace period, stop the engine
     stop.set()
     logger.info("rollout server %s draining %d calls (grace %.1fs)", engine.server_id, servicer.inflight, args.grace_s)
     await drain_and_stop(server, servicer, health_servicer, args.grace_s)
-    for task in (follow_task, broadcast_task):
-        if task is not None and not task.done():
+    for task in follow_tasks:
+        if not task.done():
             await asyncio.wait_for(task, timeout=10.0)  # each checks `stop` at least every second
     engine.shutdown()
     logger.info("rollout server %s stopped", engine.server_id)
     watchdog.cancel()
-    for task in (follow_task, broadcast_task, watchdog):
-        if task is not None and task in done and not task.cancelled() and task.exception():
+    # 6) a background task that died is the server's error
+    for task in (*follow_tasks, watchdog):
+        if task in done and not task.cancelled() and task.exception():
             raise task.exception()
 
 

@@ -174,7 +174,7 @@ def route_agreement(model_dir: str, groups) -> dict:
 
 def megatron_trainer(model_dir: str):
     from protos.config import MegatronConfig, TrainerConfig
-    from trainer_service.megatron_backend import MegatronBackend
+    from trainer_service.megatron.backend import MegatronBackend
     from trainer_service.trainer import Trainer
 
     config = TrainerConfig(

@@ -5,7 +5,7 @@
 #
 # Why the special flags (see shared/notes/stack.md, "Megatron on CPU"):
 #   * both packages declare Python >= 3.12; on 3.11 a plain install silently picks an old pair, so
-#     --ignore-requires-python (the code runs on 3.11; megatron_cpu_shims patches typing.override);
+#     --ignore-requires-python (the code runs on 3.11; trainer_service/megatron/cpu_shims.py patches typing.override);
 #   * megatron-core has no cp311 wheel and builds from source (~15 s, gcc); numpy>=2.5 refuses 3.11,
 #     so numpy is pinned below 2.5 first;
 #   * the bridge's dependency tree needs CUDA builds (fast-hadamard-transform): install it --no-deps

@@ -34,8 +34,8 @@ def main() -> None:
     import modeling.beam  # noqa: F401 - registers model_type "beam"
     from modeling.beam.tiny import init_tiny_beam
     from protos.config import LoraConfig, MegatronConfig, TrainerConfig
-    from trainer_service.megatron_backend import MegatronBackend
-    from trainer_service.routing_replay import megatron_record_routes
+    from trainer_service.megatron.backend import MegatronBackend
+    from trainer_service.megatron.routing_replay import megatron_record_routes
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dispatcher = "alltoall" if device == "cuda" else "allgather"
@@ -103,7 +103,7 @@ def verify_lora(beam_dir: str, config, device: str, work: Path) -> dict:
     from transformers import AutoModelForCausalLM
 
     from trainer_service.batch import build_batch
-    from trainer_service.megatron_backend import MegatronBackend
+    from trainer_service.megatron.backend import MegatronBackend
     from trainer_service.torch_backend import token_logprobs
 
     backend = MegatronBackend(beam_dir, config, device=device)

@@ -1,6 +1,9 @@
-"""Shared fixtures: one embedded valkey server per test session, flushed before each test that uses it."""
+"""Shared fixtures: one embedded valkey server per test session, flushed before each test that uses it; the
+Megatron CPU shims undone after every test module that installed them."""
 
 from __future__ import annotations
+
+import sys
 
 import pytest
 import redis
@@ -27,6 +30,16 @@ def redis_url(redis_server) -> str:
     finally:
         client.close()
     return redis_server.url
+
+
+@pytest.fixture(scope="module", autouse=True)
+def megatron_cpu_shims_undone():
+    """A module that builds a MegatronBackend on a CPU torch patches ``torch.cuda`` (trainer_service.megatron.cpu_shims);
+    the patches are reverted once its fixtures are torn down, so no other module's tests run with them."""
+    yield
+    shims = sys.modules.get("trainer_service.megatron.cpu_shims")  # never imported: nothing to undo
+    if shims is not None:
+        shims.undo()
 
 
 TIERS = ("unit", "integration", "e2e")

@@ -45,7 +45,7 @@ def make_backend(model_path: str, config):
     tcfg, temperature = config.trainer, config.temperature
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if tcfg.backend == "megatron":
-        from trainer_service.megatron_backend import MegatronBackend
+        from trainer_service.megatron.backend import MegatronBackend
 
         return MegatronBackend(model_path, tcfg, temperature=temperature, device=device)
     from trainer_service.torch_backend import TorchBackend
@@ -53,26 +53,30 @@ def make_backend(model_path: str, config):
     return TorchBackend(model_path, tcfg, temperature=temperature, device=device)
 
 
-def run(args: argparse.Namespace, stop: threading.Event) -> None:
-    """The trainer loop, the same on every rank; rank 0 alone talks to Redis (``RedisSide``, ``ranks``)."""
-    import torch
-
+def load_config(args: argparse.Namespace):
+    """The resolved run config: the file, then the flags (config aliases), then the dotted overrides."""
     from protos.config import flag_overrides, load_run_config
-    from trainer_service import ranks
-    from trainer_service.checkpoint import CheckpointManager, TrainerState
-    from trainer_service.redis_side import RedisSide, apply_commands
-    from trainer_service.trainer import Trainer
 
     config = load_run_config(
         args.config, [*flag_overrides({"model_path": args.model, "redis_url": args.redis_url}), *args.overrides]
     )
     if not config.model_path or not config.redis_url:
         raise SystemExit("trainer: model_path and redis_url must be set (config keys, or --model / --redis-url)")
-    tcfg = config.trainer
-    torch.set_num_threads(1)
+    return config
 
-    # 0) restore every rank from the same checkpoint (rank 0 resolves it); rank 0 opens Redis and takes over the
-    #    entries a dead trainer left pending; versions published past the checkpoint are caught up
+
+def restore(config, stop: threading.Event):
+    """Every rank's backend and Trainer from the same checkpoint (rank 0 resolves it); rank 0 opens Redis
+    (``RedisSide``), which takes over the entries a dead trainer left pending.
+
+    Returns (trainer, checkpoints, side or None, the restored checkpoint or None, the restored step).
+    """
+    from trainer_service import ranks
+    from trainer_service.checkpoint import CheckpointManager, TrainerState
+    from trainer_service.redis_side import RedisSide
+    from trainer_service.trainer import Trainer
+
+    tcfg = config.trainer
     backend = make_backend(config.model_path, config)
     checkpoints = CheckpointManager(checkpoint_root(config), tcfg.keep_last_checkpoints)
     restored = ranks.resolve_checkpoint(checkpoints, tcfg.resume)
@@ -86,14 +90,30 @@ def run(args: argparse.Namespace, stop: threading.Event) -> None:
         measure_replay_mismatch=tcfg.measure_replay_mismatch,
     )
     side = RedisSide(config.redis_url, config, trainer, stop) if ranks.world_rank() == 0 else None
+    return trainer, checkpoints, side, restored, state.step
+
+
+def run(args: argparse.Namespace, stop: threading.Event) -> None:
+    """The trainer loop, the same on every rank; rank 0 alone talks to Redis (``RedisSide``, ``ranks``)."""
+    import torch
+
+    from trainer_service import ranks
+    from trainer_service.redis_side import apply_commands
+
+    config = load_config(args)
+    torch.set_num_threads(1)
+
+    # 0) restore every rank from the same checkpoint; rank 0 opens Redis and takes over the entries a dead trainer
+    #    left pending; versions published past the checkpoint are caught up
+    trainer, checkpoints, side, restored, start_step = restore(config, stop)
     publisher = side.publisher if side else None
 
     def publish_current() -> float:  # collective: every rank exports, rank 0 sends
-        return ranks.publish_weights(publisher, backend, trainer.policy_version)
+        return ranks.publish_weights(publisher, trainer.backend, trainer.policy_version)
 
     feed = ranks.OrderFeed(side.read_groups if side else None, partial(apply_commands, trainer, publish_current))
-    catch_up_published(side, trainer, publish_current, restored, state.step)
-    for step in range(state.step + 1, config.num_steps + 1):
+    catch_up_published(side, trainer, publish_current, restored, start_step)
+    for step in range(start_step + 1, config.num_steps + 1):
         started = time.monotonic()
         # 1) one step's new groups: rank 0 pops them (entries already in the ledger are skipped but acknowledged
         #    later) and acts on operator commands while it waits; every rank gets the same groups
@@ -105,19 +125,9 @@ def run(args: argparse.Namespace, stop: threading.Event) -> None:
         previous_version = trainer.policy_version
         values = trainer.step(groups)
         # 4) publish weights v+1 if the step was taken; a step that was not moves the coordinator's slot map back
-        publish_s = publish_current() if trainer.policy_version != previous_version else 0.0
-        if side and trainer.policy_version == previous_version:
-            record_version_offset(side, trainer.policy_version, step)
+        publish_s = publish_step(side, trainer, previous_version, step, publish_current)
         # 5) checkpoint (every rank its shard, rank 0 the ledger), then rank 0 acknowledges what it holds
-        ckpt_s = 0.0
-        if step % tcfg.ckpt_interval == 0 or step == config.num_steps:
-            ckpt_started = time.monotonic()
-            ranks.save_checkpoint(
-                checkpoints, backend, TrainerState(step, trainer.policy_version, trainer.ledger, _totals(trainer))
-            )
-            if side:
-                side.ack_consumed()
-            ckpt_s = time.monotonic() - ckpt_started
+        ckpt_s = checkpoint_step(config, checkpoints, side, trainer, step)
         # 6) log and report
         if side:
             side.report(
@@ -125,6 +135,34 @@ def run(args: argparse.Namespace, stop: threading.Event) -> None:
             )
     if side:
         side.finish(args.linger_s, stop)
+
+
+def publish_step(side, trainer, previous_version: int, step: int, publish_current) -> float:
+    """Step 4: publish the new version if the step was taken (seconds spent); a skipped step instead moves the
+    version offset, so that the coordinator's slot map follows."""
+    if trainer.policy_version != previous_version:
+        return publish_current()
+    if side:
+        record_version_offset(side, trainer.policy_version, step)
+    return 0.0
+
+
+def checkpoint_step(config, checkpoints, side, trainer, step: int) -> float:
+    """Step 5: at the interval (and the last step) every rank saves its shard and rank 0 the trainer state, then
+    rank 0 acknowledges the entries the checkpoint holds. Returns the seconds spent (0 between checkpoints)."""
+    from trainer_service import ranks
+    from trainer_service.checkpoint import TrainerState
+
+    tcfg = config.trainer
+    if step % tcfg.ckpt_interval != 0 and step != config.num_steps:
+        return 0.0
+    started = time.monotonic()
+    ranks.save_checkpoint(
+        checkpoints, trainer.backend, TrainerState(step, trainer.policy_version, trainer.ledger, _totals(trainer))
+    )
+    if side:
+        side.ack_consumed()
+    return time.monotonic() - started
 
 
 def record_version_offset(side, policy_version: int, step: int) -> None:

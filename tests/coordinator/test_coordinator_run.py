@@ -4,7 +4,7 @@ The two servers are shared by the module (their start is the slow part) and foll
 announcements of RUN_ID. Versions only go up, so each run continues from the versions the previous
 one left: the trainer of a new run (fresh checkpoint dir) publishes the next version at start, and the
 coordinator is started after that, so its start version is the trainer's. The test that kills a
-server runs last.
+server runs last. The helpers (a run, the admin CLI, what Redis holds) are coordinator_runs.py.
 """
 
 from __future__ import annotations
@@ -13,29 +13,28 @@ import asyncio
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 import urllib.request
-from dataclasses import dataclass
-from pathlib import Path
 
 import grpc
 import pytest
-import redis
-import yaml
 
-from coordinator.redis_server import free_port
 from modeling.tiny_model import init_tiny
-from protos.records import decode_group, decode_metrics
-from protos.redis_keys import RedisKeys
-from tests.rollout_service.server_process import ServerProcess, spawn_rollout_server
+from tests.coordinator.coordinator_runs import (
+    PLUGINS,
+    ServerProcess,
+    assert_every_slot_once_within_the_bound,
+    coordinator_reports,
+    fleetrl,
+    following_servers,
+    pushed_groups,
+    spawn_coordinator,
+    start_run,
+    status,
+    wait_for_admin,
+)
 
 pytestmark = pytest.mark.e2e
-
-RUN_ID = "coord-run"
-KEYS = RedisKeys(RUN_ID)
-PLUGINS = "tests.coordinator.reward_plugins"
 
 
 @pytest.fixture(scope="module")
@@ -46,205 +45,8 @@ def model_dir(tmp_path_factory) -> str:
 @pytest.fixture(scope="module")
 def servers(model_dir, redis_server, tmp_path_factory) -> list[ServerProcess]:
     """Two rollout server processes following RUN_ID's weight announcements."""
-    logs = tmp_path_factory.mktemp("rollout-logs")
-    started = [
-        spawn_rollout_server(
-            model_dir,
-            logs / f"rollout-{i}.log",
-            "--server-id",
-            f"rollout-{i}",
-            "--redis-url",
-            redis_server.url,
-            "--run-id",
-            RUN_ID,
-            env={"OMP_NUM_THREADS": "1", "VLLM_CPU_OMP_THREADS_BIND": str(i % (os.cpu_count() or 1))},
-        )
-        for i in range(2)
-    ]
-    try:
-        for server in started:
-            server.wait_serving(timeout_s=300)
+    with following_servers(model_dir, redis_server.url, tmp_path_factory.mktemp("rollout-logs")) as started:
         yield started
-    finally:
-        for server in started:
-            if server.process.poll() is None:
-                os.killpg(server.process.pid, signal.SIGTERM)
-        for server in started:
-            try:
-                server.process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(server.process.pid, signal.SIGKILL)
-                server.process.wait()
-
-
-@dataclass
-class Run:
-    """One trainer + coordinator run against the module's servers."""
-
-    out: Path
-    trainer: subprocess.Popen
-    coordinator: subprocess.Popen
-    admin: str
-    metrics_url: str
-    start_version: int
-    config: dict
-
-    def log(self, role: str) -> str:
-        return (self.out / f"{role}.log").read_text(errors="replace")[-4000:]
-
-    def wait(self, timeout_s: float = 240) -> None:
-        """Wait for the coordinator to finish; it must exit 0."""
-        try:
-            code = self.coordinator.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            pytest.fail(
-                f"coordinator still running after {timeout_s}s:\n{self.log('coordinator')}\n{self.log('trainer')}"
-            )
-        assert code == 0, self.log("coordinator") + self.log("trainer")
-
-    def stop(self) -> None:
-        for process in (self.coordinator, self.trainer):
-            if process.poll() is None:
-                process.terminate()
-                try:
-                    process.wait(timeout=30)
-                except subprocess.TimeoutExpired:
-                    process.kill()
-                    process.wait()
-
-
-def start_run(
-    tmp_path: Path, model_dir: str, servers: list[ServerProcess], redis_url: str, coordinator: dict, num_steps: int
-) -> Run:
-    """Clear the previous run's streams, start the trainer, wait for its start version, start the coordinator."""
-    client = redis.Redis.from_url(redis_url)
-    client.delete(
-        KEYS.trajectories,
-        KEYS.prompt_cursor,
-        KEYS.control,
-        KEYS.dead_letters,
-        KEYS.metrics("trainer"),
-        KEYS.metrics("coordinator"),
-    )
-    before = client.get(KEYS.policy_version)
-    admin, metrics_port = f"127.0.0.1:{free_port()}", free_port()
-    config = {
-        "run_id": RUN_ID,
-        "out_dir": str(tmp_path),
-        "coordinator": {
-            "dashboard": False,
-            "admin_port": int(admin.split(":")[1]),
-            "metrics_port": metrics_port,
-            "max_staleness": 1,
-            **coordinator,
-        },
-        # trim_acknowledged off: the tests read the whole trajectory stream afterwards as the record of pushes
-        "trainer": {
-            "num_steps": num_steps,
-            "geo_mask": None,
-            "token_tis_cap": 2.0,
-            "batch_timeout_s": 120,
-            "resume": "none",
-            "trim_acknowledged": False,
-        },
-    }
-    config_path = tmp_path / "run.yaml"
-    config_path.write_text(yaml.safe_dump(config))
-    trainer = _spawn(
-        tmp_path / "trainer.log",
-        "trainer_service",
-        "train",
-        "--model",
-        model_dir,
-        "--redis-url",
-        redis_url,
-        "--config",
-        str(config_path),
-        "--linger-s",
-        "30",
-    )
-    start_version = _wait_for_trainer_start(client, before, trainer, tmp_path / "trainer.log")
-    coordinator_process = _spawn(
-        tmp_path / "coordinator.log",
-        "coordinator",
-        "run",
-        "--servers",
-        ",".join(s.address for s in servers),
-        "--redis-url",
-        redis_url,
-        "--model",
-        model_dir,
-        "--config",
-        str(config_path),
-    )
-    return Run(
-        tmp_path, trainer, coordinator_process, admin, f"http://127.0.0.1:{metrics_port}/metrics", start_version, config
-    )
-
-
-def _spawn(log: Path, module: str, *args: str) -> subprocess.Popen:
-    return subprocess.Popen(
-        [sys.executable, "-m", module, *args],
-        stdout=open(log, "wb"),
-        stderr=subprocess.STDOUT,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
-
-
-def _wait_for_trainer_start(client: redis.Redis, before: bytes | None, trainer, log: Path, timeout_s=180) -> int:
-    """A fresh trainer sets v0 (first run) or publishes the version after the last published one."""
-    deadline = time.monotonic() + timeout_s
-    expected = 0 if before is None else int(before) + 1
-    while (raw := client.get(KEYS.policy_version)) is None or int(raw) < expected:
-        assert trainer.poll() is None, log.read_text()[-3000:]
-        assert time.monotonic() < deadline, f"trainer did not start within {timeout_s}s"
-        time.sleep(0.2)
-    return int(raw)
-
-
-def fleetrl(run: Run, *argv: str, check: bool = True) -> subprocess.CompletedProcess:
-    result = subprocess.run(
-        [sys.executable, "-m", "coordinator.cli", *argv, "--admin", run.admin],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    if check:
-        assert result.returncode == 0, result.stdout + result.stderr
-    return result
-
-
-def status(run: Run) -> dict:
-    return json.loads(fleetrl(run, "status", "--json").stdout)
-
-
-def wait_for_admin(run: Run, timeout_s: float = 120) -> dict:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        assert run.coordinator.poll() is None, run.log("coordinator")
-        result = fleetrl(run, "status", "--json", check=False)
-        if result.returncode == 0:
-            return json.loads(result.stdout)
-        time.sleep(0.5)
-    pytest.fail(f"admin API of the coordinator not up in {timeout_s}s:\n{run.log('coordinator')}")
-
-
-def pushed_groups(redis_url: str) -> list:
-    entries = redis.Redis.from_url(redis_url).xrange(KEYS.trajectories)
-    return [decode_group(fields[b"g"]) for _, fields in entries]
-
-
-def coordinator_reports(redis_url: str) -> list:
-    entries = redis.Redis.from_url(redis_url).xrange(KEYS.metrics("coordinator"))
-    return [decode_metrics(fields[b"m"]) for _, fields in entries if b"m" in fields]
-
-
-def assert_every_slot_once_within_the_bound(groups: list, num_slots: int, start_version: int, b: int, k: int) -> None:
-    assert sorted(g.admission_index for g in groups) == list(range(num_slots)), "a slot was lost or pushed twice"
-    for group in groups:
-        oldest = min(span.version for sample in group.samples for span in sample.version_spans)
-        staleness = start_version + group.admission_index // b - oldest
-        assert 0 <= staleness <= k, (group.admission_index, oldest, start_version)
 
 
 def test_admin_verbs_steer_a_live_run_that_keeps_the_staleness_bound(tmp_path, model_dir, servers, redis_server):
@@ -428,19 +230,7 @@ def test_a_coordinator_killed_mid_run_is_restarted_and_every_prompt_is_pushed_on
         os.kill(run.coordinator.pid, signal.SIGKILL)
         run.coordinator.wait()
         pushed_before = len(pushed_groups(redis_server.url))
-        run.coordinator = _spawn(
-            tmp_path / "coordinator.log",
-            "coordinator",
-            "run",
-            "--servers",
-            ",".join(s.address for s in servers),
-            "--redis-url",
-            redis_server.url,
-            "--model",
-            model_dir,
-            "--config",
-            str(tmp_path / "run.yaml"),
-        )
+        run.coordinator = spawn_coordinator(tmp_path, model_dir, servers, redis_server.url)
         run.wait()
         restarted_log = run.log("coordinator")
     finally:
@@ -462,10 +252,42 @@ def test_a_coordinator_killed_mid_run_is_restarted_and_every_prompt_is_pushed_on
         assert 0 <= run.start_version + position // b - oldest <= 1, (position, oldest, run.start_version)
 
 
+def _freeze_coordinator_calls(stub, engine, address: str, timeout_s: float = 120) -> None:
+    """Catch the server at ``address`` generating for the coordinator and pause it there (PAUSE_MODE_KEEP): only a
+    kill can end those calls then."""
+    from protos import admin_pb2, rollout_pb2
+
+    def busy() -> bool:
+        now = stub.GetStatus(admin_pb2.GetStatusRequest(), timeout=10)
+        assert now.groups_pushed < now.total_groups, f"{address} never busy mid-run"
+        return now.groups_pushed >= 1 and any(s.address == address and s.inflight for s in now.servers)
+
+    def frozen() -> bool:
+        # The coordinator's count alone can include a call whose samples all finished before the pause
+        # and whose stream is still closing: a request the paused engine still holds is frozen.
+        for _ in range(2):
+            if not engine.ServerInfo(rollout_pb2.ServerInfoRequest(), timeout=10).num_engine_requests:
+                return False
+            time.sleep(0.2)
+        return True
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        assert time.monotonic() < deadline, (
+            f"{address} never busy: {stub.GetStatus(admin_pb2.GetStatusRequest(), timeout=10)}"
+        )
+        if busy():
+            engine.Pause(rollout_pb2.PauseRequest(mode=rollout_pb2.PAUSE_MODE_KEEP), timeout=10)
+            if frozen() and busy():
+                return
+            engine.Resume(rollout_pb2.ResumeRequest(), timeout=10)
+        time.sleep(0.01)
+
+
 def test_a_server_killed_mid_run_loses_no_prompt_and_its_requests_are_redispatched(
     tmp_path, model_dir, servers, redis_server
 ):
-    from protos import admin_pb2, admin_pb2_grpc, rollout_pb2, rollout_pb2_grpc
+    from protos import admin_pb2, admin_pb2_grpc, rollout_pb2_grpc
 
     b, steps = 4, 10
     run = start_run(
@@ -481,32 +303,7 @@ def test_a_server_killed_mid_run_loses_no_prompt_and_its_requests_are_redispatch
         wait_for_admin(run)
         stub = admin_pb2_grpc.CoordinatorAdminStub(grpc.insecure_channel(run.admin))
         engine = rollout_pb2_grpc.RolloutServiceStub(grpc.insecure_channel(victim.address))
-
-        def busy_on_victim() -> bool:
-            now = stub.GetStatus(admin_pb2.GetStatusRequest(), timeout=10)
-            assert now.groups_pushed < now.total_groups, f"{victim.address} never busy mid-run"
-            return now.groups_pushed >= 1 and any(s.address == victim.address and s.inflight for s in now.servers)
-
-        def frozen_on_victim() -> bool:
-            # The coordinator's count alone can include a call whose samples all finished before the pause
-            # and whose stream is still closing: a request the paused engine still holds is frozen.
-            for _ in range(2):
-                if not engine.ServerInfo(rollout_pb2.ServerInfoRequest(), timeout=10).num_engine_requests:
-                    return False
-                time.sleep(0.2)
-            return True
-
-        deadline = time.monotonic() + 120
-        while True:  # catch the victim generating for the coordinator, and freeze those calls there
-            assert time.monotonic() < deadline, (
-                f"{victim.address} never busy: {stub.GetStatus(admin_pb2.GetStatusRequest(), timeout=10)}"
-            )
-            if busy_on_victim():
-                engine.Pause(rollout_pb2.PauseRequest(mode=rollout_pb2.PAUSE_MODE_KEEP), timeout=10)
-                if frozen_on_victim() and busy_on_victim():
-                    break  # only the kill can end its calls now
-                engine.Resume(rollout_pb2.ResumeRequest(), timeout=10)
-            time.sleep(0.01)
+        _freeze_coordinator_calls(stub, engine, victim.address)
         os.killpg(victim.process.pid, signal.SIGKILL)
         victim.process.wait()
         deadline = time.monotonic() + 10

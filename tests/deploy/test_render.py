@@ -211,7 +211,7 @@ def test_wait_for_rollout_init_script_waits_for_grpc_health(tmp_path):
     import grpc
     from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-    from deploy.manifests import WAIT_FOR_ROLLOUT
+    from deploy.commands import WAIT_FOR_ROLLOUT
 
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
     servicer = health.HealthServicer()

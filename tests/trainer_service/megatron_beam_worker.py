@@ -19,7 +19,7 @@ from transformers import AutoModelForCausalLM
 
 import modeling.beam  # noqa: F401  (registers model_type "beam" with transformers)
 from protos.config import MegatronConfig, TrainerConfig
-from trainer_service.megatron_backend import MegatronBackend
+from trainer_service.megatron.backend import MegatronBackend
 
 
 def gather_vocab_shards(logits_BTV: torch.Tensor) -> torch.Tensor:

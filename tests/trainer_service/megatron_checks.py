@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from trainer_service.megatron_backend import MegatronBackend
+from trainer_service.megatron.backend import MegatronBackend
 
 
 def assert_resume_is_bit_identical(model_dir: str, config, batch, tmp_path) -> None:

@@ -91,7 +91,7 @@ def layout_figures(layout: str, out: Path, qwen_dir: str, beam_dir: str | None) 
     """``model_figures`` of each model under ``layout`` ("pp": PP=2, "dp": DP=2)."""
     import torch.distributed as dist
 
-    from trainer_service.megatron_backend import MegatronBackend
+    from trainer_service.megatron.backend import MegatronBackend
 
     config = trainer_config(pp=2 if layout == "pp" else 1, num_processes=2)
     results = {}

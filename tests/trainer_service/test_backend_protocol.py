@@ -14,7 +14,7 @@ MEMBERS = [name for name in Backend.__dict__ if not name.startswith("_") and cal
 
 
 def _backends():
-    from trainer_service.megatron_backend import MegatronBackend
+    from trainer_service.megatron.backend import MegatronBackend
     from trainer_service.torch_backend import TorchBackend
 
     return [TorchBackend, MegatronBackend]

@@ -1,55 +1,38 @@
 """LoRA: frozen base, adapters only in the optimizer and the checkpoint, merged export of whole vLLM layers.
 
-Torch backend on the tiny Qwen3-MoE (fused expert tensors) and the tiny Beam (per-expert modules). The engine
-side (a partial update into a real vLLM server) is tests/rollout_service/test_server.py.
+Torch backend on the tiny Qwen3-MoE (fused expert tensors) and the tiny Beam (per-expert modules); the Megatron
+backend's LoRA is test_megatron_lora.py. The engine side (a partial update into a real vLLM server) is
+tests/rollout_service/test_server_weight_updates.py.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
-from synthetic import make_group
+from lora_cases import ALL_TARGETS, MODELS, lora_batch, lora_config, make_model_dir
 
-from modeling.beam.tiny import init_tiny_beam
-from modeling.tiny_model import init_tiny
 from protos.config import LoraConfig, TrainerConfig
 from trainer_service import lora
-from trainer_service.batch import build_batch
 from trainer_service.torch_backend import TorchBackend, token_logprobs
 
 pytestmark = pytest.mark.integration
 
-ALL_TARGETS = ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]
 
-
-@pytest.fixture(scope="module", params=["qwen3-moe", "beam"])
+@pytest.fixture(scope="module", params=MODELS)
 def model_dir(request, tmp_path_factory):
-    directory = tmp_path_factory.mktemp(request.param)
-    if request.param == "beam":
-        return str(init_tiny_beam(directory, seed=0))
-    return str(init_tiny(directory, seed=0))
-
-
-def _config(rank: int = 4, target_modules=ALL_TARGETS, **kwargs) -> TrainerConfig:
-    return TrainerConfig(
-        lr=1e-2, geo_mask=None, lora=LoraConfig(rank=rank, alpha=8, target_modules=target_modules), **kwargs
-    )
-
-
-def _batch(seed: int = 0):
-    return build_batch([make_group(i, seed=seed) for i in range(4)])
+    return make_model_dir(request.param, tmp_path_factory)
 
 
 def test_step_zero_is_the_base_model_and_training_moves_only_the_published_layers(model_dir):
     base = dict(TorchBackend(model_dir, TrainerConfig()).export_hf_weights())
-    backend = TorchBackend(model_dir, _config())
+    backend = TorchBackend(model_dir, lora_config())
     exported = dict(backend.export_hf_weights())
     assert exported.keys() == {name for name in base if lora.is_published(name, ALL_TARGETS)}
     assert all(torch.equal(tensor, base[name]) for name, tensor in exported.items())  # B = 0 at the start
 
     frozen = {name: p.clone() for name, p in backend.model.named_parameters() if not p.requires_grad}
     for _ in range(2):
-        metrics = backend.train_step(_batch())
+        metrics = backend.train_step(lora_batch())
         assert metrics["skipped"] == 0.0 and metrics["grad_norm"] > 0
     assert all(torch.equal(p, frozen[name]) for name, p in backend.model.named_parameters() if not p.requires_grad)
     assert {id(p) for p in backend.trainable} == {
@@ -70,15 +53,15 @@ def test_merged_export_reproduces_the_adapted_models_logprobs(model_dir, tmp_pat
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM
 
-    backend = TorchBackend(model_dir, _config())
+    backend = TorchBackend(model_dir, lora_config())
     for _ in range(3):
-        backend.train_step(_batch())
+        backend.train_step(lora_batch())
     base = dict(TorchBackend(model_dir, TrainerConfig()).export_hf_weights())
     merged = {**base, **dict(backend.export_hf_weights())}
     shutil.copy(f"{model_dir}/config.json", tmp_path / "config.json")
     save_file({name: tensor.contiguous() for name, tensor in merged.items()}, str(tmp_path / "model.safetensors"))
     plain = AutoModelForCausalLM.from_pretrained(str(tmp_path), dtype=torch.float32).eval()
-    batch = _batch(seed=1)
+    batch = lora_batch(seed=1)
     backend.model.eval()
     with torch.no_grad():
         adapted = token_logprobs(backend.model, batch.input_ids_BT, batch.attention_mask_BT, 1.0)
@@ -109,16 +92,19 @@ def test_each_target_publishes_whole_vllm_layers(model_dir, target):
 
 
 def test_adapter_checkpoint_resumes_bit_exactly_and_holds_only_adapters(model_dir, tmp_path):
-    config = _config()
+    config = lora_config()
     continuing = TorchBackend(model_dir, config)
-    continuing.train_step(_batch())
+    continuing.train_step(lora_batch())
     continuing.save_checkpoint(tmp_path)
     assert not (tmp_path / "model.safetensors").exists()
-    expected = [continuing.train_step(_batch(seed=2))["grad_norm"], continuing.train_step(_batch(seed=3))["grad_norm"]]
+    expected = [
+        continuing.train_step(lora_batch(seed=2))["grad_norm"],
+        continuing.train_step(lora_batch(seed=3))["grad_norm"],
+    ]
 
     resumed = TorchBackend(model_dir, config)
     resumed.load_checkpoint(tmp_path)
-    actual = [resumed.train_step(_batch(seed=2))["grad_norm"], resumed.train_step(_batch(seed=3))["grad_norm"]]
+    actual = [resumed.train_step(lora_batch(seed=2))["grad_norm"], resumed.train_step(lora_batch(seed=3))["grad_norm"]]
     assert actual == expected
     final = dict(continuing.export_hf_weights())
     assert all(torch.equal(final[name], tensor) for name, tensor in resumed.export_hf_weights())
@@ -127,75 +113,13 @@ def test_adapter_checkpoint_resumes_bit_exactly_and_holds_only_adapters(model_di
 def test_bad_lora_settings_and_mismatched_checkpoints_are_refused_naming_the_field(model_dir, tmp_path):
     with pytest.raises(ValueError, match="trainer.lora.dropout"):
         TorchBackend(model_dir, TrainerConfig(lora=LoraConfig(rank=4, dropout=0.1)))
-    TorchBackend(model_dir, _config(rank=4)).save_checkpoint(tmp_path)
+    TorchBackend(model_dir, lora_config(rank=4)).save_checkpoint(tmp_path)
     with pytest.raises(ValueError, match="trainer.lora.rank"):
-        TorchBackend(model_dir, _config(rank=8)).load_checkpoint(tmp_path)
+        TorchBackend(model_dir, lora_config(rank=8)).load_checkpoint(tmp_path)
     with pytest.raises(ValueError, match="trainer.lora"):
-        TorchBackend(model_dir, _config(target_modules=["linear_qkv"])).load_checkpoint(tmp_path)
+        TorchBackend(model_dir, lora_config(target_modules=["linear_qkv"])).load_checkpoint(tmp_path)
     with pytest.raises(FileNotFoundError, match="trainer.lora.rank=0"):
         full = tmp_path / "full"
         full.mkdir()
         TorchBackend(model_dir, TrainerConfig()).save_checkpoint(full)
-        TorchBackend(model_dir, _config()).load_checkpoint(full)
-
-
-# -- Megatron backend (megatron-bridge PEFT LoRA) ---------------------------------------------------------------
-
-
-def _megatron(model_dir: str, **kwargs):
-    from trainer_service.megatron_backend import MegatronBackend
-
-    return MegatronBackend(model_dir, _config(backend="megatron", **kwargs))
-
-
-def test_megatron_lora_trains_adapters_only_and_its_merged_export_reproduces_its_logprobs(model_dir, tmp_path):
-    import shutil
-
-    from safetensors.torch import load_file, save_file
-    from transformers import AutoModelForCausalLM
-
-    backend = _megatron(model_dir)
-    trainable = [name for name, p in backend.model[0].named_parameters() if p.requires_grad]
-    assert trainable and all(".adapter." in name for name in trainable)
-    base_state = load_file(f"{model_dir}/model.safetensors")
-    exported = dict(backend.export_hf_weights())
-    assert exported.keys() == {name for name in base_state if lora.is_published(name, ALL_TARGETS)}
-    assert all(torch.equal(tensor, base_state[name]) for name, tensor in exported.items())  # B = 0: the base
-
-    frozen = {name: p.clone() for name, p in backend.model[0].named_parameters() if not p.requires_grad}
-    for _ in range(3):
-        assert backend.train_step(_batch())["skipped"] == 0.0
-    assert all(torch.equal(p, frozen[name]) for name, p in backend.model[0].named_parameters() if not p.requires_grad)
-
-    merged = {**base_state, **{name: t.contiguous() for name, t in backend.export_hf_weights()}}
-    shutil.copy(f"{model_dir}/config.json", tmp_path / "config.json")
-    save_file(merged, str(tmp_path / "model.safetensors"))
-    plain = AutoModelForCausalLM.from_pretrained(str(tmp_path), dtype=torch.float32).eval()
-    batch = _batch(seed=1)
-    with torch.no_grad():
-        reference = token_logprobs(plain, batch.input_ids_BT, batch.attention_mask_BT, 1.0)
-    adapted = backend.token_logprobs(batch.input_ids_BT, batch.attention_mask_BT)
-    mask = batch.attention_mask_BT[:, 1:].bool()
-    assert (adapted - reference)[mask].abs().max() < 1e-4
-    changed = [name for name, tensor in merged.items() if not torch.equal(tensor, base_state[name])]
-    assert changed and all(lora.target_of(name) for name in changed)  # only adapted weights moved
-
-
-def test_megatron_lora_resumes_bit_exactly(model_dir, tmp_path):
-    from megatron_checks import assert_resume_is_bit_identical
-
-    assert_resume_is_bit_identical(model_dir, _config(backend="megatron"), _batch(), tmp_path)
-
-
-def test_megatron_lora_checkpoint_holds_adapters_not_the_base(model_dir, tmp_path):
-    backend = _megatron(model_dir)
-    backend.train_step(_batch())  # megatron's optimizer has a state to save once it has stepped
-    backend.save_checkpoint(tmp_path / "lora")
-    state = torch.load(tmp_path / "lora" / "rank00000.pt", weights_only=False)
-    saved = sum(t.numel() for t in state["model"][0].values() if isinstance(t, torch.Tensor))
-    adapters = sum(p.numel() for p in backend.model[0].parameters() if p.requires_grad)
-    assert saved == adapters
-    with pytest.raises(ValueError, match="trainer.lora.rank"):
-        _megatron(model_dir, rank=0).load_checkpoint(tmp_path / "lora")
-    with pytest.raises(ValueError, match="trainer.lora"):
-        _megatron(model_dir, rank=8).load_checkpoint(tmp_path / "lora")
+        TorchBackend(model_dir, lora_config()).load_checkpoint(full)

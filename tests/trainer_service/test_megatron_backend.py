@@ -19,8 +19,9 @@ from modeling.tiny_model import init_tiny
 from protos.config import TrainerConfig
 from protos.records import Array, FinishReason, Sample, TrajectoryGroup, VersionSpan
 from trainer_service.batch import build_batch
-from trainer_service.megatron_backend import MegatronBackend
-from trainer_service.routing_replay import megatron_record_routes, record_routes, routes_from_groups
+from trainer_service.megatron.backend import MegatronBackend
+from trainer_service.megatron.routing_replay import megatron_record_routes
+from trainer_service.routing_replay import record_routes, routes_from_groups
 from trainer_service.torch_backend import TorchBackend, token_logprobs
 
 pytestmark = pytest.mark.integration

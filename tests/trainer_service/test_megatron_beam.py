@@ -28,8 +28,10 @@ from modeling.tiny_model import PAD_ID
 from protos.config import MegatronConfig, TrainerConfig
 from protos.records import Array, FinishReason, Sample, TrajectoryGroup, VersionSpan
 from trainer_service.batch import build_batch
-from trainer_service.megatron_backend import MegatronBackend, attention_mask_B1TT
-from trainer_service.routing_replay import megatron_forced_routing, megatron_record_routes, routes_from_groups
+from trainer_service.megatron.backend import MegatronBackend
+from trainer_service.megatron.forward import attention_mask_B1TT
+from trainer_service.megatron.routing_replay import megatron_forced_routing, megatron_record_routes
+from trainer_service.routing_replay import routes_from_groups
 from trainer_service.torch_backend import TorchBackend, token_logprobs
 
 pytestmark = pytest.mark.integration
@@ -179,7 +181,7 @@ def test_beam_hf_megatron_hf_round_trip_is_exact(request, backend_name, dir_name
 
 
 def test_beam_megatron_refuses_config_values_it_cannot_reproduce():
-    from trainer_service.megatron_beam.bridge import check_supported
+    from trainer_service.megatron.beam.bridge import check_supported
 
     check_supported(tiny_beam_config())
     for overrides in ({"attn_output_gate": "headwise"}, {"topk_group": 1}, {"norm_topk_prob": False}):

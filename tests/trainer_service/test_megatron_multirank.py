@@ -70,7 +70,7 @@ def _ranks_results(process: subprocess.Popen, out: Path) -> list[dict]:
 
 def _reference(model_dir: str, route_shape) -> dict:
     """World size 1: log-probs (natural and replayed) and one step's figures and weights on ``step_batch()``."""
-    from trainer_service.megatron_backend import MegatronBackend
+    from trainer_service.megatron.backend import MegatronBackend
 
     backend = MegatronBackend(model_dir, trainer_config())
     before = {name: tensor.clone() for name, tensor in backend.export_hf_weights()}
@@ -185,7 +185,7 @@ def _wait_for_done(client: redis.Redis, keys: RedisKeys, trainer: subprocess.Pop
 
 def _reference_weights(model_dir: str, num_steps: int) -> dict[str, torch.Tensor]:
     """One process training the same groups in the same order (two mini-batches per step, as the run)."""
-    from trainer_service.megatron_backend import MegatronBackend
+    from trainer_service.megatron.backend import MegatronBackend
     from trainer_service.trainer import Trainer
 
     trainer = Trainer(MegatronBackend(model_dir, trainer_config()), 1000, mini_batches=2)

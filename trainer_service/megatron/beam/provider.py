@@ -31,7 +31,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
-from trainer_service.megatron_beam.modules import (
+from trainer_service.megatron.beam.modules import (
     BeamCoreAttention,
     BeamLayerSubmodules,
     BeamRMSNorm,

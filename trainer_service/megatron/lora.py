@@ -17,7 +17,7 @@ def _te_paths_off_without_transformer_engine() -> None:
     """Without Transformer Engine, make the bridge's PEFT take its megatron-core (local spec) code paths.
 
     fleetrl builds models with the local layer spec; where TE is not installed, megatron-core's TE extension
-    module is a stand-in (megatron_cpu_shims), whose classes the bridge then counts as present
+    module is a stand-in (cpu_shims), whose classes the bridge then counts as present
     (``peft.utils.HAVE_TE`` true) and fails in ``isinstance`` on.
     """
     if importlib.util.find_spec("transformer_engine") is not None:

@@ -25,8 +25,13 @@ and apply wherever they are needed. The list mirrors shared/notes/stack.md ("Meg
    helpers on the Beam path (the attention output gate, the expert-bias token count) run as the plain Python
    functions they wrap.
 
+``undo()`` reverts the process-wide patches of items 2, 3 and 6 (the trainer process never needs it; the test
+suite calls it after every module, tests/conftest.py, so that no other test runs with ``torch.cuda`` patched).
+Items 1 and 5 stay: they only make megatron importable and change nothing for code that does not import it. A
+later ``apply()`` installs the patches again.
+
 Settings that are not shims (local layer spec, fp32, no grouped GEMM, allgather dispatcher, no fused permute,
-explicit causal mask) live in ``megatron_backend``, where the model is configured.
+explicit causal mask) live in ``trainer_service.megatron.model``, where the model is configured.
 """
 
 from __future__ import annotations
@@ -43,7 +48,9 @@ import typing
 import torch
 from torch.overrides import TorchFunctionMode
 
-_APPLIED = False
+_IMPORT_FIXES_APPLIED = False
+# (owner, attribute, original value) of every CPU patch in force, in the order they were made; undo() reverts them.
+_PATCHES: list[tuple[object, str, object]] = []
 # The bridge module that imports transformer_engine unconditionally, and the modules it imports after that line:
 # they are imported first so that nothing else is loaded while the placeholder is visible.
 _TE_IMPORTING_MODULE = "megatron.bridge.peft.lora_layers"
@@ -59,25 +66,43 @@ def cuda_absent() -> bool:
 
 
 def apply() -> None:
-    """Install the shims (once per process). Call before importing megatron."""
-    global _APPLIED
-    if _APPLIED:
-        return
-    _APPLIED = True
-    if sys.version_info < (3, 12) and not hasattr(typing, "override"):
-        import typing_extensions
+    """Install the shims (idempotent). Call before importing megatron."""
+    global _IMPORT_FIXES_APPLIED
+    if not _IMPORT_FIXES_APPLIED:
+        _IMPORT_FIXES_APPLIED = True
+        if sys.version_info < (3, 12) and not hasattr(typing, "override"):
+            import typing_extensions
 
-        typing.override = typing_extensions.override
-    if importlib.util.find_spec("transformer_engine") is None:
-        sys.meta_path.insert(0, _TransformerEnginePlaceholderFinder())
-    if not cuda_absent():
+            typing.override = typing_extensions.override
+        if importlib.util.find_spec("transformer_engine") is None:
+            sys.meta_path.insert(0, _TransformerEnginePlaceholderFinder())
+    if _PATCHES or not cuda_absent():
         return
-    torch.cuda.current_device = _cpu_current_device
-    torch.cuda.Stream = _NullStream
-    torch.cuda.current_stream = _null_stream
-    torch.cuda.stream = _null_stream_context
+    _patch(torch.cuda, "current_device", _cpu_current_device)
+    _patch(torch.cuda, "Stream", _NullStream)
+    _patch(torch.cuda, "current_stream", _null_stream)
+    _patch(torch.cuda, "stream", _null_stream_context)
     _patch_rng_tracker()
     _run_compiled_helpers_eagerly()
+
+
+def applied() -> bool:
+    """Whether the CPU patches (items 2, 3, 6) are in force."""
+    return bool(_PATCHES)
+
+
+def undo() -> None:
+    """Revert the CPU patches (items 2, 3, 6) in reverse order; a no-op when none are in force."""
+    while _PATCHES:
+        owner, attribute, original = _PATCHES.pop()
+        setattr(owner, attribute, original)
+
+
+def _patch(owner: object, attribute: str, value: object) -> None:
+    # Read from __dict__ where there is one, so that a class attribute (a staticmethod, say) comes back as itself.
+    original = vars(owner)[attribute] if attribute in vars(owner) else getattr(owner, attribute)
+    _PATCHES.append((owner, attribute, original))
+    setattr(owner, attribute, value)
 
 
 def import_bridge():
@@ -144,9 +169,9 @@ def _cpu_tracker_add(self, name: str, seed: int) -> None:
 def _patch_rng_tracker() -> None:
     from megatron.core.tensor_parallel import random as mp_random
 
-    mp_random._get_cuda_rng_state = _cpu_get_rng_state
-    mp_random._set_cuda_rng_state = _cpu_set_rng_state
-    mp_random.CudaRNGStatesTracker.add = _cpu_tracker_add
+    _patch(mp_random, "_get_cuda_rng_state", _cpu_get_rng_state)
+    _patch(mp_random, "_set_cuda_rng_state", _cpu_set_rng_state)
+    _patch(mp_random.CudaRNGStatesTracker, "add", _cpu_tracker_add)
 
 
 # -- 4. device='cuda' tensors of the optimizer on the CPU -------------------------------------------------------
@@ -258,4 +283,4 @@ def _run_compiled_helpers_eagerly() -> None:
         owner = getattr(importlib.import_module(module_name), class_name)
         helper = owner.__dict__[attribute]
         # torch.compile keeps the wrapped function here; absent if a version stops compiling the helper.
-        setattr(owner, attribute, getattr(helper, "_torchdynamo_orig_callable", helper))
+        _patch(owner, attribute, getattr(helper, "_torchdynamo_orig_callable", helper))

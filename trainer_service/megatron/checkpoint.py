@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from trainer_service import megatron_cpu_shims
+from trainer_service.megatron import cpu_shims
 
 
 def save(model: list, optimizer, directory: str | Path) -> None:
@@ -40,7 +40,7 @@ def save(model: list, optimizer, directory: str | Path) -> None:
         "tracker": get_cuda_rng_tracker().get_states(),
     }
     adapters_only = _has_frozen_base(model)
-    with megatron_cpu_shims.cuda_tensors_on_cpu():
+    with cpu_shims.cuda_tensors_on_cpu():
         state = {
             "model": [_model_state(chunk, adapters_only) for chunk in model],
             "adapters_only": adapters_only,
@@ -66,7 +66,7 @@ def load(model: list, optimizer, directory: str | Path) -> None:
     for chunk, chunk_state in zip(model, state["model"], strict=True):
         _load_model_state(chunk, _adapter_wrapper_keys(chunk, chunk_state), state.get("adapters_only", False))
     # no_grad: the state is copied into views of the parameters.
-    with torch.no_grad(), megatron_cpu_shims.cuda_tensors_on_cpu():
+    with torch.no_grad(), cpu_shims.cuda_tensors_on_cpu():
         optimizer.load_state_dict(state["optimizer"])
         for sub, param_state in zip(sub_optimizers(optimizer), state["optimizer_params"], strict=True):
             _unshare_step_counters(sub)
@@ -120,7 +120,7 @@ def _load_model_state(chunk, chunk_state: dict, adapters_only: bool) -> None:
 def _adapter_wrapper_keys(chunk, chunk_state: dict) -> dict:
     """LoRA's ``AdapterWrapper`` writes its wrapped linear under its own prefix (``state_dict`` flattens
     ``to_wrap``) but ``load_state_dict`` looks for it under ``<prefix>to_wrap.``: rename those keys back."""
-    from megatron.bridge.peft.adapter_wrapper import AdapterWrapper  # imported with the bridge (megatron_cpu_shims)
+    from megatron.bridge.peft.adapter_wrapper import AdapterWrapper  # imported with the bridge (cpu_shims)
 
     module = getattr(chunk, "module", chunk)  # DDP-wrapped chunk; its state_dict keys have no "module."
     wrapped = [name + "." for name, sub in module.named_modules() if isinstance(sub, AdapterWrapper)]

@@ -1,6 +1,6 @@
 """``BeamBridge``: megatron-bridge's HF <-> Megatron conversion for ``BeamForCausalLM`` (``model_type: "beam"``).
 
-Registered with ``AutoBridge`` by importing this module (``trainer_service.megatron_beam.register()``), so
+Registered with ``AutoBridge`` by importing this module (``trainer_service.megatron.beam.register()``), so
 ``AutoBridge.from_hf_pretrained(beam_checkpoint)`` builds a ``BeamModelProvider`` and loads/exports weights.
 
 Weight layout (HF left, Megatron right; ``*`` a layer or expert index):
@@ -34,7 +34,7 @@ from megatron.bridge.models.conversion.param_mapping import (
 from megatron.core.models.gpt.gpt_model import GPTModel
 
 from modeling.beam.configuration_beam import FULL, SLIDING, BeamConfig
-from trainer_service.megatron_beam.provider import BeamModelProvider, beam_block_spec
+from trainer_service.megatron.beam.provider import BeamModelProvider, beam_block_spec
 
 _ONE_TO_ONE = {
     "embedding.word_embeddings.weight": "model.embed_tokens.weight",

@@ -1,8 +1,7 @@
-"""Weight bus on CPU: bucket packing + checksums, and the TCP transport (its Redis side:
-tests/channels/test_version_board.py).
+"""Weight bus on CPU: the TCP transport (weight_bus.tcp).
 
-TCP failure cases use raw socket servers that misbehave on purpose (close early, never reply) to
-check that a receiver fails fast instead of hanging.
+Failure cases use raw socket servers that misbehave on purpose (close early, never reply) to check that a
+receiver fails fast instead of hanging.
 """
 
 from __future__ import annotations
@@ -16,37 +15,14 @@ import pytest
 import torch
 
 from protos.records import TensorEntry, WeightManifest
-from weight_bus.packing import ALIGN_BYTES, ChecksumError, iter_tensors, pack, total_nbytes, verify
+from tests.weight_bus.bus_tensors import joined_buckets, named_tensors
+from weight_bus.packing import iter_tensors, pack, total_nbytes, verify
 from weight_bus.tcp import MAGIC, TcpWeightPublisher, WeightUnavailableError, fetch
 
 pytestmark = pytest.mark.integration
 
 # ---------------------------------------------------------------------------------------------------
 # helpers
-
-
-def _joined(buckets: list[bytearray]) -> bytearray:
-    return bytearray(b"".join(bytes(b) for b in buckets))
-
-
-def _named_tensors() -> list[tuple[str, torch.Tensor]]:
-    gen = torch.Generator().manual_seed(0)
-    return [
-        ("embed.weight", torch.randn(8, 4, generator=gen)),  # fp32
-        ("norm.weight", torch.randn(16, generator=gen).to(torch.bfloat16)),  # bf16
-        ("position_ids", torch.arange(10, dtype=torch.int64).reshape(2, 5)),  # int64
-        ("big.weight", torch.randn(64, 8, generator=gen)),  # 2048 bytes > the 512-byte bucket
-        ("scalar", torch.tensor(3.5)),  # 0-d
-        *[(f"layer.{i}.bias", torch.full((3,), float(i))) for i in range(20)],  # many small tensors
-    ]
-
-
-def _assert_same_tensors(expected: list[tuple[str, torch.Tensor]], got: list[tuple[str, torch.Tensor]]) -> None:
-    assert [name for name, _ in got] == [name for name, _ in expected]
-    for (name, want), (_, have) in zip(expected, got, strict=False):
-        assert have.dtype == want.dtype, name
-        assert have.shape == want.shape, name
-        assert torch.equal(have, want), name
 
 
 def _manifest_for(address: str, version: int, nbytes: list[int]) -> WeightManifest:
@@ -78,74 +54,6 @@ class _RawServer:
 
 
 # ---------------------------------------------------------------------------------------------------
-# packing
-
-
-def test_pack_and_iter_tensors_round_trip_dtypes_shapes_and_buckets():
-    tensors = _named_tensors()
-    manifest, buckets = pack(tensors, version=3, bytes_per_bucket=512, publisher_address="h:1")
-    assert manifest.version == 3 and manifest.publisher_address == "h:1" and manifest.transport == "tcp"
-    assert manifest.bucket_nbytes == [len(b) for b in buckets]
-    assert len(buckets) > 3  # the small tensors spill over several buckets
-    assert total_nbytes(manifest) == sum(len(b) for b in buckets)
-    by_name = {entry.name: entry for entry in manifest.tensors}
-    assert by_name["norm.weight"].dtype == "bfloat16"
-    assert by_name["scalar"].shape == () and by_name["scalar"].nbytes == 4
-    for entry in manifest.tensors:
-        assert entry.offset % ALIGN_BYTES == 0
-        assert entry.codec == "raw"
-    buffer = _joined(buckets)
-    verify(manifest, memoryview(buffer))
-    _assert_same_tensors(tensors, [(n, t.clone()) for n, t in iter_tensors(manifest, memoryview(buffer))])
-
-
-def test_tensor_larger_than_the_bucket_gets_a_bucket_of_its_own():
-    small, big = torch.ones(4), torch.arange(1000, dtype=torch.float32)
-    manifest, buckets = pack([("a", small), ("big", big), ("c", small)], version=1, bytes_per_bucket=256)
-    entries = {e.name: e for e in manifest.tensors}
-    assert entries["big"].bucket != entries["a"].bucket != entries["c"].bucket
-    assert entries["big"].offset == 0
-    assert manifest.bucket_nbytes[entries["big"].bucket] == 4032  # 4000 bytes padded to 64-byte alignment
-    got = dict(iter_tensors(manifest, memoryview(_joined(buckets))))
-    assert torch.equal(got["big"], big)
-
-
-def test_packing_copies_non_contiguous_tensors_in_logical_order():
-    source = torch.arange(12, dtype=torch.float32).reshape(3, 4).t()
-    manifest, buckets = pack([("t", source)], version=1, bytes_per_bucket=1 << 20)
-    ((_, got),) = list(iter_tensors(manifest, memoryview(_joined(buckets))))
-    assert torch.equal(got, source)
-
-
-def test_checksums_pass_on_intact_buckets():
-    manifest, buckets = pack(_named_tensors(), version=1, bytes_per_bucket=512)
-    verify(manifest, memoryview(_joined(buckets)))  # no raise
-
-
-def test_corrupted_bucket_is_refused_with_tensor_name():
-    manifest, buckets = pack(_named_tensors(), version=4, bytes_per_bucket=512)
-    buffer = _joined(buckets)
-    entry = next(e for e in manifest.tensors if e.name == "position_ids")
-    start = sum(manifest.bucket_nbytes[: entry.bucket]) + entry.offset
-    buffer[start + 5] ^= 0x01
-    with pytest.raises(ChecksumError, match=r"v4: tensor position_ids .*checksum"):
-        verify(manifest, memoryview(buffer))
-
-
-def test_zero_element_tensor_round_trips():
-    tensors = [("empty", torch.zeros(0, 4)), ("w", torch.ones(3))]
-    manifest, buckets = pack(tensors, 1, bytes_per_bucket=1024)
-    _assert_same_tensors(tensors, list(iter_tensors(manifest, memoryview(_joined(buckets)))))
-
-
-def test_every_tensor_is_aligned_in_the_end_to_end_buffer():
-    tensors = [("a", torch.arange(3, dtype=torch.int8)), ("b", torch.arange(5, dtype=torch.float32))]
-    manifest, _ = pack(tensors, 1, bytes_per_bucket=16)
-    starts = [sum(manifest.bucket_nbytes[: e.bucket]) + e.offset for e in manifest.tensors]
-    assert all(start % ALIGN_BYTES == 0 for start in starts), (manifest.bucket_nbytes, starts)
-
-
-# ---------------------------------------------------------------------------------------------------
 # TCP transport
 
 
@@ -159,11 +67,11 @@ def publisher():
 
 
 def test_fetch_of_a_held_version_receives_the_buckets(publisher):
-    manifest, buckets = pack(_named_tensors(), 7, bytes_per_bucket=512, publisher_address=publisher.address)
+    manifest, buckets = pack(named_tensors(), 7, bytes_per_bucket=512, publisher_address=publisher.address)
     publisher.hold(7, buckets)
     buffer = bytearray(total_nbytes(manifest))
     assert fetch(manifest, memoryview(buffer), timeout_s=5) == len(buffer)
-    assert buffer == _joined(buckets)
+    assert buffer == joined_buckets(buckets)
     verify(manifest, memoryview(buffer))
 
 
@@ -172,7 +80,7 @@ def test_fetch_into_a_larger_buffer_fills_only_the_prefix(publisher):
     publisher.hold(1, buckets)
     buffer = bytearray(b"\xff" * (total_nbytes(manifest) + 16))
     assert fetch(manifest, memoryview(buffer), timeout_s=5) == total_nbytes(manifest)
-    assert buffer[: total_nbytes(manifest)] == _joined(buckets)
+    assert buffer[: total_nbytes(manifest)] == joined_buckets(buckets)
     assert buffer[total_nbytes(manifest) :] == b"\xff" * 16
 
 
@@ -185,7 +93,7 @@ def test_fetch_into_a_too_small_buffer_is_refused_before_connecting():
 def test_two_concurrent_receivers_get_identical_bytes(publisher):
     big = torch.randn(256, 1024, generator=torch.Generator().manual_seed(1))  # 1 MiB
     manifest, buckets = pack(
-        [("big", big), *_named_tensors()], 2, bytes_per_bucket=1 << 18, publisher_address=publisher.address
+        [("big", big), *named_tensors()], 2, bytes_per_bucket=1 << 18, publisher_address=publisher.address
     )
     publisher.hold(2, buckets)
     results: dict[int, bytearray] = {}
@@ -205,7 +113,7 @@ def test_two_concurrent_receivers_get_identical_bytes(publisher):
     for thread in threads:
         thread.join(timeout=20)
     assert not errors
-    assert results[0] == results[1] == _joined(buckets)
+    assert results[0] == results[1] == joined_buckets(buckets)
 
 
 def test_fetching_an_unheld_version_raises_weight_unavailable_with_the_held_versions(publisher):
@@ -332,4 +240,4 @@ def test_request_without_magic_is_dropped_and_the_publisher_keeps_serving(publis
     publisher.hold(1, buckets)
     buffer = bytearray(total_nbytes(manifest))
     fetch(manifest, memoryview(buffer), timeout_s=5)
-    assert buffer == _joined(buckets)
+    assert buffer == joined_buckets(buckets)

@@ -17,8 +17,8 @@ def register() -> None:
 
     Applies the CPU/Python shims first: megatron must not be imported before them.
     """
-    from trainer_service import megatron_cpu_shims
+    from trainer_service.megatron import cpu_shims
 
-    megatron_cpu_shims.apply()
+    cpu_shims.apply()
     import modeling.beam  # noqa: F401  (AutoConfig / AutoModelForCausalLM know "beam")
-    import trainer_service.megatron_beam.bridge  # noqa: F401  (@register_bridge runs on import)
+    import trainer_service.megatron.beam.bridge  # noqa: F401  (@register_bridge runs on import)
