@@ -220,6 +220,15 @@ EXPECTED: dict[str, dict[str, object]] = {
         "trainer.lr": 0.005,
         "trainer.token_tis_cap": 2.0,
     },
+    "demo-agent.yaml": {
+        "run_id": "demo-agent",
+        "num_steps": 30,
+        "groups_per_step": 16,
+        "coordinator.group_size": 8,
+        "agent.enabled": True,
+        "agent.only_agents": True,
+        "agent.demo_agents": 2,
+    },
     "demo-math.yaml": {
         "run_id": "demo-math",
         "num_steps": 10,
