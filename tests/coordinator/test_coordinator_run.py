@@ -72,9 +72,9 @@ def test_admin_verbs_steer_a_live_run_that_keeps_the_staleness_bound(tmp_path, m
         scrape = urllib.request.urlopen(run.metrics_url, timeout=10).read().decode()
         assert "coordinator_groups_admitted_total" in scrape and "coordinator_trainer_policy_version" in scrape
         # set: lowering k is always safe; an unknown key is refused with a clear error
-        assert "coordinator.max_staleness: 1 -> 0" in fleetrl(run, "set", "max_staleness=0").stdout
+        assert "max_staleness: 1 -> 0" in fleetrl(run, "set", "max_staleness=0").stdout
         assert status(run)["maxStaleness"] == 0
-        assert "coordinator.max_staleness: 0 -> 1" in fleetrl(run, "set", "max_staleness=1").stdout
+        assert "max_staleness: 0 -> 1" in fleetrl(run, "set", "max_staleness=1").stdout
         refused = fleetrl(run, "set", "no_such_key=1", check=False)
         assert refused.returncode == 2 and "unknown key coordinator.no_such_key" in refused.stderr
         # servers: remove one (it gets no new calls), add it back
@@ -83,7 +83,7 @@ def test_admin_verbs_steer_a_live_run_that_keeps_the_staleness_bound(tmp_path, m
         assert "2 servers" in fleetrl(run, "servers", "add", servers[1].address).stdout
         assert "coordinator running" in fleetrl(run, "resume").stdout
         # a live temperature change applies to requests made after it; each group records the one it was drawn at
-        assert "coordinator.sampling.temperature: 1.0 -> 0.9" in fleetrl(run, "set", "sampling.temperature=0.9").stdout
+        assert "temperature: 1.0 -> 0.9" in fleetrl(run, "set", "sampling.temperature=0.9").stdout
         changed_at = int(status(run).get("groupsPushed", 0))
         deadline = time.monotonic() + 120
         while int(status(run).get("groupsPushed", 0)) < max(3 * b, changed_at + 2 * b + 1):  # > 2B in flight then
@@ -178,7 +178,7 @@ def test_eval_requests_go_only_to_servers_at_the_pinned_version(tmp_path, model_
                 "coordinator.eval.samples_per_problem=3",
                 "coordinator.eval.datasets=[x.jsonl]",
             ]
-        ).coordinator
+        )
         fleet = Fleet([RolloutClient(s.address) for s in servers])
         for client in fleet.clients:
             await client.info()
