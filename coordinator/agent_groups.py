@@ -61,7 +61,7 @@ class AgentGroup:
         return self.queued or self.dropped
 
     def submitted(self) -> list:
-        return [s for s in self.sessions.values() if s.state.name == "SUBMITTED"]
+        return [s for s in self.sessions.values() if s.state == SessionState.SUBMITTED]
 
     def check_joins(self, prompt: list[int], size: int, temperature: float | None) -> None:
         """A new session of this group must repeat its prompt, size and temperature, and find room."""

@@ -35,6 +35,7 @@ from coordinator.agent_errors import (
     Unavailable,
 )
 from coordinator.agent_groups import AgentGroup, SessionState, Turn, build_trajectory_group
+from coordinator.fleet import NoServerAvailable
 from coordinator.rollout_client import RolloutClient, RolloutFailed
 from protos.config import AgentConfig
 from protos.records import FinishReason
@@ -60,6 +61,7 @@ class Session:
     submission_id: str = ""
     submitted_answer: object = None  # the first SubmitResult, returned again to a retried submit
     busy: bool = False  # a turn is being generated
+    open_id: str = ""  # the client's idempotency key of OpenSession
 
     @property
     def length(self) -> int:
@@ -100,9 +102,6 @@ class SessionBook:
         self.sessions: dict[str, Session] = {}
         self.groups: dict[tuple[str, str], AgentGroup] = {}
         self.opened: dict[tuple[str, str], str] = {}  # (owner, open_id) -> session id
-        self.groups_queued = 0
-        self.groups_dropped = 0
-        self.turns_lost = 0
 
     # opening --------------------------------------------------------------------------------------
     async def open(
@@ -127,11 +126,13 @@ class SessionBook:
         floor = self.scheduler.version_floor(group.slot)
         try:
             server = await self.fleet.pick(lambda c: c.policy_version >= floor, set(), 5.0, f"at v >= {floor}")
-        except Exception as error:  # NoServerAvailable: nothing was recorded for this session yet
+        except NoServerAvailable as error:  # nothing was recorded for this session yet
             if not group.sessions:
                 self._drop_group(group, "no server")
             raise Unavailable(f"no rollout server at policy version >= {floor}: {error}") from error
-        session = Session(uuid.uuid4().hex, owner, group, list(prompt), server, server.policy_version, dict(metadata))
+        session = Session(
+            uuid.uuid4().hex, owner, group, list(prompt), server, server.policy_version, dict(metadata), open_id=open_id
+        )
         group.sessions[session.session_id] = session
         self.sessions[session.session_id] = session
         if open_id:
@@ -241,13 +242,16 @@ class SessionBook:
             if final is None:
                 raise RolloutFailed(f"{session.server.address}: the stream ended before the turn finished")
         except RolloutFailed as error:
-            self.turns_lost += 1
+            self.scheduler.stats.agent_turns_lost += 1
             session.server = None  # the next turn goes to another server, with the whole history
             raise Unavailable(f"turn {index} lost ({error}); nothing was recorded: generate it again") from error
         turn.finish_reason = FinishReason(final.finish_reason)
         turn.version_spans = [(s.version, s.start, s.end) for s in final.version_spans]
         turn.routes = _routes(final)
         session.turns.append(turn)
+        self.scheduler.stats.tokens_generated += len(
+            turn.token_ids
+        )  # the coordinator's rollout tok/s counts agents too
         yield TurnChunk(list(final.token_ids), list(final.logprobs), index, session.length, True, turn)
 
     async def _ensure_server(self, session: Session) -> None:
@@ -258,7 +262,7 @@ class SessionBook:
             session.server = await self.fleet.pick(
                 lambda c: c.policy_version >= floor, set(), 10.0, f"at v >= {floor} for session {session.session_id}"
             )
-        except Exception as error:
+        except NoServerAvailable as error:
             raise Unavailable(f"no rollout server for session {session.session_id}: {error}") from error
         logger.info("agent session %s moved to %s", session.session_id, session.server.address)
 
@@ -334,7 +338,6 @@ class SessionBook:
             self.groups.pop((group.owner, group.key), None)
             trajectory = build_trajectory_group(group, submitted, self.scheduler.pushed_before)
             await self.scheduler.complete(group.slot, trajectory)
-            self.groups_queued += 1
             group.group_id = trajectory.group_id
         return SubmitResult(group.queued, len(submitted), group.size, group.group_id)
 
@@ -369,12 +372,12 @@ class SessionBook:
             session.state = SessionState.ABANDONED
         self.groups.pop((group.owner, group.key), None)
         self.scheduler.release_slot(group.slot)
-        self.groups_dropped += 1
+        self.scheduler.stats.agent_groups_dropped += 1
         logger.warning("agent group %r of %s dropped (%s); slot %d re-used", group.key, group.owner, why, group.slot)
 
     def _forget(self, session: Session) -> None:
         self.sessions.pop(session.session_id, None)
-        self.opened = {k: v for k, v in self.opened.items() if v != session.session_id}
+        self.opened.pop((session.owner, session.open_id), None)
 
 
 def _routes(chunk):

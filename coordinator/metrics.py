@@ -68,6 +68,8 @@ class MetricsReporter:
             "queue_depth": self.queue_depth,
             "mean_reward": stats.reward_sum / max(1, stats.samples_pushed),
             "max_staleness_at_push": stats.max_staleness_at_push,
+            "agent_groups_dropped": stats.agent_groups_dropped,
+            "agent_turns_lost": stats.agent_turns_lost,
             "prompts_too_long": getattr(s.task, "prompts_too_long", 0),
             "uptime_s": time.monotonic() - self.started,
         }

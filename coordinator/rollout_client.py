@@ -100,12 +100,7 @@ class RolloutClient:
                         tensor = chunk.routed_experts
                         sample.routed_experts = np.frombuffer(tensor.data, dtype=tensor.dtype).reshape(tensor.shape)
         except grpc.aio.AioRpcError as error:
-            self.failures += 1
-            if error.code() == grpc.StatusCode.INVALID_ARGUMENT:
-                raise RolloutRejected(f"{self.address} refused the request: {error.details()}") from error
-            if error.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN):
-                self.healthy = False
-            raise RolloutFailed(f"{self.address}: {error.code().name}: {error.details()}") from error
+            raise self._failure(error) from error
         finally:
             self.inflight -= 1
         if finished != n:
@@ -146,14 +141,18 @@ class RolloutClient:
             async for chunk in self.stub.Generate(request, timeout=timeout_s):
                 yield chunk
         except grpc.aio.AioRpcError as error:
-            self.failures += 1
-            if error.code() == grpc.StatusCode.INVALID_ARGUMENT:
-                raise RolloutRejected(f"{self.address} refused the request: {error.details()}") from error
-            if error.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN):
-                self.healthy = False
-            raise RolloutFailed(f"{self.address}: {error.code().name}: {error.details()}") from error
+            raise self._failure(error) from error
         finally:
             self.inflight -= 1
+
+    def _failure(self, error: grpc.aio.AioRpcError) -> RolloutFailed | RolloutRejected:
+        """A failed Generate call, counted: INVALID_ARGUMENT is the request's fault, anything else the server's."""
+        self.failures += 1
+        if error.code() == grpc.StatusCode.INVALID_ARGUMENT:
+            return RolloutRejected(f"{self.address} refused the request: {error.details()}")
+        if error.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN):
+            self.healthy = False
+        return RolloutFailed(f"{self.address}: {error.code().name}: {error.details()}")
 
     async def close(self) -> None:
         await self.channel.close()

@@ -65,6 +65,8 @@ class SchedulerStats:
     reward_errors: int = 0
     reward_sum: float = 0.0
     max_staleness_at_push: int = 0
+    agent_groups_dropped: int = 0  # agent groups dropped before complete (their slots were re-used)
+    agent_turns_lost: int = 0  # agent turns lost to a failed server (nothing recorded; the agent retries)
 
 
 class Scheduler:
@@ -151,12 +153,7 @@ class Scheduler:
         return self.state == RunState.RUNNING and self.stats.slots_admitted < self.admission_limit()
 
     def admit(self) -> tuple[int, TaskPrompt]:
-        slot = self.stats.slots_admitted
-        self.stats.slots_admitted += 1
-        self.stats.groups_admitted += 1
-        self.in_flight.add(slot)
-        self._cursor_at_admit[slot] = self.task.cursor()
-        return slot, self.task.next_prompt()
+        return self._new_slot(), self.task.next_prompt()
 
     def admit_external(self) -> int | None:
         """A slot for a group an external agent generates (coordinator/agent_sessions.py), or None when none is
@@ -164,14 +161,17 @@ class Scheduler:
         version and version floor, so (as a dynamic-sampling re-draw) the admission arithmetic is unchanged."""
         if self._released and self.state == RunState.RUNNING:
             slot = heapq.heappop(self._released)
-        elif self.can_admit():
-            slot = self.stats.slots_admitted
-            self.stats.slots_admitted += 1
-            self._cursor_at_admit[slot] = self.task.cursor()
-        else:
-            return None
+            self.stats.groups_admitted += 1
+            self.in_flight.add(slot)
+            return slot
+        return self._new_slot() if self.can_admit() else None
+
+    def _new_slot(self) -> int:
+        slot = self.stats.slots_admitted
+        self.stats.slots_admitted += 1
         self.stats.groups_admitted += 1
         self.in_flight.add(slot)
+        self._cursor_at_admit[slot] = self.task.cursor()
         return slot
 
     def release_slot(self, slot: int) -> None:

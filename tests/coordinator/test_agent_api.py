@@ -280,7 +280,7 @@ def test_an_abandoned_group_frees_its_slot_for_the_next_group_and_nothing_reache
             await turn(h.stub, session.session_id)
             await h.stub.CloseSession(pb.CloseSessionRequest(session_id=session.session_id, abandon=True), metadata=A)
             await open_session(h.stub, key="next")  # admitted into the released slot
-            assert h.scheduler.stats.slots_admitted == 1 and h.book.groups_dropped == 1
+            assert h.scheduler.stats.slots_admitted == 1 and h.scheduler.stats.agent_groups_dropped == 1
             assert h.queued() == []
 
     asyncio.run(scenario())
