@@ -138,7 +138,7 @@ async def start_server(model: str, args: argparse.Namespace, log_path: Path):
         try:
             reply = await health.Check(health_pb2.HealthCheckRequest(), timeout=1)
             if reply.status == health_pb2.HealthCheckResponse.SERVING:
-                return process, channel, pb_grpc.RolloutServiceStub(channel)
+                return process, channel, pb_grpc.RolloutServiceStub(channel), f"127.0.0.1:{port}"
         except grpc.RpcError:
             pass
         if time.monotonic() > deadline:
@@ -183,7 +183,7 @@ async def main_async(args: argparse.Namespace) -> dict:
 
     workdir = Path(tempfile.mkdtemp(prefix="fleetrl-bench-"))
     model = args.model or str(init_tiny(workdir / "tiny"))
-    process, channel, stub = await start_server(model, args, workdir / "server.log")
+    process, channel, stub, _ = await start_server(model, args, workdir / "server.log")
     from protos.config import load_run_config
 
     config = load_run_config(None, [*args.overrides, "rollout.max_inflight_requests=1024"]).rollout

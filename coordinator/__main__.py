@@ -252,7 +252,7 @@ async def start_agent_door(config, pipeline: Pipeline, fleet, stop: asyncio.Even
 
     async def expire_sessions() -> None:
         while not stop.is_set():
-            book.expire()
+            await book.expire()
             try:
                 await asyncio.wait_for(stop.wait(), timeout=1.0)
             except TimeoutError:

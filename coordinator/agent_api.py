@@ -96,7 +96,7 @@ class AgentServicer(pb_grpc.AgentServiceServicer):
     async def CloseSession(self, request, context):
         grant = await self.auth.check(context, Scope.GENERATE)
         try:
-            self.book.close(grant.name, request.session_id, request.abandon)
+            await self.book.close(grant.name, request.session_id, request.abandon)
         except AgentRefused as error:
             await refuse(context, error)
         return pb.CloseSessionResponse()
@@ -111,7 +111,7 @@ class AgentServicer(pb_grpc.AgentServiceServicer):
         except AgentRefused as error:
             await refuse(context, error)
         return pb.SubmitResponse(
-            group_state=pb.GROUP_STATE_QUEUED if result.queued else pb.GROUP_STATE_WAITING,
+            group_state=int(result.state),  # GroupState values are the proto enum's
             sessions_submitted=result.sessions_submitted,
             group_size=result.group_size,
             group_id=result.group_id,
@@ -120,10 +120,10 @@ class AgentServicer(pb_grpc.AgentServiceServicer):
     async def SetReward(self, request, context):
         grant = await self.auth.check(context, Scope.SUBMIT)
         try:
-            queued = await self.book.set_reward(grant.name, request.session_id, request.reward)
+            state = await self.book.set_reward(grant.name, request.session_id, request.reward)
         except AgentRefused as error:
             await refuse(context, error)
-        return pb.SetRewardResponse(group_state=pb.GROUP_STATE_QUEUED if queued else pb.GROUP_STATE_WAITING)
+        return pb.SetRewardResponse(group_state=int(state))
 
     async def GetSession(self, request, context):
         grant = await self.auth.check(context, Scope.GENERATE)

@@ -11,12 +11,21 @@ from __future__ import annotations
 
 import enum
 import time
+import uuid
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from coordinator.agent_errors import InvalidArgument
 from protos.records import Array, FinishReason, Sample, TrajectoryGroup, VersionSpan
+
+
+class GroupState(enum.IntEnum):
+    """Values match ``fleetrl.agent.v1.GroupState``."""
+
+    WAITING = 1  # more sessions or rewards to come
+    QUEUED = 2  # on the trajectory stream
+    ACCEPTED = 3  # complete, handed to the scheduler; queued once the groups admitted before it are
 
 
 class SessionState(enum.IntEnum):
@@ -52,13 +61,13 @@ class AgentGroup:
     admitted_at: int  # trainer version at admission
     created: float = field(default_factory=time.monotonic)
     sessions: dict = field(default_factory=dict)  # session id -> Session (abandoned ones leave)
-    queued: bool = False
+    complete: bool = False  # every session submitted with a reward: handed to the scheduler
     dropped: bool = False
     group_id: str = ""
 
     @property
     def done(self) -> bool:
-        return self.queued or self.dropped
+        return self.complete or self.dropped
 
     def submitted(self) -> list:
         return [s for s in self.sessions.values() if s.state == SessionState.SUBMITTED]
@@ -103,11 +112,12 @@ def session_sample(session, reward: float) -> Sample:
     )
 
 
-def build_trajectory_group(group: AgentGroup, sessions: list, pushed_before: int) -> TrajectoryGroup:
-    """The queue's unit for a complete agent group (ids keep the owner, so two teams' keys never collide)."""
+def build_trajectory_group(group: AgentGroup, sessions: list) -> TrajectoryGroup:
+    """The queue's unit for a complete agent group. Its id keeps the owner and key (two teams' keys never collide)
+    and ends in a random part, not the slot: the scheduler may move the group to an earlier slot."""
     key = "".join(c if c.isalnum() or c in "-_." else "_" for c in f"{group.owner}.{group.key}")
     return TrajectoryGroup(
-        group_id=f"agent-{key}-{pushed_before + group.slot}",
+        group_id=f"agent-{key}-{uuid.uuid4().hex[:12]}",
         prompt_id=f"agent:{group.owner}:{group.key}",
         prompt_token_ids=Array.from_numpy(np.asarray(group.prompt, dtype=np.int32)),
         samples=[session_sample(s, s.reward) for s in sessions],

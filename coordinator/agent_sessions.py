@@ -34,7 +34,7 @@ from coordinator.agent_errors import (
     PermissionDenied,
     Unavailable,
 )
-from coordinator.agent_groups import AgentGroup, SessionState, Turn, build_trajectory_group
+from coordinator.agent_groups import AgentGroup, GroupState, SessionState, Turn, build_trajectory_group
 from coordinator.fleet import NoServerAvailable
 from coordinator.rollout_client import RolloutClient, RolloutFailed
 from protos.config import AgentConfig
@@ -59,7 +59,6 @@ class Session:
     last_active: float = field(default_factory=time.monotonic)
     reward: float | None = None
     submission_id: str = ""
-    submitted_answer: object = None  # the first SubmitResult, returned again to a retried submit
     busy: bool = False  # a turn is being generated
     open_id: str = ""  # the client's idempotency key of OpenSession
 
@@ -73,7 +72,7 @@ class Session:
 
 @dataclass
 class SubmitResult:
-    queued: bool
+    state: GroupState
     sessions_submitted: int
     group_size: int
     group_id: str
@@ -128,7 +127,7 @@ class SessionBook:
             server = await self.fleet.pick(lambda c: c.policy_version >= floor, set(), 5.0, f"at v >= {floor}")
         except NoServerAvailable as error:  # nothing was recorded for this session yet
             if not group.sessions:
-                self._drop_group(group, "no server")
+                await self._drop_group(group, "no server")
             raise Unavailable(f"no rollout server at policy version >= {floor}: {error}") from error
         session = Session(
             uuid.uuid4().hex, owner, group, list(prompt), server, server.policy_version, dict(metadata), open_id=open_id
@@ -282,14 +281,14 @@ class SessionBook:
         session.turns.append(Turn(False, list(token_ids), [0.0] * len(token_ids)))
         return len(session.turns) - 1, session.length
 
-    def close(self, owner: str, session_id: str, abandon: bool) -> None:
+    async def close(self, owner: str, session_id: str, abandon: bool) -> None:
         session = self.get(owner, session_id)
         if session.state == SessionState.SUBMITTED:
             if abandon:
                 raise FailedPrecondition(f"session {session_id} is submitted; it cannot be abandoned")
             return
         if abandon:
-            self._abandon(session, "abandoned by its agent")
+            await self._abandon(session, "abandoned by its agent")
         elif session.state == SessionState.OPEN:
             session.state = SessionState.CLOSED
 
@@ -302,7 +301,7 @@ class SessionBook:
             raise InvalidArgument("submission_id: empty (a client-chosen id makes a retried submit safe)")
         if session.state == SessionState.SUBMITTED:
             if submission_id == session.submission_id:
-                return session.submitted_answer
+                return self._result(session.group)  # a retried submit: the group as it stands now
             raise FailedPrecondition(f"session {session_id} was submitted as {session.submission_id!r}")
         if session.state not in (SessionState.OPEN, SessionState.CLOSED) or session.busy:
             raise FailedPrecondition(f"session {session_id} is {session.state.name.lower()}")
@@ -316,62 +315,67 @@ class SessionBook:
         if reward is not None and reward != reward:
             raise InvalidArgument("reward: NaN")
         session.state, session.submission_id, session.reward = SessionState.SUBMITTED, submission_id, reward
-        result = await self._maybe_queue(session.group)
-        session.submitted_answer = result
-        return result
+        return await self._hand_over_if_complete(session.group)
 
-    async def set_reward(self, owner: str, session_id: str, reward: float) -> bool:
+    async def set_reward(self, owner: str, session_id: str, reward: float) -> GroupState:
         session = self.get(owner, session_id)
         if session.state != SessionState.SUBMITTED:
             raise FailedPrecondition(f"session {session_id} is not submitted (submit it first)")
-        if session.group.queued:
-            raise FailedPrecondition(f"the group of session {session_id} is queued; its rewards are final")
+        if session.group.complete:
+            raise FailedPrecondition(f"the group of session {session_id} is complete; its rewards are final")
         if reward != reward:
             raise InvalidArgument("reward: NaN")
         session.reward = reward
-        return (await self._maybe_queue(session.group)).queued
+        return (await self._hand_over_if_complete(session.group)).state
 
-    async def _maybe_queue(self, group: AgentGroup) -> SubmitResult:
+    async def _hand_over_if_complete(self, group: AgentGroup) -> SubmitResult:
         submitted = group.submitted()
-        if len(submitted) == group.size and all(s.reward is not None for s in submitted) and not group.queued:
-            group.queued = True
+        if len(submitted) == group.size and all(s.reward is not None for s in submitted) and not group.complete:
+            group.complete = True
             self.groups.pop((group.owner, group.key), None)
-            trajectory = build_trajectory_group(group, submitted, self.scheduler.pushed_before)
-            await self.scheduler.complete(group.slot, trajectory)
+            trajectory = build_trajectory_group(group, submitted)
             group.group_id = trajectory.group_id
-        return SubmitResult(group.queued, len(submitted), group.size, group.group_id)
+            await self.scheduler.complete_external(group.slot, trajectory)
+        return self._result(group)
+
+    def _result(self, group: AgentGroup) -> SubmitResult:
+        if not group.complete:
+            state = GroupState.WAITING
+        else:
+            state = GroupState.QUEUED if self.scheduler.pushed(group.group_id) else GroupState.ACCEPTED
+        return SubmitResult(state, len(group.submitted()), group.size, group.group_id)
 
     # expiry ----------------------------------------------------------------------------------------
-    def expire(self, now: float | None = None) -> None:
+    async def expire(self, now: float | None = None) -> None:
         """Abandon idle sessions; drop groups that can no longer complete (called about once a second)."""
         now = time.monotonic() if now is None else now
         for session in list(self.sessions.values()):
             idle = now - session.last_active
             if session.state in (SessionState.OPEN, SessionState.CLOSED) and not session.busy:
                 if idle > self.config.session_timeout_s:
-                    self._abandon(session, f"idle {idle:.0f}s")
+                    await self._abandon(session, f"idle {idle:.0f}s")
             elif session.state in (SessionState.ABANDONED, SessionState.SUBMITTED) and session.group.done:
                 self._forget(session)
         for group in list(self.groups.values()):
             if now - group.created > self.config.group_timeout_s:
-                self._drop_group(group, f"not complete after {self.config.group_timeout_s:.0f}s")
+                await self._drop_group(group, f"not complete after {self.config.group_timeout_s:.0f}s")
 
-    def _abandon(self, session: Session, why: str) -> None:
+    async def _abandon(self, session: Session, why: str) -> None:
         session.state = SessionState.ABANDONED
         group = session.group
         group.sessions.pop(session.session_id, None)
         logger.info("agent session %s %s", session.session_id, why)
-        if not group.queued and not group.sessions:  # nobody left in it: its slot goes to the next group
-            self._drop_group(group, "every session abandoned")
+        if not group.complete and not group.sessions:  # nobody left in it: its slot goes to another group
+            await self._drop_group(group, "every session abandoned")
 
-    def _drop_group(self, group: AgentGroup, why: str) -> None:
+    async def _drop_group(self, group: AgentGroup, why: str) -> None:
         if group.done:
             return
         group.dropped = True
         for session in list(group.sessions.values()):
             session.state = SessionState.ABANDONED
         self.groups.pop((group.owner, group.key), None)
-        self.scheduler.release_slot(group.slot)
+        await self.scheduler.release_slot(group.slot)
         self.scheduler.stats.agent_groups_dropped += 1
         logger.warning("agent group %r of %s dropped (%s); slot %d re-used", group.key, group.owner, why, group.slot)
 

@@ -261,7 +261,7 @@ class OpenAIDoor:
         return web.json_response(
             {
                 "session_id": session_id,
-                "queued": result.queued,
+                "state": result.state.name.lower(),  # waiting | accepted | queued
                 "sessions_submitted": result.sessions_submitted,
                 "group_size": result.group_size,
                 "group_id": result.group_id,
@@ -271,7 +271,7 @@ class OpenAIDoor:
     async def abandon(self, request: web.Request) -> web.Response:
         owner = await self.grant(request, "generate")
         session_id = request[SESSION_ID] = request.match_info["session_id"]
-        self.book.close(owner, session_id, abandon=True)
+        await self.book.close(owner, session_id, abandon=True)
         return web.json_response({"session_id": session_id, "abandoned": True})
 
 

@@ -30,6 +30,7 @@ import time
 import uuid
 from dataclasses import dataclass
 
+import msgspec
 import numpy as np
 
 from channels.trajectory_stream import TrajectoryStreamWriter
@@ -105,6 +106,8 @@ class Scheduler:
         self._done: dict[int, TrajectoryGroup] = {}
         self._cursor_at_admit: dict[int, dict[str, int]] = {}  # slot -> task position before its first draw
         self._released: list[int] = []  # slots of dropped agent groups, re-used first (heap: lowest first)
+        self._external_done: set[int] = set()  # slots of complete agent groups buffered in _done
+        self._pushed_external: set[str] = set()  # ids of agent groups pushed
         self._push_lock = asyncio.Lock()
 
     @property
@@ -174,10 +177,36 @@ class Scheduler:
         self._cursor_at_admit[slot] = self.task.cursor()
         return slot
 
-    def release_slot(self, slot: int) -> None:
-        """An agent group was dropped before it was complete: its slot goes to the next group admitted."""
+    async def release_slot(self, slot: int) -> None:
+        """An agent group was dropped before it was complete. Its slot goes to a completed agent group buffered behind
+        it (whose slot is released in turn), else to the next group admitted. Moving a group to an earlier slot trains
+        it no later than its admission assumed, so its staleness can only shrink; without the move, every later group
+        would wait for a new admission to fill the hole (groups are pushed in slot order)."""
         self.in_flight.discard(slot)
+        while behind := [t for t in self._external_done if t > slot]:
+            later = min(behind)
+            self._external_done.discard(later)
+            self.in_flight.discard(later)
+            self._done[slot] = msgspec.structs.replace(self._done.pop(later), admission_index=slot)
+            self._external_done.add(slot)
+            self.in_flight.add(slot)
+            slot = later
         heapq.heappush(self._released, slot)
+        await self._push_ready()
+
+    async def complete_external(self, slot: int, group: TrajectoryGroup) -> None:
+        """Buffer a complete agent group; it takes the lowest released slot below its own (which is released)."""
+        if self._released and self._released[0] < slot:
+            lower = heapq.heappushpop(self._released, slot)
+            self.in_flight.discard(slot)
+            self.in_flight.add(lower)
+            slot = lower
+        self._external_done.add(slot)
+        await self.complete(slot, msgspec.structs.replace(group, admission_index=slot))
+
+    def pushed(self, group_id: str) -> bool:
+        """Whether the agent group ``group_id`` is on the trajectory stream (not only buffered in slot order)."""
+        return group_id in self._pushed_external
 
     def resume_cursor(self, group: TrajectoryGroup) -> PromptCursor:
         """Where a coordinator restarted after pushing ``group`` resumes the prompts: before the first draw of the
@@ -301,11 +330,17 @@ class Scheduler:
     async def complete(self, slot: int, group: TrajectoryGroup) -> None:
         """Buffer a finished group and push every group that is now next in slot order."""
         self._done[slot] = group
+        await self._push_ready()
+
+    async def _push_ready(self) -> None:
         async with self._push_lock:
             while self.stats.groups_pushed in self._done:
                 ready = self._done.pop(self.stats.groups_pushed)
                 self._cursor_at_admit.pop(self.stats.groups_pushed, None)
                 await self.queue.push(ready, self.resume_cursor(ready))
+                if self.stats.groups_pushed in self._external_done:
+                    self._external_done.discard(self.stats.groups_pushed)
+                    self._pushed_external.add(ready.group_id)
                 oldest = min(s.min_version for s in ready.samples)
                 staleness = self.train_version(ready.admission_index) - oldest
                 self.stats.max_staleness_at_push = max(self.stats.max_staleness_at_push, staleness)

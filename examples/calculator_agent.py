@@ -111,7 +111,7 @@ async def run_group_member(client, task_id: str, prompt: list[int], args, totals
             continue
         totals.sessions_submitted += 1
         totals.rewards.append(reward)
-        if result.group_state is GroupState.QUEUED:
+        if result.group_state in (GroupState.QUEUED, GroupState.ACCEPTED):  # complete: this agent is done with it
             totals.groups_queued += 1
         return reward
     totals.sessions_failed += 1

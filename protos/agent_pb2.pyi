@@ -13,6 +13,7 @@ class GroupState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     GROUP_STATE_UNSPECIFIED: _ClassVar[GroupState]
     GROUP_STATE_WAITING: _ClassVar[GroupState]
     GROUP_STATE_QUEUED: _ClassVar[GroupState]
+    GROUP_STATE_ACCEPTED: _ClassVar[GroupState]
 
 class SessionState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -24,6 +25,7 @@ class SessionState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
 GROUP_STATE_UNSPECIFIED: GroupState
 GROUP_STATE_WAITING: GroupState
 GROUP_STATE_QUEUED: GroupState
+GROUP_STATE_ACCEPTED: GroupState
 SESSION_STATE_UNSPECIFIED: SessionState
 SESSION_STATE_OPEN: SessionState
 SESSION_STATE_CLOSED: SessionState

@@ -22,6 +22,7 @@ class GroupState(enum.IntEnum):
     UNSPECIFIED = agent_pb2.GROUP_STATE_UNSPECIFIED
     WAITING = agent_pb2.GROUP_STATE_WAITING  # more sessions or rewards to come
     QUEUED = agent_pb2.GROUP_STATE_QUEUED  # the group is on the trajectory queue
+    ACCEPTED = agent_pb2.GROUP_STATE_ACCEPTED  # complete; queued once the groups admitted before it are
 
 
 @dataclass(frozen=True)

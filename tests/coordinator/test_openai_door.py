@@ -190,7 +190,7 @@ def test_two_sessions_of_a_group_submitted_through_the_door_queue_one_trajectory
                     f"/fleetrl/sessions/{sid}/submit", {"submission_id": f"s{k}", "reward": float(k)}
                 )
                 assert status == 200 and reply["sessions_submitted"] == k + 1, reply
-            assert reply["queued"] is True
+            assert reply["state"] == "queued"
             [group] = h.queued()
             assert group.group_id == reply["group_id"] and list(group.prompt_token_ids.to_numpy()) == h.render([USER])
             assert [s.reward for s in group.samples] == [0.0, 1.0]

@@ -1,0 +1,171 @@
+"""External agents end to end, every part its own process: a rollout server (vLLM CPU, tiny model), the
+coordinator serving the agent API over TLS, the example agent, and an agent killed mid-session.
+
+What reaches the trajectory stream is read from Redis; the coordinator's own counters from its metrics reports.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+import redis
+import yaml
+
+from coordinator.redis_server import free_port
+from fleetrl.agent import AgentClient, InvalidArgument, Unauthenticated
+from modeling.tiny_model import init_tiny
+from protos import agent_pb2 as pb
+from protos import agent_pb2_grpc as pb_grpc
+from protos.records import decode_group, decode_metrics
+from protos.redis_keys import RedisKeys
+from tests.rollout_service.server_process import spawn_rollout_server
+
+pytestmark = pytest.mark.e2e
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+RUN_ID = "agents-e2e"
+KEYS = RedisKeys(RUN_ID)
+TOKEN = "e2e-agent-token"
+PROMPT = [1, 4, 5, 6]  # <bos> 1 2 3 in the tiny echo vocabulary
+# A second agent: opens a session, generates one turn, says so, then hangs until it is killed.
+VICTIM = """
+import sys, time
+from fleetrl.agent import AgentClient
+with AgentClient(sys.argv[1], sys.argv[2], tls_ca_file=sys.argv[3]) as client:
+    session = client.open_session([1, 7, 8, 9], group_key="victim", group_size=2)
+    session.generate(4)
+    print("generated", flush=True)
+    time.sleep(3600)
+"""
+
+
+@pytest.fixture(scope="module")
+def rollout_server(tmp_path_factory):
+    model = str(init_tiny(tmp_path_factory.mktemp("tiny")))
+    server = spawn_rollout_server(model, tmp_path_factory.mktemp("logs") / "rollout.log", "--server-id", "r0")
+    try:
+        yield server.wait_serving(timeout_s=300)
+    finally:
+        _stop(server.process)
+
+
+def _stop(process: subprocess.Popen) -> None:
+    if process.poll() is None:
+        os.killpg(process.pid, signal.SIGTERM)
+    try:
+        process.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+
+
+def _wait_for(condition, timeout_s: float, what: str, poll_s: float = 0.2):
+    deadline = time.monotonic() + timeout_s
+    while not (value := condition()):
+        assert time.monotonic() < deadline, f"timed out after {timeout_s}s waiting for {what}"
+        time.sleep(poll_s)
+    return value
+
+
+@pytest.fixture
+def coordinator(rollout_server, redis_url, tls_pair, tmp_path):
+    """The coordinator process serving the agent API only (TLS, one token), groups of 2, one group per step."""
+    cert, key = tls_pair
+    tokens = tmp_path / "tokens.yaml"
+    grant = {"name": "e2e", "token": TOKEN, "scopes": ["generate", "submit"], "rate_per_s": 1000}
+    tokens.write_text(yaml.safe_dump({"tokens": [grant]}))
+    port = free_port()
+    config = {
+        "run_id": RUN_ID,
+        "redis_url": redis_url,
+        "num_steps": 100,
+        "groups_per_step": 1,
+        "max_staleness": 100,  # no trainer runs here: admission must not wait for one
+        "coordinator": {"group_size": 2, "admin_port": 0},
+        "agent": {
+            "enabled": True,
+            "only_agents": True,
+            "port": port,
+            "tokens_file": str(tokens),
+            "tls_cert_file": cert,
+            "tls_key_file": key,
+            "session_timeout_s": 2.0,
+        },
+    }
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(config))
+    log = tmp_path / "coordinator.log"
+    process = subprocess.Popen(
+        [sys.executable, "-m", "coordinator", "run", "--config", str(tmp_path / "run.yaml")]
+        + ["--servers", rollout_server.address],
+        stdout=open(log, "wb"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+        cwd=REPO_ROOT,
+    )
+    try:
+        _wait_for(lambda: "agent API on" in log.read_text() or process.poll() is not None, 120, "the agent API")
+        assert process.poll() is None, log.read_text()[-3000:]
+        yield f"127.0.0.1:{port}", cert
+    finally:
+        _stop(process)
+
+
+def _queued(redis_url: str) -> list:
+    return [decode_group(fields[b"g"]) for _, fields in redis.Redis.from_url(redis_url).xrange(KEYS.trajectories)]
+
+
+def _coordinator_value(redis_url: str, key: str) -> float:
+    entries = redis.Redis.from_url(redis_url).xrevrange(KEYS.metrics("coordinator"), count=1)
+    return decode_metrics(entries[0][1][b"m"]).values.get(key, -1) if entries else -1
+
+
+def test_agents_in_processes_train_through_tls_and_a_killed_one_leaves_nothing_queued(coordinator, redis_url):
+    address, ca = coordinator
+    env = {**os.environ, "FLEETRL_TOKEN": TOKEN, "PYTHONPATH": str(REPO_ROOT)}
+    victim = subprocess.Popen(
+        [sys.executable, "-c", VICTIM, address, TOKEN, ca], stdout=subprocess.PIPE, env=env, start_new_session=True
+    )
+    example = subprocess.Popen(
+        [sys.executable, "examples/calculator_agent.py", "--address", address, "--tls-ca-file", ca]
+        + ["--sessions", "4", "--group-size", "2", "--concurrency", "4"],
+        stdout=subprocess.PIPE,
+        env=env,
+        cwd=REPO_ROOT,
+    )
+    assert victim.stdout.readline().strip() == b"generated"  # mid-session: one turn recorded, nothing submitted
+    os.killpg(victim.pid, signal.SIGKILL)
+    victim.wait()
+    out, _ = example.communicate(timeout=300)
+    assert example.returncode == 0
+    summary = json.loads(out.decode().strip().splitlines()[-1])
+    assert summary["sessions_submitted"] == 4 and summary["groups_queued"] == 2
+    # the killed agent's session is abandoned after agent.session_timeout_s; its group is dropped, never queued
+    _wait_for(lambda: _coordinator_value(redis_url, "agent_groups_dropped") == 1, 60, "the victim's group dropped")
+    groups = _queued(redis_url)
+    assert len(groups) == 2 and not any("victim" in g.prompt_id for g in groups)
+    assert all(len(g.samples) == 2 and g.samples[0].loss_mask is not None for g in groups)
+
+    # the same server refuses a wrong or missing token, a forged submission, a plaintext client; nothing is written
+    for token in ("wrong", ""):
+        with AgentClient(address, token, tls_ca_file=ca) as client, pytest.raises(Unauthenticated):
+            client.open_session(PROMPT, group_key="refused", group_size=2)
+    with AgentClient(address, TOKEN, tls_ca_file=ca) as client:
+        session = client.open_session(PROMPT, group_key="forged", group_size=2)
+        session.generate(4)
+        with pytest.raises(InvalidArgument):
+            session.submit(1.0, expected_token_ids=[*session.token_ids[:-1], session.token_ids[-1] ^ 1])
+        session.abandon()
+    with grpc.insecure_channel(address) as channel:
+        stub = pb_grpc.AgentServiceStub(channel)
+        with pytest.raises(grpc.RpcError) as plaintext:
+            stub.OpenSession(pb.OpenSessionRequest(prompt_token_ids=PROMPT, group_key="plain"), timeout=5)
+        assert plaintext.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert len(_queued(redis_url)) == 2
