@@ -154,9 +154,14 @@ def test_agents_in_processes_train_through_tls_and_a_killed_one_leaves_nothing_q
     assert all(len(g.samples) == 2 and g.samples[0].loss_mask is not None for g in groups)
 
     # the same server refuses a wrong or missing token, a forged submission, a plaintext client; nothing is written
-    for token in ("wrong", ""):
-        with AgentClient(address, token, tls_ca_file=ca) as client, pytest.raises(Unauthenticated):
-            client.open_session(PROMPT, group_key="refused", group_size=2)
+    with AgentClient(address, "wrong", tls_ca_file=ca) as client, pytest.raises(Unauthenticated):
+        client.open_session(PROMPT, group_key="refused", group_size=2)
+    credentials = grpc.ssl_channel_credentials(Path(ca).read_bytes())
+    with grpc.secure_channel(address, credentials) as channel:  # no token at all (the SDK refuses to send none)
+        with pytest.raises(grpc.RpcError) as missing:
+            request = pb.OpenSessionRequest(prompt_token_ids=PROMPT, group_key="refused", group_size=2)
+            pb_grpc.AgentServiceStub(channel).OpenSession(request, timeout=10)
+        assert missing.value.code() == grpc.StatusCode.UNAUTHENTICATED
     with AgentClient(address, TOKEN, tls_ca_file=ca) as client:
         session = client.open_session(PROMPT, group_key="forged", group_size=2)
         session.generate(4)
