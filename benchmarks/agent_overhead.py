@@ -7,8 +7,8 @@ Run from the repository root on a machine with vLLM (CPU or GPU)::
 
 One rollout server process (the tiny MoE, random weights) and one coordinator process serving the agent API
 (``agent.only_agents``: it generates nothing itself) against it, an embedded valkey. Same prompts, same sampling
-(temperature 1, full vocabulary, EOS ends a sample on both sides, tokens streamed one by one as an agent reads
-them), all calls in flight at once:
+(temperature 1, full vocabulary, EOS ends a sample on both sides, 16 tokens per streamed chunk: the agent API's
+default, what ``Session.generate`` asks), all calls in flight at once:
 
 (a) ``plain``: ``RolloutService.Generate`` straight to the rollout server (n = 1 per prompt);
 (b) ``agent``: through the coordinator with the ``fleetrl.agent`` SDK: OpenSession, one Generate turn (the
@@ -58,7 +58,7 @@ def prompts(args: argparse.Namespace) -> list[list[int]]:
 async def plain_round(stub, args: argparse.Namespace) -> tuple[int, float]:
     from protos import rollout_pb2 as pb
 
-    sampling = pb.SamplingParams(n=1, max_tokens=args.max_tokens, temperature=1.0, top_p=1.0, stream_interval=1)
+    sampling = pb.SamplingParams(n=1, max_tokens=args.max_tokens, temperature=1.0, top_p=1.0, stream_interval=16)
 
     async def one(prompt: list[int]) -> int:
         tokens = 0

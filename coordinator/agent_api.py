@@ -77,6 +77,7 @@ class AgentServicer(pb_grpc.AgentServiceServicer):
                 request.max_tokens,
                 list(request.stop_token_ids),
                 request.expected_length,
+                request.stream_interval,
             )
             async for chunk in turns:
                 yield _chunk_message(chunk)

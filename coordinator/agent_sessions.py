@@ -43,6 +43,7 @@ from protos.records import FinishReason
 logger = logging.getLogger(__name__)
 
 MAX_METADATA = 32
+DEFAULT_STREAM_INTERVAL = 16  # tokens per chunk when the agent asks 0 (agent.proto GenerateRequest.stream_interval)
 
 
 @dataclass
@@ -198,7 +199,13 @@ class SessionBook:
         return session
 
     async def generate(
-        self, owner: str, session_id: str, max_tokens: int, stop_token_ids: list[int], expected_length: int = 0
+        self,
+        owner: str,
+        session_id: str,
+        max_tokens: int,
+        stop_token_ids: list[int],
+        expected_length: int = 0,
+        stream_interval: int = 0,
     ) -> AsyncIterator[TurnChunk]:
         """One model turn after everything the session holds; recorded only when it finished."""
         session = self._open_session(owner, session_id, expected_length)
@@ -210,13 +217,14 @@ class SessionBook:
             raise InvalidArgument(f"session_id: the session holds {session.length} tokens = max_model_len")
         session.busy = True
         try:
-            async for chunk in self._stream_turn(session, min(max_tokens, room), stop_token_ids):
+            interval = stream_interval or DEFAULT_STREAM_INTERVAL
+            async for chunk in self._stream_turn(session, min(max_tokens, room), stop_token_ids, interval):
                 yield chunk
         finally:
             session.busy = False
             session.last_active = time.monotonic()
 
-    async def _stream_turn(self, session: Session, max_tokens: int, stop_token_ids: list[int]):
+    async def _stream_turn(self, session: Session, max_tokens: int, stop_token_ids: list[int], stream_interval: int):
         await self._ensure_server(session)
         index, start = len(session.turns), session.length
         turn = Turn(True, [], [], server_id=session.server.server_id or session.server.address)
@@ -230,6 +238,7 @@ class SessionBook:
                 stop_token_ids,
                 self.scheduler.config.request_timeout_s,
                 request_id,
+                stream_interval,
             )
             async for chunk in stream:
                 turn.token_ids += chunk.token_ids

@@ -116,6 +116,7 @@ class RolloutClient:
         stop_token_ids: list[int],
         timeout_s: float,
         request_id: str,
+        stream_interval: int = 1,
     ):
         """One sample, streamed as the server sends it (an agent's turn): yields ``GenerateResponse`` chunks.
 
@@ -132,7 +133,7 @@ class RolloutClient:
                 top_p=1.0,
                 top_k=-1,
                 stop_token_ids=stop_token_ids,
-                stream_interval=1,  # an agent reads tokens as they come
+                stream_interval=stream_interval,
             ),
         )
         self.inflight += 1

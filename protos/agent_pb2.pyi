@@ -78,16 +78,18 @@ class OpenSessionResponse(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., policy_version: _Optional[int] = ..., server_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., max_model_len: _Optional[int] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("session_id", "max_tokens", "stop_token_ids", "expected_length")
+    __slots__ = ("session_id", "max_tokens", "stop_token_ids", "expected_length", "stream_interval")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     EXPECTED_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    STREAM_INTERVAL_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     max_tokens: int
     stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
     expected_length: int
-    def __init__(self, session_id: _Optional[str] = ..., max_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., expected_length: _Optional[int] = ...) -> None: ...
+    stream_interval: int
+    def __init__(self, session_id: _Optional[str] = ..., max_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., expected_length: _Optional[int] = ..., stream_interval: _Optional[int] = ...) -> None: ...
 
 class GenerateChunk(_message.Message):
     __slots__ = ("token_ids", "logprobs", "finished", "finish_reason", "version_spans", "routed_experts", "turn_index", "session_length")

@@ -168,17 +168,19 @@ class AsyncSession(SessionCore):
         return turn
 
     def stream(self, max_tokens: int, *, stop_token_ids: Sequence[int] = ()) -> AsyncIterator[TurnChunk]:
-        """One model turn as chunks of new tokens; the last chunk has ``finished`` and ``turn`` set.
+        """One model turn as chunks of new tokens, each token as it comes; the last chunk has ``finished`` and ``turn`` set.
 
         A transient failure before the first chunk is retried like ``generate``; one after chunks were handed
         out is recovered from the record when the server kept the turn, else raises StreamInterrupted.
         Leaving the loop early leaves the session to resync with GetSession on its next call.
         """
-        return self._turn_chunks(max_tokens, stop_token_ids, restartable=False)
+        return self._turn_chunks(max_tokens, stop_token_ids, restartable=False, stream_interval=1)
 
-    async def _turn_chunks(self, max_tokens: int, stop_token_ids: Sequence[int], restartable: bool):
+    async def _turn_chunks(
+        self, max_tokens: int, stop_token_ids: Sequence[int], restartable: bool, stream_interval: int = 0
+    ):
         await self._sync_if_needed()
-        request = self._generate_request(max_tokens, stop_token_ids)
+        request = self._generate_request(max_tokens, stop_token_ids, stream_interval)
         attempts = CallAttempts(self._client.retry, "Generate")
         self._needs_sync = True
         while True:

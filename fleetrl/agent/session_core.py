@@ -88,13 +88,16 @@ class SessionCore:
         if self.status is not SessionStatus.OPEN:
             raise AgentError(f"{method}: session {self.session_id} is {self.status.value}")
 
-    def _generate_request(self, max_tokens: int, stop_token_ids: Sequence[int]) -> agent_pb2.GenerateRequest:
+    def _generate_request(
+        self, max_tokens: int, stop_token_ids: Sequence[int], stream_interval: int = 0
+    ) -> agent_pb2.GenerateRequest:
         self._check_open("Generate")
         return agent_pb2.GenerateRequest(
             session_id=self.session_id,
             max_tokens=max_tokens,
             stop_token_ids=list(stop_token_ids),
             expected_length=self._history.length,
+            stream_interval=stream_interval,
         )
 
     def _append_request(self, token_ids: Sequence[int]) -> agent_pb2.AppendRequest:

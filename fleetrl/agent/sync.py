@@ -153,11 +153,11 @@ class Session(SessionCore):
         return turn
 
     def stream(self, max_tokens: int, *, stop_token_ids: Sequence[int] = ()) -> Iterator[TurnChunk]:
-        return self._turn_chunks(max_tokens, stop_token_ids, restartable=False)
+        return self._turn_chunks(max_tokens, stop_token_ids, restartable=False, stream_interval=1)
 
-    def _turn_chunks(self, max_tokens: int, stop_token_ids: Sequence[int], restartable: bool):
+    def _turn_chunks(self, max_tokens: int, stop_token_ids: Sequence[int], restartable: bool, stream_interval: int = 0):
         self._sync_if_needed()
-        request = self._generate_request(max_tokens, stop_token_ids)
+        request = self._generate_request(max_tokens, stop_token_ids, stream_interval)
         attempts = CallAttempts(self._client.retry, "Generate")
         self._needs_sync = True
         while True:
