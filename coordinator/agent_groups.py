@@ -61,6 +61,7 @@ class AgentGroup:
     admitted_at: int  # trainer version at admission
     created: float = field(default_factory=time.monotonic)
     sessions: dict = field(default_factory=dict)  # session id -> Session (abandoned ones leave)
+    opening: int = 0  # sessions being opened (their server is being picked)
     complete: bool = False  # every session submitted with a reward: handed to the scheduler
     dropped: bool = False
     group_id: str = ""
@@ -82,7 +83,7 @@ class AgentGroup:
             raise InvalidArgument(
                 f"sampling.temperature: group {self.key!r} samples at {self.temperature}, not {temperature}"
             )
-        if len(self.sessions) >= self.size:
+        if len(self.sessions) + self.opening >= self.size:
             raise InvalidArgument(f"group_key: group {self.key!r} has its {self.size} sessions already")
 
 

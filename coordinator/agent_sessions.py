@@ -124,12 +124,15 @@ class SessionBook:
         else:
             group = self._admit_group(owner, group_key, group_size, prompt, temperature)
         floor = self.scheduler.version_floor(group.slot)
+        group.opening += 1  # a concurrent open of the same group counts this one while the server is picked
         try:
             server = await self.fleet.pick(lambda c: c.policy_version >= floor, set(), 5.0, f"at v >= {floor}")
         except NoServerAvailable as error:  # nothing was recorded for this session yet
-            if not group.sessions:
+            if not group.sessions and group.opening == 1:
                 await self._drop_group(group, "no server")
             raise Unavailable(f"no rollout server at policy version >= {floor}: {error}") from error
+        finally:
+            group.opening -= 1
         session = Session(
             uuid.uuid4().hex, owner, group, list(prompt), server, server.policy_version, dict(metadata), open_id=open_id
         )
