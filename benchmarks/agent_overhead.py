@@ -46,6 +46,11 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--prompt-len", type=int, default=16)
     parser.add_argument("--rounds", type=int, default=3, help="measured rounds per side")
+    parser.add_argument(
+        "--engine-cpus",
+        default="0",
+        help="CPU engine: the cores its threads are bound to (VLLM_CPU_OMP_THREADS_BIND); '' = vLLM's default (all)",
+    )
     parser.add_argument("--model", default="", help="checkpoint; default: a random tiny MoE built in a temp dir")
     parser.add_argument("overrides", nargs="*", help="rollout.* overrides for the server (GPU settings)")
     return parser.parse_args()
@@ -146,6 +151,10 @@ async def main_async(args: argparse.Namespace) -> dict:
     model = args.model or str(init_tiny(workdir / "tiny"))
     redis_server = EmbeddedRedis().start()
     server_args = argparse.Namespace(requests=args.sessions, overrides=args.overrides)
+    if args.engine_cpus:  # the engine on its own cores (on a GPU machine it needs none): the rest is fleetrl's
+        os.environ.update(
+            OMP_NUM_THREADS=str(len(args.engine_cpus.split(","))), VLLM_CPU_OMP_THREADS_BIND=args.engine_cpus
+        )
     rollout, channel, stub, address = await start_server(model, server_args, workdir / "rollout.log")
     coordinator = None
     try:

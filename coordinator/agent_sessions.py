@@ -43,6 +43,7 @@ from protos.records import FinishReason
 logger = logging.getLogger(__name__)
 
 MAX_METADATA = 32
+ABANDONED_BY_AGENT = "abandoned by its agent"
 DEFAULT_STREAM_INTERVAL = 16  # tokens per chunk when the agent asks 0 (agent.proto GenerateRequest.stream_interval)
 
 
@@ -300,7 +301,7 @@ class SessionBook:
                 raise FailedPrecondition(f"session {session_id} is submitted; it cannot be abandoned")
             return
         if abandon:
-            await self._abandon(session, "abandoned by its agent")
+            await self._abandon(session, ABANDONED_BY_AGENT)
         elif session.state == SessionState.OPEN:
             session.state = SessionState.CLOSED
 
@@ -378,7 +379,7 @@ class SessionBook:
         group.sessions.pop(session.session_id, None)
         logger.info("agent session %s %s", session.session_id, why)
         if not group.complete and not group.sessions:  # nobody left in it: its slot goes to another group
-            await self._drop_group(group, "every session abandoned")
+            await self._drop_group(group, why if why == ABANDONED_BY_AGENT else f"every session abandoned ({why})")
 
     async def _drop_group(self, group: AgentGroup, why: str) -> None:
         if group.done:
@@ -389,7 +390,9 @@ class SessionBook:
         self.groups.pop((group.owner, group.key), None)
         await self.scheduler.release_slot(group.slot)
         self.scheduler.stats.agent_groups_dropped += 1
-        logger.warning("agent group %r of %s dropped (%s); slot %d re-used", group.key, group.owner, why, group.slot)
+        # an agent abandoning its own group is routine (info); a timeout or a missing server is worth a warning
+        level = logging.INFO if why == ABANDONED_BY_AGENT else logging.WARNING
+        logger.log(level, "agent group %r of %s dropped (%s); slot %d re-used", group.key, group.owner, why, group.slot)
 
     def _forget(self, session: Session) -> None:
         self.sessions.pop(session.session_id, None)
