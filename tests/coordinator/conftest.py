@@ -1,4 +1,5 @@
-"""Fixtures of the coordinator's tests: a self-signed TLS pair (auth and the agent API over TLS)."""
+"""Fixtures of the coordinator's tests: a self-signed TLS pair (auth and the agent API over TLS), and one rollout
+server process per module (vLLM CPU, the tiny model) for the agent API's tests."""
 
 from __future__ import annotations
 
@@ -10,6 +11,9 @@ from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
+
+from modeling.tiny_model import init_tiny
+from tests.rollout_service.server_process import spawn_rollout_server, stop_process
 
 
 @pytest.fixture
@@ -39,3 +43,18 @@ def tls_pair(tmp_path) -> tuple[str, str]:
         key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
     )
     return str(cert_file), str(key_file)
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory) -> str:
+    return str(init_tiny(tmp_path_factory.mktemp("tiny")))
+
+
+@pytest.fixture(scope="module")
+def rollout_server(tiny_model, tmp_path_factory):
+    """One rollout server process (``server-id r0``) for the module; stopped (killed if it must) after it."""
+    server = spawn_rollout_server(tiny_model, tmp_path_factory.mktemp("logs") / "rollout.log", "--server-id", "r0")
+    try:
+        yield server.wait_serving(timeout_s=300)
+    finally:
+        stop_process(server.process)

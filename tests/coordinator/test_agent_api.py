@@ -8,32 +8,19 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import os
-import signal
-import subprocess
 from pathlib import Path
 
 import grpc
 import numpy as np
 import pytest
-import redis
-import redis.asyncio as aioredis
 import yaml
 
-from channels.trajectory_stream import TrajectoryStreamWriter
 from coordinator.agent_api import agent_authenticator, start_agent_server
-from coordinator.agent_sessions import SessionBook
-from coordinator.fleet import Fleet
-from coordinator.rollout_client import RolloutClient
-from coordinator.scheduler import Scheduler
-from coordinator.tasks import EchoTask
-from modeling.tiny_model import BOS_ID, DIGIT_IDS, init_tiny
+from modeling.tiny_model import BOS_ID, DIGIT_IDS
 from protos import agent_pb2 as pb
 from protos import agent_pb2_grpc as pb_grpc
-from protos.config import load_run_config
-from protos.records import decode_group
 from protos.redis_keys import RedisKeys
-from tests.rollout_service.server_process import spawn_rollout_server
+from tests.coordinator.agent_core import BookHarness
 
 pytestmark = pytest.mark.integration
 
@@ -41,20 +28,6 @@ KEYS = RedisKeys("agent-api")
 TOKENS = {"team-a": ("secret-a", ["generate", "submit"]), "team-b": ("secret-b", ["generate", "submit"])}
 GENERATE_ONLY = ("secret-gen", ["generate"])
 PROMPT = [BOS_ID, DIGIT_IDS[3], DIGIT_IDS[1], DIGIT_IDS[4]]
-
-
-@pytest.fixture(scope="module")
-def rollout_server(tmp_path_factory):
-    model = str(init_tiny(tmp_path_factory.mktemp("tiny")))
-    server = spawn_rollout_server(model, tmp_path_factory.mktemp("logs") / "rollout.log", "--server-id", "r0")
-    try:
-        yield server.wait_serving(timeout_s=300)
-    finally:
-        os.killpg(server.process.pid, signal.SIGTERM)
-        try:
-            server.process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(server.process.pid, signal.SIGKILL)
 
 
 @pytest.fixture
@@ -68,34 +41,18 @@ def tokens_file(tmp_path) -> Path:
     return path
 
 
-class AgentHarness:
-    """A SessionBook + scheduler + agent gRPC server in this process, against the module's rollout server."""
+class AgentHarness(BookHarness):
+    """The agent core + its gRPC server in this process, against the module's rollout server."""
 
     def __init__(self, address: str, redis_url: str, tokens_file: Path, overrides: tuple[str, ...]):
-        self.config = load_run_config(
-            overrides=[
-                "coordinator.group_size=2",
-                "groups_per_step=1",
-                "max_staleness=1",
-                "agent.enabled=true",
-                f"agent.tokens_file={tokens_file}",
-                *overrides,
-            ]
+        super().__init__(
+            address, redis_url, KEYS, ("agent.enabled=true", f"agent.tokens_file={tokens_file}", *overrides)
         )
-        self.address, self.redis_url = address, redis_url
 
     async def __aenter__(self) -> AgentHarness:
-        self.redis = aioredis.Redis.from_url(self.redis_url)
-        client = RolloutClient(self.address)
-        info = await client.info()
-        self.fleet = Fleet([client])
-        self.scheduler = Scheduler(self.config, self.fleet, TrajectoryStreamWriter(self.redis, KEYS), EchoTask(), 8)
-        self.book = SessionBook(
-            self.config.agent, self.scheduler, self.fleet, lambda: 1.0, info.max_model_len, info.vocab_size
-        )
-        self.server, port = await start_agent_server(
-            self.book, agent_authenticator(self.config.agent), self.config.agent
-        )
+        await super().__aenter__()
+        auth = agent_authenticator(self.config.agent)
+        self.server, port = await start_agent_server(self.book, auth, self.config.agent)
         self.channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
         self.stub = pb_grpc.AgentServiceStub(self.channel)
         return self
@@ -103,12 +60,7 @@ class AgentHarness:
     async def __aexit__(self, *exc) -> None:
         await self.channel.close()
         await self.server.stop(grace=0)
-        await self.fleet.close()
-        await self.redis.aclose()
-
-    def queued(self) -> list:
-        entries = redis.Redis.from_url(self.redis_url).xrange(KEYS.trajectories)
-        return [decode_group(fields[b"g"]) for _, fields in entries]
+        await super().__aexit__(*exc)
 
 
 def auth(token: str) -> tuple:

@@ -21,12 +21,11 @@ import yaml
 
 from coordinator.redis_server import free_port
 from fleetrl.agent import AgentClient, InvalidArgument, Unauthenticated
-from modeling.tiny_model import init_tiny
 from protos import agent_pb2 as pb
 from protos import agent_pb2_grpc as pb_grpc
 from protos.records import decode_group, decode_metrics
 from protos.redis_keys import RedisKeys
-from tests.rollout_service.server_process import spawn_rollout_server
+from tests.rollout_service.server_process import stop_process
 
 pytestmark = pytest.mark.e2e
 
@@ -45,26 +44,6 @@ with AgentClient(sys.argv[1], sys.argv[2], tls_ca_file=sys.argv[3]) as client:
     print("generated", flush=True)
     time.sleep(3600)
 """
-
-
-@pytest.fixture(scope="module")
-def rollout_server(tmp_path_factory):
-    model = str(init_tiny(tmp_path_factory.mktemp("tiny")))
-    server = spawn_rollout_server(model, tmp_path_factory.mktemp("logs") / "rollout.log", "--server-id", "r0")
-    try:
-        yield server.wait_serving(timeout_s=300)
-    finally:
-        _stop(server.process)
-
-
-def _stop(process: subprocess.Popen) -> None:
-    if process.poll() is None:
-        os.killpg(process.pid, signal.SIGTERM)
-    try:
-        process.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        process.wait()
 
 
 def _wait_for(condition, timeout_s: float, what: str, poll_s: float = 0.2):
@@ -115,7 +94,7 @@ def coordinator(rollout_server, redis_url, tls_pair, tmp_path):
         assert process.poll() is None, log.read_text()[-3000:]
         yield f"127.0.0.1:{port}", cert
     finally:
-        _stop(process)
+        stop_process(process)
 
 
 def _queued(redis_url: str) -> list:

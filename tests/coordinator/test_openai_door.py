@@ -7,27 +7,14 @@ this process, writing trajectory groups to the test's Redis (flushed per test).
 from __future__ import annotations
 
 import asyncio
-import os
-import signal
-import subprocess
 
 import aiohttp
 import pytest
-import redis
-import redis.asyncio as aioredis
 
-from channels.trajectory_stream import TrajectoryStreamWriter
-from coordinator.agent_sessions import SessionBook
-from coordinator.fleet import Fleet
 from coordinator.openai_door import DoorRefused, start_openai_door
-from coordinator.rollout_client import RolloutClient
-from coordinator.scheduler import Scheduler
-from coordinator.tasks import EchoTask, load_tokenizer
-from modeling.tiny_model import init_tiny
-from protos.config import load_run_config
-from protos.records import decode_group
+from coordinator.tasks import load_tokenizer
 from protos.redis_keys import RedisKeys
-from tests.rollout_service.server_process import spawn_rollout_server
+from tests.coordinator.agent_core import BookHarness
 
 pytestmark = pytest.mark.integration
 
@@ -53,24 +40,6 @@ def authorize(token: str | None, scope: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory) -> str:
-    return str(init_tiny(tmp_path_factory.mktemp("tiny")))
-
-
-@pytest.fixture(scope="module")
-def rollout_server(tiny_model, tmp_path_factory):
-    server = spawn_rollout_server(tiny_model, tmp_path_factory.mktemp("logs") / "rollout.log", "--server-id", "r0")
-    try:
-        yield server.wait_serving(timeout_s=300)
-    finally:
-        os.killpg(server.process.pid, signal.SIGTERM)
-        try:
-            server.process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(server.process.pid, signal.SIGKILL)
-
-
-@pytest.fixture(scope="module")
 def tokenizer(tiny_model):
     tokenizer = load_tokenizer(tiny_model)
     # The char tokenizer names 52 of the model's 64 ids; the other 12 get characters so that every sampled token
@@ -81,23 +50,15 @@ def tokenizer(tiny_model):
     return tokenizer
 
 
-class DoorHarness:
-    """A SessionBook + scheduler + door in this process, against the module's rollout server."""
+class DoorHarness(BookHarness):
+    """The agent core + the door in this process, against the module's rollout server."""
 
     def __init__(self, address: str, redis_url: str, tokenizer):
-        overrides = ["coordinator.group_size=2", "coordinator.groups_per_step=1", "coordinator.max_staleness=1"]
-        self.config = load_run_config(overrides=overrides)
-        self.address, self.redis_url, self.tokenizer = address, redis_url, tokenizer
+        super().__init__(address, redis_url, KEYS)
+        self.tokenizer = tokenizer
 
     async def __aenter__(self) -> DoorHarness:
-        self.redis = aioredis.Redis.from_url(self.redis_url)
-        client = RolloutClient(self.address)
-        info = await client.info()
-        self.fleet = Fleet([client])
-        self.scheduler = Scheduler(self.config, self.fleet, TrajectoryStreamWriter(self.redis, KEYS), EchoTask(), 8)
-        self.book = SessionBook(
-            self.config.agent, self.scheduler, self.fleet, lambda: 1.0, info.max_model_len, info.vocab_size
-        )
+        await super().__aenter__()
         self.runner, port = await start_openai_door(self.book, self.tokenizer, authorize, "127.0.0.1", 0)
         self.base = f"http://127.0.0.1:{port}/v1"
         self.http = aiohttp.ClientSession()
@@ -106,8 +67,7 @@ class DoorHarness:
     async def __aexit__(self, *exc) -> None:
         await self.http.close()
         await self.runner.cleanup()
-        await self.fleet.close()
-        await self.redis.aclose()
+        await super().__aexit__(*exc)
 
     async def post(self, path: str, body, token: str | None = "secret-a", **headers) -> tuple[int, dict, dict]:
         if token is not None:
@@ -126,10 +86,6 @@ class DoorHarness:
 
     def render(self, messages) -> list[int]:
         return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)["input_ids"]
-
-    def queued(self) -> list:
-        entries = redis.Redis.from_url(self.redis_url).xrange(KEYS.trajectories)
-        return [decode_group(fields[b"g"]) for _, fields in entries]
 
 
 def test_two_chat_turns_continue_one_session_whose_record_is_prompt_generated_appended_generated(

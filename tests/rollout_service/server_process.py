@@ -7,6 +7,7 @@ bind failure); the server binds a free port itself and writes host:port once it 
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -78,3 +79,14 @@ def spawn_rollout_server(model: str, log_path: Path, *args: str, env: dict[str, 
         env={**os.environ, **(env or {})},
     )
     return ServerProcess(process, log_path)
+
+
+def stop_process(process: subprocess.Popen) -> None:
+    """SIGTERM a process started in its own session (its whole group), SIGKILL it after 30 s."""
+    if process.poll() is None:
+        os.killpg(process.pid, signal.SIGTERM)
+    try:
+        process.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait()

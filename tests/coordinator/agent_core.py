@@ -1,0 +1,48 @@
+"""The agent API's core in a test process: a SessionBook over a real scheduler, fleet and trajectory stream writer,
+against a real rollout server; the gRPC adapter's and the OpenAI door's tests add their server on top."""
+
+from __future__ import annotations
+
+import redis
+import redis.asyncio as aioredis
+
+from channels.trajectory_stream import TrajectoryStreamWriter
+from coordinator.agent_sessions import SessionBook
+from coordinator.fleet import Fleet
+from coordinator.rollout_client import RolloutClient
+from coordinator.scheduler import Scheduler
+from coordinator.tasks import EchoTask
+from protos.config import load_run_config
+from protos.records import decode_group
+from protos.redis_keys import RedisKeys
+
+# groups of 2, one group per step, one step of staleness: small enough that admission refusals are reachable
+BASE_OVERRIDES = ("coordinator.group_size=2", "groups_per_step=1", "max_staleness=1")
+
+
+class BookHarness:
+    """``async with`` it: ``book``, ``scheduler``, ``fleet``; ``queued()`` reads what reached the stream."""
+
+    def __init__(self, address: str, redis_url: str, keys: RedisKeys, overrides=()):
+        self.config = load_run_config(overrides=[*BASE_OVERRIDES, *overrides])
+        self.address, self.redis_url, self.keys = address, redis_url, keys
+
+    async def __aenter__(self):
+        self.redis = aioredis.Redis.from_url(self.redis_url)
+        client = RolloutClient(self.address)
+        info = await client.info()
+        self.fleet = Fleet([client])
+        queue = TrajectoryStreamWriter(self.redis, self.keys)
+        self.scheduler = Scheduler(self.config, self.fleet, queue, EchoTask(), 8)
+        self.book = SessionBook(
+            self.config.agent, self.scheduler, self.fleet, lambda: 1.0, info.max_model_len, info.vocab_size
+        )
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.fleet.close()
+        await self.redis.aclose()
+
+    def queued(self) -> list:
+        entries = redis.Redis.from_url(self.redis_url).xrange(self.keys.trajectories)
+        return [decode_group(fields[b"g"]) for _, fields in entries]
