@@ -22,6 +22,7 @@ from pathlib import Path
 
 import redis
 
+from channels.version_board import VersionBoard
 from coordinator.demo_agents import demo_agent_commands, prepare_agents
 from coordinator.redis_server import EmbeddedRedis
 from protos.config import RunConfig
@@ -285,15 +286,13 @@ class DemoLauncher:
         )
 
     def speed_summary(self, client: redis.Redis, steps: list[dict]) -> dict:
-        from protos.records import decode_report
-
-        reports = [decode_report(v) for v in client.hgetall(self.keys.fleet).values()]
+        reports = list(VersionBoard(client, self.keys).fleet_reports().values())
         return _speed_figures(steps, self.rollout_rates, reports)
 
     def fleet_versions(self, client: redis.Redis) -> dict[str, int]:
-        from protos.records import decode_report
-
-        return {k.decode(): decode_report(v).policy_version for k, v in client.hgetall(self.keys.fleet).items()}
+        return {
+            server: report.policy_version for server, report in VersionBoard(client, self.keys).fleet_reports().items()
+        }
 
     def wait_for_fleet(self, client: redis.Redis, version: int, timeout_s: float = 30.0) -> None:
         deadline = time.monotonic() + timeout_s

@@ -10,10 +10,7 @@ import logging
 import threading
 import time
 
-import msgspec
-
-from protos.records import ControlKind, RoleDone, decode_control
-from protos.redis_keys import as_text
+from protos.records import RoleDone
 
 logger = logging.getLogger("trainer_service")
 
@@ -50,6 +47,7 @@ class RedisSide:
     def __init__(self, redis_url: str, config, trainer, stop: threading.Event):
         import redis
 
+        from channels.control_stream import ControlStreamReader
         from channels.trajectory_stream import TrajectoryStreamReader
         from channels.version_board import VersionBoard
         from protos.redis_keys import RedisKeys
@@ -68,7 +66,7 @@ class RedisSide:
         self.queue = TrajectoryStreamReader(self.client, self.keys, trim=config.trainer.trim_acknowledged)
         self.reclaimed = self.queue.reclaim_pending()
         self.publisher = WeightPublisher(self.client, self.keys, config.weight_bus)
-        self.control = ControlReader(self.client, self.keys, trainer, publish=None)
+        self.control = ControlStreamReader(self.client, self.keys)
         self.unacked: list[str] = []  # entries consumed since the last checkpoint
 
     def published_version(self) -> int:
@@ -78,7 +76,8 @@ class RedisSide:
         """The next step's new groups; ``relay(sync, settings)`` gets the operator commands read meanwhile."""
 
         def poll_control() -> None:
-            relay(*self.control.read())
+            batch = self.control.read()
+            relay(batch.sync, batch.settings)
 
         poll_control()
         tcfg = self.config.trainer
@@ -185,53 +184,3 @@ def _apply_setting(trainer, key: str, raw: str) -> None:
         logger.error("control: ignoring set %s=%r: %s", key, raw, error)
         return
     logger.info("control: %s set to %r (policy_version=%d)", key, value, trainer.policy_version)
-
-
-class ControlReader:
-    """Reads the run's control stream (coordinator/control.py writes it): ``sync`` and ``set`` commands.
-
-    Rank 0 reads between steps and about once a second while a step waits for groups, so an operator's command
-    is seen even while the queue is empty (a paused coordinator, an eval round); ``ranks.OrderFeed`` hands the
-    commands to every rank, which act on them at that point (a ``sync`` is a collective export). ``poll`` reads
-    and acts in one go (one process).
-    """
-
-    def __init__(self, client, keys, trainer, publish):
-        self.client = client
-        self.keys = keys
-        self.trainer = trainer
-        self.publish = publish  # () -> None: re-publish the current weights under the current version
-        self.last_id = "0-0"
-        last = client.xrevrange(keys.control, count=1)
-        if last:  # start after what is already there: old commands were meant for an earlier trainer
-            self.last_id = last[0][0]
-
-    def read(self) -> tuple[bool, list[tuple[str, str]]]:
-        """The commands written since the last read: (any ``sync``, the ``set`` (key, JSON value) pairs).
-
-        Redis unreachable: none for now (they stay in the stream and come with a later read).
-        """
-        from channels.retry import UNREACHABLE
-
-        try:
-            entries = self.client.xread({self.keys.control: self.last_id}, count=100) or []
-        except UNREACHABLE as error:  # polled about once a second: the next poll is the retry
-            logger.warning("control commands not read, Redis unreachable: %s", error)
-            return False, []
-        sync, settings = False, []
-        for _stream, items in entries:
-            for entry_id, fields in items:
-                self.last_id = entry_id
-                try:
-                    command = decode_control(fields.get(b"c", b""))
-                except (msgspec.DecodeError, msgspec.ValidationError) as error:  # not ours to stop on
-                    logger.error("control: skipping undecodable entry %s: %s", as_text(entry_id), error)
-                    continue
-                if command.kind is ControlKind.SYNC:
-                    sync = True
-                elif command.kind is ControlKind.SET:
-                    settings.append((command.key, command.value_json))
-        return sync, settings
-
-    def poll(self) -> None:
-        apply_commands(self.trainer, self.publish, *self.read())
