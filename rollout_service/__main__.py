@@ -8,6 +8,7 @@ import logging
 import signal
 import sys
 from pathlib import Path
+from typing import NoReturn
 
 from protos.config import RolloutConfig, WeightBusConfig, flag_overrides, load_run_config
 from protos.redis_keys import RedisKeys
@@ -53,11 +54,24 @@ async def watch_engine(engine, stop: asyncio.Event, interval_s: float = 1.0) -> 
 
 def load_config(args: argparse.Namespace):
     """The resolved run config: the file, then the flags (config aliases), then the dotted overrides."""
+    from protos.config import describe_config_error
+
     flags = {"model_path": args.model, "redis_url": args.redis_url, "run_id": args.run_id, "rollout.host": args.host}
-    run_config = load_run_config(args.config, [*flag_overrides(flags), *args.overrides])
+    try:
+        run_config = load_run_config(args.config, [*flag_overrides(flags), *args.overrides])
+    except ValueError as error:
+        _user_error(f"invalid config: {describe_config_error(error)}")
     if not run_config.model_path:
-        raise SystemExit("rollout server: model_path must be set (the config key, or --model)")
+        _user_error("model_path must be set (the config key, or --model)")
+    if not Path(run_config.model_path).is_dir():
+        _user_error(f"model_path {run_config.model_path} is not a directory (an HF checkpoint directory)")
     return run_config
+
+
+def _user_error(message: str) -> NoReturn:
+    """A user's mistake: one line on stderr, exit 2, no traceback."""
+    print(f"fleetrl rollout serve: {message}", file=sys.stderr)
+    raise SystemExit(2)
 
 
 def make_follower(run_config, engine, address: str):
