@@ -1,7 +1,7 @@
 """A real Prometheus (Debian's) scrapes a real run: one vLLM rollout server, the trainer and the coordinator, each
 serving /metrics, with the run's alert rules loaded. The test asks Prometheus's HTTP API for the staleness, queue
 depth and throughput series, and checks the Grafana dashboard against what Prometheus actually holds: every metric
-name it queries was scraped, and every panel's query returns data over the run."""
+name it queries was scraped, and every panel's query returns a series over the run."""
 
 from __future__ import annotations
 
