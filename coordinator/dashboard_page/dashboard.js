@@ -88,7 +88,11 @@ function niceTicks(lo, hi, count) {
   const step = [1, 2, 5, 10].map((m) => m * power).find((s) => s >= raw);
   const start = Math.floor(lo / step) * step;
   const ticks = [];
-  for (let t = start; t <= hi + step * 0.5; t += step) ticks.push(Number(t.toPrecision(12)));
+  for (let i = 0; ; i++) {  // up to the first tick at or above hi: no line leaves the plot at the top
+    const tick = Number((start + i * step).toPrecision(12));
+    ticks.push(tick);
+    if (tick >= hi - step * 1e-9) break;
+  }
   return ticks;
 }
 

@@ -4,8 +4,9 @@ live figures), and the page in headless Chromium (live rollout series, the range
 from __future__ import annotations
 
 import asyncio
+import math
 import os
-import shutil
+import random
 import socket
 import struct
 import time
@@ -211,20 +212,23 @@ def test_state_api_answers_503_when_redis_is_unreachable():
 
 
 # live rollout series -----------------------------------------------------------------------------
-async def report_rollout(client: aioredis.Redis, server_id: str, number: int, tokens_per_s: float) -> None:
-    """One rollout server report through the channel, as RolloutReporter writes it."""
-    values = {
+def rollout_values(number: int, tokens_per_s: float) -> dict[str, float]:
+    return {
         "tokens_per_s": tokens_per_s,
-        "requests_running": 4.0 + number % 3,
+        "requests_running": float(round(5 + 2 * math.sin(number / 40))),
         "requests_waiting": 1.0,
-        "kv_cache_usage": 0.25,
+        "kv_cache_usage": 0.25 + 0.05 * math.sin(number / 60),
         "policy_version": 5.0,
         "weight_update_s": 0.75,
         "weight_receive_s": 0.5,
         "weight_load_s": 0.125,
         "weight_paused_s": 0.25,
     }
-    report = MetricsReport("rollout", number, 5, time.time(), values, server_id)
+
+
+async def report_rollout(client: aioredis.Redis, server_id: str, number: int, tokens_per_s: float) -> None:
+    """One rollout server report through the channel, as RolloutReporter writes it."""
+    report = MetricsReport("rollout", number, 5, time.time(), rollout_values(number, tokens_per_s), server_id)
     assert await AsyncMetricsStreamWriter(client, KEYS).post(report)
 
 
@@ -265,14 +269,33 @@ def png_size_and_colors(path: Path) -> tuple[int, int, int]:
 
 
 async def write_long_history(redis_url: str, hours: float = 2.0) -> float:
-    """A run of ``hours`` so far: a trainer step and a coordinator report every 10 s up to now; returns its start."""
+    """A run of ``hours`` so far, up to now: every 10 s a trainer step, a coordinator report and a report of each of
+    two rollout servers, with noisy, learning-like figures (seeded); returns its start."""
+    noise = random.Random(0)
     sync = redis.Redis.from_url(redis_url)
+    writer = MetricsStreamWriter(sync, KEYS)
     num_steps = int(hours * 360)
     start_s = time.time() - 10 * num_steps
     for step in range(1, num_steps + 1):
-        values = {**trainer_values(step), "reward_mean": 0.15 + 0.6 * step / num_steps, "loss": 0.5}
-        write_metrics(sync, "trainer", step, start_s + 10 * step, values)
-        write_metrics(sync, "coordinator", step, start_s + 10 * step, {"tokens_per_s": 900.0, "queue_depth": 2.0})
+        time_s, progress = start_s + 10 * step, step / num_steps
+        reward = 0.15 + 0.55 * (1 - math.exp(-4 * progress)) + noise.gauss(0, 0.03)
+        values = {
+            **trainer_values(step),
+            "reward_mean": reward,
+            "loss": 0.4 * math.exp(-3 * progress) + abs(noise.gauss(0, 0.02)),
+            "queue_depth": float(round(3 + 2 * math.sin(step / 25) + noise.random())),
+            "staleness_max": float(noise.random() < 0.7),
+            "staleness_mean": 0.5 + noise.gauss(0, 0.1),
+            "samples_trained": 64.0 * step,
+            "num_tokens": 640.0 + noise.randint(-60, 60),
+            "eval/gsm8k/acc": 0.2 + 0.5 * progress,
+        }
+        write_metrics(sync, "trainer", step, time_s, values)
+        fleet = {"tokens_per_s": 880.0 + noise.gauss(0, 40), "queue_depth": float(round(3 + 2 * math.sin(step / 25)))}
+        write_metrics(sync, "coordinator", step, time_s, fleet)
+        for index in range(2):
+            rollout = rollout_values(step, 430.0 + 20 * index + noise.gauss(0, 25))
+            assert writer.post(MetricsReport("rollout", step, step, time_s, rollout, f"rollout-{index}"))
     sync.set(KEYS.policy_version, num_steps)
     sync.close()
     return start_s
@@ -334,7 +357,9 @@ def test_page_shows_live_rollout_series_and_zooms_in_headless_chromium(redis_url
     assert (width, height) == (1400, 1300) and num_colors > 50, "screenshot looks blank"
     target = os.environ.get("FLEETRL_DASHBOARD_SCREENSHOT")  # docs/images/dashboard.png is made this way
     if target:
-        shutil.copyfile(seen["screenshot"], target)
+        from PIL import Image  # a 256-colour palette: the committed copy stays small
+
+        Image.open(seen["screenshot"]).quantize(colors=256).save(target, optimize=True)
 
 
 async def drive_the_page(browser: Browser, screenshot: Path) -> dict:

@@ -179,7 +179,7 @@ def check_what_prometheus_holds(prometheus: Prometheus, start: float, end: float
         names = {name for name in used if name.startswith(job + "_")}
         held = prometheus.api("series", **{"match[]": [f'{{__name__=~"{"|".join(names)}", job="{job}"}}']})
         assert {series["__name__"] for series in held} == names, f"{job}: scraped under another job"
-    # and every panel's query returns data over the run, as Grafana would draw it
+    # and every panel's query returns a series over the run, as Grafana would draw it
     for expr in queries:
         query = expr.replace("$__rate_interval", "5s").replace("$__range", f"{int(end - start)}s")
         result = prometheus.api("query_range", query=query, start=start, end=end, step="1")["result"]
