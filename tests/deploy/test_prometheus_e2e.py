@@ -169,6 +169,13 @@ def check_what_prometheus_holds(prometheus: Prometheus, start: float, end: float
     assert max(prometheus.range_values("rate(rollout_generated_tokens_total[5s])", start, end)) > 0
     assert max(prometheus.range_values("trainer_samples_trained_total", start, end)) >= 48  # 6 x 2 groups x 4
     assert max(prometheus.range_values("coordinator_groups_pushed_total", start, end)) > 0  # it exits at 12
+    # what the alert rules read beyond the dashboard's series
+    assert max(prometheus.range_values("trainer_steps_total", start, end)) == 6
+    assert max(prometheus.range_values("trainer_max_staleness_steps", start, end)) == 1  # set at each step
+    assert min(prometheus.range_values("trainer_last_step_time_s", start, end)) > start - 600  # stamped at start
+    assert set(prometheus.range_values("coordinator_groups_per_step", start, end)) == {2.0}
+    assert set(prometheus.range_values("rollout_weight_update_failures_total", start, end)) == {0.0}
+    assert max(prometheus.range_values("rollout_weight_update_s_count", start, end)) >= 1  # it followed versions
     # every metric the Grafana dashboard queries is one Prometheus scraped, in the job the dashboard expects
     scraped = set(prometheus.api("label/__name__/values", **{"match[]": '{job=~"rollout|coordinator|trainer"}'}))
     dashboard = json.loads(DASHBOARD.read_text())
