@@ -108,7 +108,9 @@ def _random_routes(backend: MegatronBackend, batch: TrainBatch, seed: int = 0) -
     from megatron.core.utils import get_model_config
 
     config = get_model_config(backend.model[0])
-    num_routers = sum(1 for _, module in backend.model[0].named_modules() if module.__class__.__name__.endswith("Router"))
+    num_routers = sum(
+        1 for _, module in backend.model[0].named_modules() if module.__class__.__name__.endswith("Router")
+    )
     rows, seq = batch.input_ids_BT.shape
     generator = torch.Generator().manual_seed(seed)
     scores = torch.rand(rows, seq, num_routers, config.num_moe_experts, generator=generator)
@@ -172,7 +174,11 @@ def test_fused_attention_and_lm_head_give_the_stock_logprobs_and_gradients(model
 
 @pytest.mark.parametrize(
     "kind, recompute, modules",
-    [("qwen3_moe", "full", ["core_attn"]), ("qwen3_moe", "selective", ["core_attn", "moe"]), ("beam", "full", ["core_attn"])],
+    [
+        ("qwen3_moe", "full", ["core_attn"]),
+        ("qwen3_moe", "selective", ["core_attn", "moe"]),
+        ("beam", "full", ["core_attn"]),
+    ],
 )
 def test_activation_recompute_gives_the_same_step_with_replayed_routes(model_dirs, kind, recompute, modules):
     plain, natural = (MegatronBackend(model_dirs[kind], _config()) for _ in range(2))
