@@ -70,6 +70,8 @@ def run_setting(name: str, model_dir: str, batch, args, cuda: bool) -> dict:
     from trainer_service.megatron.backend import MegatronBackend
 
     sync = torch.cuda.synchronize if cuda else (lambda: None)
+    # What earlier settings left allocated (a leak would show here and inflate this setting's peak).
+    left_over_mib = round(torch.cuda.memory_allocated() / 2**20, 1) if cuda else None
     started = time.perf_counter()
     backend = MegatronBackend(
         model_dir, trainer_config(SETTINGS[name], cuda), device="cuda" if cuda else "cpu", random_init=True
@@ -94,7 +96,12 @@ def run_setting(name: str, model_dir: str, batch, args, cuda: bool) -> dict:
         with LiveTensorMeter() as meter:
             backend.train_step(batch)
         peak = meter.peak
-    return {"build_s": round(build_s, 1), "steps_s": [round(t, 4) for t in times], "peak_gib": round(peak / 2**30, 3)}
+    return {
+        "build_s": round(build_s, 1),
+        "steps_s": [round(t, 4) for t in times],
+        "peak_mib": round(peak / 2**20, 1),
+        "left_over_mib": left_over_mib,
+    }
 
 
 def release_memory(cuda: bool) -> None:
@@ -118,8 +125,9 @@ def summarize(runs: list[dict], flops: float) -> dict:
     return {
         "step_s": round(step_s, 4),
         "tflops_per_gpu": round(flops / step_s / 1e12, 1),
-        "peak_gib": max(run["peak_gib"] for run in runs if "error" not in run),
+        "peak_mib": max(run["peak_mib"] for run in runs if "error" not in run),
         "build_s": [run["build_s"] for run in runs if "error" not in run],
+        "left_over_mib": [run["left_over_mib"] for run in runs if "error" not in run],
         "steps_s": times,
         **({"errors": errors} if errors else {}),
     }
@@ -151,7 +159,7 @@ def main() -> None:
             for name in names:
                 try:
                     run = run_setting(name, model_dir, batch, args, cuda)
-                    line = f"median {statistics.median(run['steps_s']):.4f} s/step, peak {run['peak_gib']} GiB"
+                    line = f"median {statistics.median(run['steps_s']):.4f} s/step, peak {run['peak_mib']} MiB"
                 except Exception as error:  # recorded; the other settings still run and the JSON is printed
                     traceback.print_exc()
                     run = {"error": f"{type(error).__name__}: {str(error)[:300]}"}
