@@ -7,7 +7,8 @@ runs a softmax over it. Here:
 - causal layers: one ``scaled_dot_product_attention(is_causal=True)`` call (FlashAttention on a GPU), no mask;
 - sliding-window layers (attend to the last ``window + 1`` keys): the sequence is cut into blocks of
   ``window + 1`` queries; block ``i`` attends to blocks ``i - 1`` and ``i`` through one constant
-  [window + 1, 2 (window + 1)] band mask, block 0 causally to itself. Exact, O(T x window) memory and work;
+  [window + 1, 2 (window + 1)] band mask, block 0 causally to itself. Exact, O(T x window) memory and work; the
+  query heads of one key head are stacked along the query axis, so keys and values are never repeated per head;
 - an explicit mask (a batch whose padding is not on the right, or a caller's own [B, 1, T, T] mask): SDPA with
   that mask, ORed with the causal (and window) mask; each query may always see itself, so no row is empty.
 
@@ -19,7 +20,8 @@ padded positions after the last real token see each other and differ, but they f
 ``DotProductAttention`` becomes ``FusedCoreAttention`` and a custom core attention names its fused form in a
 ``fused_variant`` attribute (Beam's ``BeamCoreAttention``).
 
-Shape legend: S/T sequence, B batch, N query heads, G key/value heads (this TP rank's), D head_dim, W block.
+Shape legend: S/T sequence, B batch, N query heads, G key/value heads (this TP rank's), D head_dim, W block,
+X batch x blocks, Q the query heads of one key head x W.
 """
 
 from __future__ import annotations
@@ -69,7 +71,8 @@ def _sdpa(q_BNTD, k_BGTD, v_BGTD, scale, dropout_p, is_causal=False, mask=None):
 
 def _sliding_window_attention(q_BNTD, k_BGTD, v_BGTD, scale: float, window: int, dropout_p: float):
     """Blocks of W = window + 1 queries; block i > 0 attends to blocks i - 1 and i through one band mask."""
-    batch, heads, seq, dim = q_BNTD.shape
+    batch, heads, seq, _ = q_BNTD.shape
+    groups = heads // k_BGTD.shape[1]
     block = window + 1
     padded = -seq % block  # zero rows after the end: later than every real query, so causally invisible
     q_BNTD, k_BGTD, v_BGTD = (F.pad(t, (0, 0, 0, padded)) for t in (q_BNTD, k_BGTD, v_BGTD))
@@ -89,8 +92,15 @@ def _sliding_window_attention(q_BNTD, k_BGTD, v_BGTD, scale: float, window: int,
         span = torch.cat(spans, dim=3) if width > 1 else spans[0]  # [B, H, num_blocks - 1, width * W, D]
         return span.transpose(1, 2).flatten(0, 1)
 
-    rest = _sdpa(blocks(q_BNTD, 1, 1), blocks(k_BGTD, 0, 2), blocks(v_BGTD, 0, 2), scale, dropout_p, mask=band_W2W)
-    rest_BNTD = rest.unflatten(0, (batch, num_blocks - 1)).transpose(1, 2).flatten(2, 3)
+    # Grouped-query heads sharing a key head are stacked along the query axis (the mask repeated to match), so the
+    # keys are not repeated per query head: [., G, groups * W, D] against [., G, 2W, D].
+    q_XGQD = blocks(q_BNTD, 1, 1).unflatten(1, (-1, groups)).flatten(2, 3)
+    band_Q2W = band_W2W.repeat(groups, 1)
+    out_XGQD = F.scaled_dot_product_attention(
+        q_XGQD, blocks(k_BGTD, 0, 2), blocks(v_BGTD, 0, 2), attn_mask=band_Q2W, dropout_p=dropout_p, scale=scale
+    )
+    rest_XNWD = out_XGQD.unflatten(2, (groups, block)).flatten(1, 2)
+    rest_BNTD = rest_XNWD.unflatten(0, (batch, num_blocks - 1)).transpose(1, 2).flatten(2, 3)
     return torch.cat([first_BNWD, rest_BNTD], dim=2)[:, :, :seq]
 
 
