@@ -103,6 +103,10 @@ def _assert_same_step(actual, expected, tolerance: float = 1e-5) -> None:
     assert worst <= tolerance * scale, (worst, scale)
 
 
+def _layers(backend: MegatronBackend) -> list:
+    return list(backend.model[0].module.decoder.layers)
+
+
 def _random_routes(backend: MegatronBackend, batch: TrainBatch, seed: int = 0) -> torch.Tensor:
     """Distinct random experts per token and MoE router: routes natural routing would (almost) never take."""
     from megatron.core.utils import get_model_config
@@ -162,6 +166,8 @@ def test_only_right_padded_batches_take_the_maskless_path():
 def test_fused_attention_and_lm_head_give_the_stock_logprobs_and_gradients(model_dirs, kind):
     stock = MegatronBackend(model_dirs[kind], _config())
     fused = MegatronBackend(model_dirs[kind], _config(fused_lm_head=True, fused_attention=True))
+    core_attentions = {type(layer.self_attention.core_attention).__name__ for layer in _layers(fused)}
+    assert core_attentions == {"BeamFusedCoreAttention" if kind == "beam" else "FusedCoreAttention"}
     batch = _batch(LENGTHS[kind])
     for left_padded in (False, True):
         ids_BT, mask_BT = _rows(LENGTHS[kind], left_padded)

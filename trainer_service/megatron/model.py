@@ -147,7 +147,7 @@ def use_fused_adam(optimizer) -> None:
     """
     for sub_optimizer in megatron_checkpoint.sub_optimizers(optimizer):
         inner = getattr(sub_optimizer, "optimizer", None)
-        if not isinstance(inner, torch.optim.Adam):  # AdamW is a subclass
+        if not isinstance(inner, (torch.optim.Adam, torch.optim.AdamW)):
             continue
         inner.defaults.update(fused=True, foreach=False)
         for group in inner.param_groups:
