@@ -187,8 +187,9 @@ def test_fused_attention_and_lm_head_give_the_stock_logprobs_and_gradients(model
     ],
 )
 def test_activation_recompute_gives_the_same_step_with_replayed_routes(model_dirs, kind, recompute, modules):
-    plain, natural = (MegatronBackend(model_dirs[kind], _config()) for _ in range(2))
-    recomputing = MegatronBackend(model_dirs[kind], _config(recompute=recompute, recompute_modules=modules))
+    fused = dict(fused_lm_head=True, fused_attention=True)  # recompute re-runs the fused attention too
+    plain, natural = (MegatronBackend(model_dirs[kind], _config(**fused)) for _ in range(2))
+    recomputing = MegatronBackend(model_dirs[kind], _config(**fused, recompute=recompute, recompute_modules=modules))
     batch = _batch(LENGTHS[kind])
     routes = _random_routes(plain, batch)
     replayed = _step(plain, batch, routes)
