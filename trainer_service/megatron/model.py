@@ -2,7 +2,9 @@
 
 ``build_model`` turns an ``AutoBridge`` (from the HF checkpoint or config) into megatron-core model chunks wrapped
 in DDP plus megatron-core's optimizer (distributed over the data-parallel ranks when configured). The provider
-settings are the CPU-safe ones: the local (non-TE) layer spec and no fusions that need TE or apex.
+settings are the CPU-safe ones: the local (non-TE) layer spec and no fusions that need TE or apex. The switches of
+``trainer.megatron`` that need neither act here too: the fused core attention in the spec, activation recompute,
+torch's fused AdamW and the optimizer's CPU offload (docs/trainer_service.md, "Speed and memory switches").
 """
 
 from __future__ import annotations
