@@ -6,6 +6,7 @@ from __future__ import annotations
 import redis
 import redis.asyncio as aioredis
 
+from channels.agent_sessions import AgentSessionStore
 from channels.trajectory_stream import TrajectoryStreamWriter
 from coordinator.agent_sessions import SessionBook
 from coordinator.fleet import Fleet
@@ -34,8 +35,9 @@ class BookHarness:
         self.fleet = Fleet([client])
         queue = TrajectoryStreamWriter(self.redis, self.keys)
         self.scheduler = Scheduler(self.config, self.fleet, queue, EchoTask(), 8)
+        self.store = AgentSessionStore(self.redis, self.keys)
         self.book = SessionBook(
-            self.config.agent, self.scheduler, self.fleet, lambda: 1.0, info.max_model_len, info.vocab_size
+            self.config.agent, self.scheduler, self.fleet, lambda: 1.0, info.max_model_len, info.vocab_size, self.store
         )
         return self
 
