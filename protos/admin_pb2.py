@@ -4,68 +4,73 @@
 # source: protos/admin.proto
 # Protobuf Python Version: 7.35.1
 """Generated protocol buffer code."""
-
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import descriptor_pool as _descriptor_pool
 from google.protobuf import runtime_version as _runtime_version
 from google.protobuf import symbol_database as _symbol_database
 from google.protobuf.internal import builder as _builder
-
-_runtime_version.ValidateProtobufRuntimeVersion(_runtime_version.Domain.PUBLIC, 7, 35, 1, "", "protos/admin.proto")
+_runtime_version.ValidateProtobufRuntimeVersion(
+    _runtime_version.Domain.PUBLIC,
+    7,
+    35,
+    1,
+    '',
+    'protos/admin.proto'
+)
 # @@protoc_insertion_point(imports)
 
 _sym_db = _symbol_database.Default()
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(
-    b'\n\x12protos/admin.proto\x12\x10\x66leetrl.admin.v1"\x91\x01\n\x0cServerStatus\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x11\n\tserver_id\x18\x02 \x01(\t\x12\x0f\n\x07healthy\x18\x03 \x01(\x08\x12\x16\n\x0epolicy_version\x18\x04 \x01(\x03\x12\x10\n\x08inflight\x18\x05 \x01(\x05\x12\x10\n\x08requests\x18\x06 \x01(\x03\x12\x10\n\x08\x66\x61ilures\x18\x07 \x01(\x03"\x12\n\x10GetStatusRequest"\xdb\x05\n\x11GetStatusResponse\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12)\n\x05state\x18\x02 \x01(\x0e\x32\x1a.fleetrl.admin.v1.RunState\x12\x1e\n\x16trainer_policy_version\x18\x03 \x01(\x03\x12\x1c\n\x14start_policy_version\x18\x04 \x01(\x03\x12\x15\n\rmax_staleness\x18\x05 \x01(\x05\x12\x17\n\x0fgroups_per_step\x18\x06 \x01(\x05\x12\x12\n\ngroup_size\x18\x07 \x01(\x05\x12\x17\n\x0fgroups_admitted\x18\x08 \x01(\x03\x12\x16\n\x0eslots_admitted\x18\t \x01(\x03\x12\x17\n\x0f\x61\x64mission_limit\x18\n \x01(\x03\x12\x15\n\rgroups_pushed\x18\x0b \x01(\x03\x12\x14\n\x0ctotal_groups\x18\x0c \x01(\x03\x12\x18\n\x10groups_in_flight\x18\r \x01(\x03\x12\x16\n\x0egroups_skipped\x18\x0e \x01(\x03\x12\x14\n\x0credispatches\x18\x0f \x01(\x03\x12\x13\n\x0bqueue_depth\x18\x10 \x01(\x03\x12\x1d\n\x15max_staleness_at_push\x18\x11 \x01(\x03\x12\x14\n\x0ctokens_per_s\x18\x12 \x01(\x01\x12\x14\n\x0cgroups_per_s\x18\x13 \x01(\x01\x12\x10\n\x08uptime_s\x18\x14 \x01(\x01\x12/\n\x07servers\x18\x15 \x03(\x0b\x32\x1e.fleetrl.admin.v1.ServerStatus\x12;\n\x04\x65val\x18\x16 \x03(\x0b\x32-.fleetrl.admin.v1.GetStatusResponse.EvalEntry\x12\x14\n\x0c\x65val_version\x18\x17 \x01(\x03\x12\x19\n\x11next_eval_version\x18\x18 \x01(\x03\x12\x0c\n\x04task\x18\x19 \x01(\t\x1a+\n\tEvalEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01"\x0e\n\x0cPauseRequest":\n\rPauseResponse\x12)\n\x05state\x18\x01 \x01(\x0e\x32\x1a.fleetrl.admin.v1.RunState"\x0f\n\rResumeRequest";\n\x0eResumeResponse\x12)\n\x05state\x18\x01 \x01(\x0e\x32\x1a.fleetrl.admin.v1.RunState"\x1e\n\x0c\x44rainRequest\x12\x0e\n\x06wait_s\x18\x01 \x01(\x01"k\n\rDrainResponse\x12)\n\x05state\x18\x01 \x01(\x0e\x32\x1a.fleetrl.admin.v1.RunState\x12\x18\n\x10groups_in_flight\x18\x02 \x01(\x03\x12\x15\n\rgroups_pushed\x18\x03 \x01(\x03".\n\x10SetConfigRequest\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t"`\n\x11SetConfigResponse\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x11\n\told_value\x18\x02 \x01(\t\x12\x11\n\tnew_value\x18\x03 \x01(\t\x12\x18\n\x10\x63ontrol_entry_id\x18\x04 \x01(\t"\x1d\n\x0bSyncRequest\x12\x0e\n\x06wait_s\x18\x01 \x01(\x01"S\n\x0cSyncResponse\x12\x18\n\x10\x63ontrol_entry_id\x18\x01 \x01(\t\x12\x11\n\tpublished\x18\x02 \x01(\x08\x12\x16\n\x0epolicy_version\x18\x03 \x01(\x03"#\n\x10\x41\x64\x64ServerRequest\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t"S\n\x11\x41\x64\x64ServerResponse\x12\x11\n\tserver_id\x18\x01 \x01(\t\x12\x16\n\x0epolicy_version\x18\x02 \x01(\x03\x12\x13\n\x0bnum_servers\x18\x03 \x01(\x05"&\n\x13RemoveServerRequest\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t"=\n\x14RemoveServerResponse\x12\x13\n\x0bnum_servers\x18\x01 \x01(\x05\x12\x10\n\x08inflight\x18\x02 \x01(\x05*\x99\x01\n\x08RunState\x12\x19\n\x15RUN_STATE_UNSPECIFIED\x10\x00\x12\x15\n\x11RUN_STATE_RUNNING\x10\x01\x12\x14\n\x10RUN_STATE_PAUSED\x10\x02\x12\x16\n\x12RUN_STATE_DRAINING\x10\x03\x12\x15\n\x11RUN_STATE_DRAINED\x10\x04\x12\x16\n\x12RUN_STATE_FINISHED\x10\x05\x32\x9b\x05\n\x10\x43oordinatorAdmin\x12T\n\tGetStatus\x12".fleetrl.admin.v1.GetStatusRequest\x1a#.fleetrl.admin.v1.GetStatusResponse\x12H\n\x05Pause\x12\x1e.fleetrl.admin.v1.PauseRequest\x1a\x1f.fleetrl.admin.v1.PauseResponse\x12K\n\x06Resume\x12\x1f.fleetrl.admin.v1.ResumeRequest\x1a .fleetrl.admin.v1.ResumeResponse\x12H\n\x05\x44rain\x12\x1e.fleetrl.admin.v1.DrainRequest\x1a\x1f.fleetrl.admin.v1.DrainResponse\x12T\n\tSetConfig\x12".fleetrl.admin.v1.SetConfigRequest\x1a#.fleetrl.admin.v1.SetConfigResponse\x12\x45\n\x04Sync\x12\x1d.fleetrl.admin.v1.SyncRequest\x1a\x1e.fleetrl.admin.v1.SyncResponse\x12T\n\tAddServer\x12".fleetrl.admin.v1.AddServerRequest\x1a#.fleetrl.admin.v1.AddServerResponse\x12]\n\x0cRemoveServer\x12%.fleetrl.admin.v1.RemoveServerRequest\x1a&.fleetrl.admin.v1.RemoveServerResponseb\x06proto3'
-)
+
+
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x12protos/admin.proto\x12\x10\x66leetrl.admin.v1\"\x91\x01\n\x0cServerStatus\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x11\n\tserver_id\x18\x02 \x01(\t\x12\x0f\n\x07healthy\x18\x03 \x01(\x08\x12\x16\n\x0epolicy_version\x18\x04 \x01(\x03\x12\x10\n\x08inflight\x18\x05 \x01(\x05\x12\x10\n\x08requests\x18\x06 \x01(\x03\x12\x10\n\x08\x66\x61ilures\x18\x07 \x01(\x03\"\x12\n\x10GetStatusRequest\"\xdb\x05\n\x11GetStatusResponse\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12)\n\x05state\x18\x02 \x01(\x0e\x32\x1a.fleetrl.admin.v1.RunState\x12\x1e\n\x16trainer_policy_version\x18\x03 \x01(\x03\x12\x1c\n\x14start_policy_version\x18\x04 \x01(\x03\x12\x15\n\rmax_staleness\x18\x05 \x01(\x05\x12\x17\n\x0fgroups_per_step\x18\x06 \x01(\x05\x12\x12\n\ngroup_size\x18\x07 \x01(\x05\x12\x17\n\x0fgroups_admitted\x18\x08 \x01(\x03\x12\x16\n\x0eslots_admitted\x18\t \x01(\x03\x12\x17\n\x0f\x61\x64mission_limit\x18\n \x01(\x03\x12\x15\n\rgroups_pushed\x18\x0b \x01(\x03\x12\x14\n\x0ctotal_groups\x18\x0c \x01(\x03\x12\x18\n\x10groups_in_flight\x18\r \x01(\x03\x12\x16\n\x0egroups_skipped\x18\x0e \x01(\x03\x12\x14\n\x0credispatches\x18\x0f \x01(\x03\x12\x13\n\x0bqueue_depth\x18\x10 \x01(\x03\x12\x1d\n\x15max_staleness_at_push\x18\x11 \x01(\x03\x12\x14\n\x0ctokens_per_s\x18\x12 \x01(\x01\x12\x14\n\x0cgroups_per_s\x18\x13 \x01(\x01\x12\x10\n\x08uptime_s\x18\x14 \x01(\x01\x12/\n\x07servers\x18\x15 \x03(\x0b\x32\x1e.fleetrl.admin.v1.ServerStatus\x12;\n\x04\x65val\x18\x16 \x03(\x0b\x32-.fleetrl.admin.v1.GetStatusResponse.EvalEntry\x12\x14\n\x0c\x65val_version\x18\x17 \x01(\x03\x12\x19\n\x11next_eval_version\x18\x18 \x01(\x03\x12\x0c\n\x04task\x18\x19 \x01(\t\x1a+\n\tEvalEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\x0e\n\x0cPauseRequest\":\n\rPauseResponse\x12)\n\x05state\x18\x01 \x01(\x0e\x32\x1a.fleetrl.admin.v1.RunState\"\x0f\n\rResumeRequest\";\n\x0eResumeResponse\x12)\n\x05state\x18\x01 \x01(\x0e\x32\x1a.fleetrl.admin.v1.RunState\"\x1e\n\x0c\x44rainRequest\x12\x0e\n\x06wait_s\x18\x01 \x01(\x01\"k\n\rDrainResponse\x12)\n\x05state\x18\x01 \x01(\x0e\x32\x1a.fleetrl.admin.v1.RunState\x12\x18\n\x10groups_in_flight\x18\x02 \x01(\x03\x12\x15\n\rgroups_pushed\x18\x03 \x01(\x03\".\n\x10SetConfigRequest\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t\"`\n\x11SetConfigResponse\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x11\n\told_value\x18\x02 \x01(\t\x12\x11\n\tnew_value\x18\x03 \x01(\t\x12\x18\n\x10\x63ontrol_entry_id\x18\x04 \x01(\t\"\x1d\n\x0bSyncRequest\x12\x0e\n\x06wait_s\x18\x01 \x01(\x01\"S\n\x0cSyncResponse\x12\x18\n\x10\x63ontrol_entry_id\x18\x01 \x01(\t\x12\x11\n\tpublished\x18\x02 \x01(\x08\x12\x16\n\x0epolicy_version\x18\x03 \x01(\x03\"#\n\x10\x41\x64\x64ServerRequest\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\"S\n\x11\x41\x64\x64ServerResponse\x12\x11\n\tserver_id\x18\x01 \x01(\t\x12\x16\n\x0epolicy_version\x18\x02 \x01(\x03\x12\x13\n\x0bnum_servers\x18\x03 \x01(\x05\"&\n\x13RemoveServerRequest\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\"=\n\x14RemoveServerResponse\x12\x13\n\x0bnum_servers\x18\x01 \x01(\x05\x12\x10\n\x08inflight\x18\x02 \x01(\x05*\x99\x01\n\x08RunState\x12\x19\n\x15RUN_STATE_UNSPECIFIED\x10\x00\x12\x15\n\x11RUN_STATE_RUNNING\x10\x01\x12\x14\n\x10RUN_STATE_PAUSED\x10\x02\x12\x16\n\x12RUN_STATE_DRAINING\x10\x03\x12\x15\n\x11RUN_STATE_DRAINED\x10\x04\x12\x16\n\x12RUN_STATE_FINISHED\x10\x05\x32\x9b\x05\n\x10\x43oordinatorAdmin\x12T\n\tGetStatus\x12\".fleetrl.admin.v1.GetStatusRequest\x1a#.fleetrl.admin.v1.GetStatusResponse\x12H\n\x05Pause\x12\x1e.fleetrl.admin.v1.PauseRequest\x1a\x1f.fleetrl.admin.v1.PauseResponse\x12K\n\x06Resume\x12\x1f.fleetrl.admin.v1.ResumeRequest\x1a .fleetrl.admin.v1.ResumeResponse\x12H\n\x05\x44rain\x12\x1e.fleetrl.admin.v1.DrainRequest\x1a\x1f.fleetrl.admin.v1.DrainResponse\x12T\n\tSetConfig\x12\".fleetrl.admin.v1.SetConfigRequest\x1a#.fleetrl.admin.v1.SetConfigResponse\x12\x45\n\x04Sync\x12\x1d.fleetrl.admin.v1.SyncRequest\x1a\x1e.fleetrl.admin.v1.SyncResponse\x12T\n\tAddServer\x12\".fleetrl.admin.v1.AddServerRequest\x1a#.fleetrl.admin.v1.AddServerResponse\x12]\n\x0cRemoveServer\x12%.fleetrl.admin.v1.RemoveServerRequest\x1a&.fleetrl.admin.v1.RemoveServerResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
-_builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, "protos.admin_pb2", _globals)
+_builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'protos.admin_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
-    DESCRIPTOR._loaded_options = None
-    _globals["_GETSTATUSRESPONSE_EVALENTRY"]._loaded_options = None
-    _globals["_GETSTATUSRESPONSE_EVALENTRY"]._serialized_options = b"8\001"
-    _globals["_RUNSTATE"]._serialized_start = 1725
-    _globals["_RUNSTATE"]._serialized_end = 1878
-    _globals["_SERVERSTATUS"]._serialized_start = 41
-    _globals["_SERVERSTATUS"]._serialized_end = 186
-    _globals["_GETSTATUSREQUEST"]._serialized_start = 188
-    _globals["_GETSTATUSREQUEST"]._serialized_end = 206
-    _globals["_GETSTATUSRESPONSE"]._serialized_start = 209
-    _globals["_GETSTATUSRESPONSE"]._serialized_end = 940
-    _globals["_GETSTATUSRESPONSE_EVALENTRY"]._serialized_start = 897
-    _globals["_GETSTATUSRESPONSE_EVALENTRY"]._serialized_end = 940
-    _globals["_PAUSEREQUEST"]._serialized_start = 942
-    _globals["_PAUSEREQUEST"]._serialized_end = 956
-    _globals["_PAUSERESPONSE"]._serialized_start = 958
-    _globals["_PAUSERESPONSE"]._serialized_end = 1016
-    _globals["_RESUMEREQUEST"]._serialized_start = 1018
-    _globals["_RESUMEREQUEST"]._serialized_end = 1033
-    _globals["_RESUMERESPONSE"]._serialized_start = 1035
-    _globals["_RESUMERESPONSE"]._serialized_end = 1094
-    _globals["_DRAINREQUEST"]._serialized_start = 1096
-    _globals["_DRAINREQUEST"]._serialized_end = 1126
-    _globals["_DRAINRESPONSE"]._serialized_start = 1128
-    _globals["_DRAINRESPONSE"]._serialized_end = 1235
-    _globals["_SETCONFIGREQUEST"]._serialized_start = 1237
-    _globals["_SETCONFIGREQUEST"]._serialized_end = 1283
-    _globals["_SETCONFIGRESPONSE"]._serialized_start = 1285
-    _globals["_SETCONFIGRESPONSE"]._serialized_end = 1381
-    _globals["_SYNCREQUEST"]._serialized_start = 1383
-    _globals["_SYNCREQUEST"]._serialized_end = 1412
-    _globals["_SYNCRESPONSE"]._serialized_start = 1414
-    _globals["_SYNCRESPONSE"]._serialized_end = 1497
-    _globals["_ADDSERVERREQUEST"]._serialized_start = 1499
-    _globals["_ADDSERVERREQUEST"]._serialized_end = 1534
-    _globals["_ADDSERVERRESPONSE"]._serialized_start = 1536
-    _globals["_ADDSERVERRESPONSE"]._serialized_end = 1619
-    _globals["_REMOVESERVERREQUEST"]._serialized_start = 1621
-    _globals["_REMOVESERVERREQUEST"]._serialized_end = 1659
-    _globals["_REMOVESERVERRESPONSE"]._serialized_start = 1661
-    _globals["_REMOVESERVERRESPONSE"]._serialized_end = 1722
-    _globals["_COORDINATORADMIN"]._serialized_start = 1881
-    _globals["_COORDINATORADMIN"]._serialized_end = 2548
+  DESCRIPTOR._loaded_options = None
+  _globals['_GETSTATUSRESPONSE_EVALENTRY']._loaded_options = None
+  _globals['_GETSTATUSRESPONSE_EVALENTRY']._serialized_options = b'8\001'
+  _globals['_RUNSTATE']._serialized_start=1725
+  _globals['_RUNSTATE']._serialized_end=1878
+  _globals['_SERVERSTATUS']._serialized_start=41
+  _globals['_SERVERSTATUS']._serialized_end=186
+  _globals['_GETSTATUSREQUEST']._serialized_start=188
+  _globals['_GETSTATUSREQUEST']._serialized_end=206
+  _globals['_GETSTATUSRESPONSE']._serialized_start=209
+  _globals['_GETSTATUSRESPONSE']._serialized_end=940
+  _globals['_GETSTATUSRESPONSE_EVALENTRY']._serialized_start=897
+  _globals['_GETSTATUSRESPONSE_EVALENTRY']._serialized_end=940
+  _globals['_PAUSEREQUEST']._serialized_start=942
+  _globals['_PAUSEREQUEST']._serialized_end=956
+  _globals['_PAUSERESPONSE']._serialized_start=958
+  _globals['_PAUSERESPONSE']._serialized_end=1016
+  _globals['_RESUMEREQUEST']._serialized_start=1018
+  _globals['_RESUMEREQUEST']._serialized_end=1033
+  _globals['_RESUMERESPONSE']._serialized_start=1035
+  _globals['_RESUMERESPONSE']._serialized_end=1094
+  _globals['_DRAINREQUEST']._serialized_start=1096
+  _globals['_DRAINREQUEST']._serialized_end=1126
+  _globals['_DRAINRESPONSE']._serialized_start=1128
+  _globals['_DRAINRESPONSE']._serialized_end=1235
+  _globals['_SETCONFIGREQUEST']._serialized_start=1237
+  _globals['_SETCONFIGREQUEST']._serialized_end=1283
+  _globals['_SETCONFIGRESPONSE']._serialized_start=1285
+  _globals['_SETCONFIGRESPONSE']._serialized_end=1381
+  _globals['_SYNCREQUEST']._serialized_start=1383
+  _globals['_SYNCREQUEST']._serialized_end=1412
+  _globals['_SYNCRESPONSE']._serialized_start=1414
+  _globals['_SYNCRESPONSE']._serialized_end=1497
+  _globals['_ADDSERVERREQUEST']._serialized_start=1499
+  _globals['_ADDSERVERREQUEST']._serialized_end=1534
+  _globals['_ADDSERVERRESPONSE']._serialized_start=1536
+  _globals['_ADDSERVERRESPONSE']._serialized_end=1619
+  _globals['_REMOVESERVERREQUEST']._serialized_start=1621
+  _globals['_REMOVESERVERREQUEST']._serialized_end=1659
+  _globals['_REMOVESERVERRESPONSE']._serialized_start=1661
+  _globals['_REMOVESERVERRESPONSE']._serialized_end=1722
+  _globals['_COORDINATORADMIN']._serialized_start=1881
+  _globals['_COORDINATORADMIN']._serialized_end=2548
 # @@protoc_insertion_point(module_scope)

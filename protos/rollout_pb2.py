@@ -4,78 +4,83 @@
 # source: protos/rollout.proto
 # Protobuf Python Version: 7.35.1
 """Generated protocol buffer code."""
-
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import descriptor_pool as _descriptor_pool
 from google.protobuf import runtime_version as _runtime_version
 from google.protobuf import symbol_database as _symbol_database
 from google.protobuf.internal import builder as _builder
-
-_runtime_version.ValidateProtobufRuntimeVersion(_runtime_version.Domain.PUBLIC, 7, 35, 1, "", "protos/rollout.proto")
+_runtime_version.ValidateProtobufRuntimeVersion(
+    _runtime_version.Domain.PUBLIC,
+    7,
+    35,
+    1,
+    '',
+    'protos/rollout.proto'
+)
 # @@protoc_insertion_point(imports)
 
 _sym_db = _symbol_database.Default()
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(
-    b'\n\x14protos/rollout.proto\x12\x12\x66leetrl.rollout.v1"\xe4\x01\n\x0eSamplingParams\x12\t\n\x01n\x18\x01 \x01(\r\x12\x12\n\nmax_tokens\x18\x02 \x01(\x05\x12\x13\n\x0btemperature\x18\x03 \x01(\x02\x12\r\n\x05top_p\x18\x04 \x01(\x02\x12\r\n\x05top_k\x18\x05 \x01(\x05\x12\r\n\x05min_p\x18\x06 \x01(\x02\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x05\x12\x11\n\x04seed\x18\x08 \x01(\x03H\x00\x88\x01\x01\x12\x10\n\x08logprobs\x18\t \x01(\x05\x12\x12\n\nignore_eos\x18\n \x01(\x08\x12\x17\n\x0fstream_interval\x18\x0b \x01(\rB\x07\n\x05_seed"\x87\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x34\n\x08sampling\x18\x03 \x01(\x0b\x32".fleetrl.rollout.v1.SamplingParams\x12\x10\n\x08priority\x18\x04 \x01(\x05":\n\x0bVersionSpan\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\r\n\x05start\x18\x02 \x01(\x05\x12\x0b\n\x03\x65nd\x18\x03 \x01(\x05"4\n\x06Tensor\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03"\x98\x02\n\x10GenerateResponse\x12\x14\n\x0csample_index\x18\x01 \x01(\r\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x10\n\x08logprobs\x18\x03 \x03(\x02\x12\x10\n\x08\x66inished\x18\x04 \x01(\x08\x12\x37\n\rfinish_reason\x18\x05 \x01(\x0e\x32 .fleetrl.rollout.v1.FinishReason\x12\x36\n\rversion_spans\x18\x06 \x03(\x0b\x32\x1f.fleetrl.rollout.v1.VersionSpan\x12\x32\n\x0erouted_experts\x18\x07 \x01(\x0b\x32\x1a.fleetrl.rollout.v1.Tensor\x12\x12\n\nrequest_id\x18\x08 \x01(\t"#\n\x0c\x41\x62ortRequest\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t"$\n\rAbortResponse\x12\x13\n\x0bnum_aborted\x18\x01 \x01(\r";\n\x0cPauseRequest\x12+\n\x04mode\x18\x01 \x01(\x0e\x32\x1d.fleetrl.rollout.v1.PauseMode"\x0f\n\rPauseResponse"\x0f\n\rResumeRequest"\x10\n\x0eResumeResponse"\x13\n\x11ServerInfoRequest"\xb1\x03\n\x12ServerInfoResponse\x12\x11\n\tserver_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\x05\x12\x15\n\rmax_model_len\x18\x04 \x01(\x05\x12\x16\n\x0epolicy_version\x18\x05 \x01(\x03\x12 \n\x18routed_experts_available\x18\x06 \x01(\x08\x12\x13\n\x0bnum_running\x18\x07 \x01(\x05\x12\x13\n\x0bnum_waiting\x18\x08 \x01(\x05\x12\x0e\n\x06paused\x18\t \x01(\x08\x12\x1a\n\x12\x65ngine_config_json\x18\n \x01(\t\x12\x1d\n\x15max_inflight_requests\x18\x0b \x01(\x05\x12\x1e\n\x16pending_weight_version\x18\x0c \x01(\x03\x12\x16\n\x0ekv_cache_usage\x18\r \x01(\x02\x12\x10\n\x08\x64raining\x18\x0e \x01(\x08\x12\x1b\n\x13num_engine_requests\x18\x0f \x01(\x05\x12\x1a\n\x12last_weight_source\x18\x10 \x01(\t\x12\x1c\n\x14last_weight_update_s\x18\x11 \x01(\x01"\'\n\x14UpdateWeightsRequest\x12\x0f\n\x07version\x18\x01 \x01(\x03"C\n\x15UpdateWeightsResponse\x12\x16\n\x0epolicy_version\x18\x01 \x01(\x03\x12\x12\n\nduration_s\x18\x02 \x01(\x01"+\n\x18\x42\x65ginWeightUpdateRequest\x12\x0f\n\x07version\x18\x01 \x01(\x03"T\n\x19\x42\x65ginWeightUpdateResponse\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x11\n\tnum_bytes\x18\x02 \x01(\x03\x12\x13\n\x0bnum_tensors\x18\x03 \x01(\x05"%\n\x12LoadWeightsRequest\x12\x0f\n\x07version\x18\x01 \x01(\x03"<\n\x13LoadWeightsResponse\x12\x11\n\tnum_bytes\x18\x01 \x01(\x03\x12\x12\n\nduration_s\x18\x02 \x01(\x01"\'\n\x14\x43ommitWeightsRequest\x12\x0f\n\x07version\x18\x01 \x01(\x03"A\n\x15\x43ommitWeightsResponse\x12\x16\n\x0epolicy_version\x18\x01 \x01(\x03\x12\x10\n\x08paused_s\x18\x02 \x01(\x01"\x1a\n\x18\x41\x62ortWeightUpdateRequest"4\n\x19\x41\x62ortWeightUpdateResponse\x12\x17\n\x0f\x61\x62orted_version\x18\x01 \x01(\x03*\x91\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04*g\n\tPauseMode\x12\x1a\n\x16PAUSE_MODE_UNSPECIFIED\x10\x00\x12\x13\n\x0fPAUSE_MODE_KEEP\x10\x01\x12\x13\n\x0fPAUSE_MODE_WAIT\x10\x02\x12\x14\n\x10PAUSE_MODE_ABORT\x10\x03\x32\xc3\x07\n\x0eRolloutService\x12W\n\x08Generate\x12#.fleetrl.rollout.v1.GenerateRequest\x1a$.fleetrl.rollout.v1.GenerateResponse0\x01\x12L\n\x05\x41\x62ort\x12 .fleetrl.rollout.v1.AbortRequest\x1a!.fleetrl.rollout.v1.AbortResponse\x12L\n\x05Pause\x12 .fleetrl.rollout.v1.PauseRequest\x1a!.fleetrl.rollout.v1.PauseResponse\x12O\n\x06Resume\x12!.fleetrl.rollout.v1.ResumeRequest\x1a".fleetrl.rollout.v1.ResumeResponse\x12[\n\nServerInfo\x12%.fleetrl.rollout.v1.ServerInfoRequest\x1a&.fleetrl.rollout.v1.ServerInfoResponse\x12\x64\n\rUpdateWeights\x12(.fleetrl.rollout.v1.UpdateWeightsRequest\x1a).fleetrl.rollout.v1.UpdateWeightsResponse\x12p\n\x11\x42\x65ginWeightUpdate\x12,.fleetrl.rollout.v1.BeginWeightUpdateRequest\x1a-.fleetrl.rollout.v1.BeginWeightUpdateResponse\x12^\n\x0bLoadWeights\x12&.fleetrl.rollout.v1.LoadWeightsRequest\x1a\'.fleetrl.rollout.v1.LoadWeightsResponse\x12\x64\n\rCommitWeights\x12(.fleetrl.rollout.v1.CommitWeightsRequest\x1a).fleetrl.rollout.v1.CommitWeightsResponse\x12p\n\x11\x41\x62ortWeightUpdate\x12,.fleetrl.rollout.v1.AbortWeightUpdateRequest\x1a-.fleetrl.rollout.v1.AbortWeightUpdateResponseb\x06proto3'
-)
+
+
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14protos/rollout.proto\x12\x12\x66leetrl.rollout.v1\"\xe4\x01\n\x0eSamplingParams\x12\t\n\x01n\x18\x01 \x01(\r\x12\x12\n\nmax_tokens\x18\x02 \x01(\x05\x12\x13\n\x0btemperature\x18\x03 \x01(\x02\x12\r\n\x05top_p\x18\x04 \x01(\x02\x12\r\n\x05top_k\x18\x05 \x01(\x05\x12\r\n\x05min_p\x18\x06 \x01(\x02\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x05\x12\x11\n\x04seed\x18\x08 \x01(\x03H\x00\x88\x01\x01\x12\x10\n\x08logprobs\x18\t \x01(\x05\x12\x12\n\nignore_eos\x18\n \x01(\x08\x12\x17\n\x0fstream_interval\x18\x0b \x01(\rB\x07\n\x05_seed\"\x87\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x34\n\x08sampling\x18\x03 \x01(\x0b\x32\".fleetrl.rollout.v1.SamplingParams\x12\x10\n\x08priority\x18\x04 \x01(\x05\":\n\x0bVersionSpan\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\r\n\x05start\x18\x02 \x01(\x05\x12\x0b\n\x03\x65nd\x18\x03 \x01(\x05\"4\n\x06Tensor\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\"\x98\x02\n\x10GenerateResponse\x12\x14\n\x0csample_index\x18\x01 \x01(\r\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x10\n\x08logprobs\x18\x03 \x03(\x02\x12\x10\n\x08\x66inished\x18\x04 \x01(\x08\x12\x37\n\rfinish_reason\x18\x05 \x01(\x0e\x32 .fleetrl.rollout.v1.FinishReason\x12\x36\n\rversion_spans\x18\x06 \x03(\x0b\x32\x1f.fleetrl.rollout.v1.VersionSpan\x12\x32\n\x0erouted_experts\x18\x07 \x01(\x0b\x32\x1a.fleetrl.rollout.v1.Tensor\x12\x12\n\nrequest_id\x18\x08 \x01(\t\"#\n\x0c\x41\x62ortRequest\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\"$\n\rAbortResponse\x12\x13\n\x0bnum_aborted\x18\x01 \x01(\r\";\n\x0cPauseRequest\x12+\n\x04mode\x18\x01 \x01(\x0e\x32\x1d.fleetrl.rollout.v1.PauseMode\"\x0f\n\rPauseResponse\"\x0f\n\rResumeRequest\"\x10\n\x0eResumeResponse\"\x13\n\x11ServerInfoRequest\"\xb1\x03\n\x12ServerInfoResponse\x12\x11\n\tserver_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\x05\x12\x15\n\rmax_model_len\x18\x04 \x01(\x05\x12\x16\n\x0epolicy_version\x18\x05 \x01(\x03\x12 \n\x18routed_experts_available\x18\x06 \x01(\x08\x12\x13\n\x0bnum_running\x18\x07 \x01(\x05\x12\x13\n\x0bnum_waiting\x18\x08 \x01(\x05\x12\x0e\n\x06paused\x18\t \x01(\x08\x12\x1a\n\x12\x65ngine_config_json\x18\n \x01(\t\x12\x1d\n\x15max_inflight_requests\x18\x0b \x01(\x05\x12\x1e\n\x16pending_weight_version\x18\x0c \x01(\x03\x12\x16\n\x0ekv_cache_usage\x18\r \x01(\x02\x12\x10\n\x08\x64raining\x18\x0e \x01(\x08\x12\x1b\n\x13num_engine_requests\x18\x0f \x01(\x05\x12\x1a\n\x12last_weight_source\x18\x10 \x01(\t\x12\x1c\n\x14last_weight_update_s\x18\x11 \x01(\x01\"\'\n\x14UpdateWeightsRequest\x12\x0f\n\x07version\x18\x01 \x01(\x03\"C\n\x15UpdateWeightsResponse\x12\x16\n\x0epolicy_version\x18\x01 \x01(\x03\x12\x12\n\nduration_s\x18\x02 \x01(\x01\"+\n\x18\x42\x65ginWeightUpdateRequest\x12\x0f\n\x07version\x18\x01 \x01(\x03\"T\n\x19\x42\x65ginWeightUpdateResponse\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x11\n\tnum_bytes\x18\x02 \x01(\x03\x12\x13\n\x0bnum_tensors\x18\x03 \x01(\x05\"%\n\x12LoadWeightsRequest\x12\x0f\n\x07version\x18\x01 \x01(\x03\"<\n\x13LoadWeightsResponse\x12\x11\n\tnum_bytes\x18\x01 \x01(\x03\x12\x12\n\nduration_s\x18\x02 \x01(\x01\"\'\n\x14\x43ommitWeightsRequest\x12\x0f\n\x07version\x18\x01 \x01(\x03\"A\n\x15\x43ommitWeightsResponse\x12\x16\n\x0epolicy_version\x18\x01 \x01(\x03\x12\x10\n\x08paused_s\x18\x02 \x01(\x01\"\x1a\n\x18\x41\x62ortWeightUpdateRequest\"4\n\x19\x41\x62ortWeightUpdateResponse\x12\x17\n\x0f\x61\x62orted_version\x18\x01 \x01(\x03*\x91\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04*g\n\tPauseMode\x12\x1a\n\x16PAUSE_MODE_UNSPECIFIED\x10\x00\x12\x13\n\x0fPAUSE_MODE_KEEP\x10\x01\x12\x13\n\x0fPAUSE_MODE_WAIT\x10\x02\x12\x14\n\x10PAUSE_MODE_ABORT\x10\x03\x32\xc3\x07\n\x0eRolloutService\x12W\n\x08Generate\x12#.fleetrl.rollout.v1.GenerateRequest\x1a$.fleetrl.rollout.v1.GenerateResponse0\x01\x12L\n\x05\x41\x62ort\x12 .fleetrl.rollout.v1.AbortRequest\x1a!.fleetrl.rollout.v1.AbortResponse\x12L\n\x05Pause\x12 .fleetrl.rollout.v1.PauseRequest\x1a!.fleetrl.rollout.v1.PauseResponse\x12O\n\x06Resume\x12!.fleetrl.rollout.v1.ResumeRequest\x1a\".fleetrl.rollout.v1.ResumeResponse\x12[\n\nServerInfo\x12%.fleetrl.rollout.v1.ServerInfoRequest\x1a&.fleetrl.rollout.v1.ServerInfoResponse\x12\x64\n\rUpdateWeights\x12(.fleetrl.rollout.v1.UpdateWeightsRequest\x1a).fleetrl.rollout.v1.UpdateWeightsResponse\x12p\n\x11\x42\x65ginWeightUpdate\x12,.fleetrl.rollout.v1.BeginWeightUpdateRequest\x1a-.fleetrl.rollout.v1.BeginWeightUpdateResponse\x12^\n\x0bLoadWeights\x12&.fleetrl.rollout.v1.LoadWeightsRequest\x1a\'.fleetrl.rollout.v1.LoadWeightsResponse\x12\x64\n\rCommitWeights\x12(.fleetrl.rollout.v1.CommitWeightsRequest\x1a).fleetrl.rollout.v1.CommitWeightsResponse\x12p\n\x11\x41\x62ortWeightUpdate\x12,.fleetrl.rollout.v1.AbortWeightUpdateRequest\x1a-.fleetrl.rollout.v1.AbortWeightUpdateResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
-_builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, "protos.rollout_pb2", _globals)
+_builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'protos.rollout_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
-    DESCRIPTOR._loaded_options = None
-    _globals["_FINISHREASON"]._serialized_start = 1988
-    _globals["_FINISHREASON"]._serialized_end = 2133
-    _globals["_PAUSEMODE"]._serialized_start = 2135
-    _globals["_PAUSEMODE"]._serialized_end = 2238
-    _globals["_SAMPLINGPARAMS"]._serialized_start = 45
-    _globals["_SAMPLINGPARAMS"]._serialized_end = 273
-    _globals["_GENERATEREQUEST"]._serialized_start = 276
-    _globals["_GENERATEREQUEST"]._serialized_end = 411
-    _globals["_VERSIONSPAN"]._serialized_start = 413
-    _globals["_VERSIONSPAN"]._serialized_end = 471
-    _globals["_TENSOR"]._serialized_start = 473
-    _globals["_TENSOR"]._serialized_end = 525
-    _globals["_GENERATERESPONSE"]._serialized_start = 528
-    _globals["_GENERATERESPONSE"]._serialized_end = 808
-    _globals["_ABORTREQUEST"]._serialized_start = 810
-    _globals["_ABORTREQUEST"]._serialized_end = 845
-    _globals["_ABORTRESPONSE"]._serialized_start = 847
-    _globals["_ABORTRESPONSE"]._serialized_end = 883
-    _globals["_PAUSEREQUEST"]._serialized_start = 885
-    _globals["_PAUSEREQUEST"]._serialized_end = 944
-    _globals["_PAUSERESPONSE"]._serialized_start = 946
-    _globals["_PAUSERESPONSE"]._serialized_end = 961
-    _globals["_RESUMEREQUEST"]._serialized_start = 963
-    _globals["_RESUMEREQUEST"]._serialized_end = 978
-    _globals["_RESUMERESPONSE"]._serialized_start = 980
-    _globals["_RESUMERESPONSE"]._serialized_end = 996
-    _globals["_SERVERINFOREQUEST"]._serialized_start = 998
-    _globals["_SERVERINFOREQUEST"]._serialized_end = 1017
-    _globals["_SERVERINFORESPONSE"]._serialized_start = 1020
-    _globals["_SERVERINFORESPONSE"]._serialized_end = 1453
-    _globals["_UPDATEWEIGHTSREQUEST"]._serialized_start = 1455
-    _globals["_UPDATEWEIGHTSREQUEST"]._serialized_end = 1494
-    _globals["_UPDATEWEIGHTSRESPONSE"]._serialized_start = 1496
-    _globals["_UPDATEWEIGHTSRESPONSE"]._serialized_end = 1563
-    _globals["_BEGINWEIGHTUPDATEREQUEST"]._serialized_start = 1565
-    _globals["_BEGINWEIGHTUPDATEREQUEST"]._serialized_end = 1608
-    _globals["_BEGINWEIGHTUPDATERESPONSE"]._serialized_start = 1610
-    _globals["_BEGINWEIGHTUPDATERESPONSE"]._serialized_end = 1694
-    _globals["_LOADWEIGHTSREQUEST"]._serialized_start = 1696
-    _globals["_LOADWEIGHTSREQUEST"]._serialized_end = 1733
-    _globals["_LOADWEIGHTSRESPONSE"]._serialized_start = 1735
-    _globals["_LOADWEIGHTSRESPONSE"]._serialized_end = 1795
-    _globals["_COMMITWEIGHTSREQUEST"]._serialized_start = 1797
-    _globals["_COMMITWEIGHTSREQUEST"]._serialized_end = 1836
-    _globals["_COMMITWEIGHTSRESPONSE"]._serialized_start = 1838
-    _globals["_COMMITWEIGHTSRESPONSE"]._serialized_end = 1903
-    _globals["_ABORTWEIGHTUPDATEREQUEST"]._serialized_start = 1905
-    _globals["_ABORTWEIGHTUPDATEREQUEST"]._serialized_end = 1931
-    _globals["_ABORTWEIGHTUPDATERESPONSE"]._serialized_start = 1933
-    _globals["_ABORTWEIGHTUPDATERESPONSE"]._serialized_end = 1985
-    _globals["_ROLLOUTSERVICE"]._serialized_start = 2241
-    _globals["_ROLLOUTSERVICE"]._serialized_end = 3204
+  DESCRIPTOR._loaded_options = None
+  _globals['_FINISHREASON']._serialized_start=1988
+  _globals['_FINISHREASON']._serialized_end=2133
+  _globals['_PAUSEMODE']._serialized_start=2135
+  _globals['_PAUSEMODE']._serialized_end=2238
+  _globals['_SAMPLINGPARAMS']._serialized_start=45
+  _globals['_SAMPLINGPARAMS']._serialized_end=273
+  _globals['_GENERATEREQUEST']._serialized_start=276
+  _globals['_GENERATEREQUEST']._serialized_end=411
+  _globals['_VERSIONSPAN']._serialized_start=413
+  _globals['_VERSIONSPAN']._serialized_end=471
+  _globals['_TENSOR']._serialized_start=473
+  _globals['_TENSOR']._serialized_end=525
+  _globals['_GENERATERESPONSE']._serialized_start=528
+  _globals['_GENERATERESPONSE']._serialized_end=808
+  _globals['_ABORTREQUEST']._serialized_start=810
+  _globals['_ABORTREQUEST']._serialized_end=845
+  _globals['_ABORTRESPONSE']._serialized_start=847
+  _globals['_ABORTRESPONSE']._serialized_end=883
+  _globals['_PAUSEREQUEST']._serialized_start=885
+  _globals['_PAUSEREQUEST']._serialized_end=944
+  _globals['_PAUSERESPONSE']._serialized_start=946
+  _globals['_PAUSERESPONSE']._serialized_end=961
+  _globals['_RESUMEREQUEST']._serialized_start=963
+  _globals['_RESUMEREQUEST']._serialized_end=978
+  _globals['_RESUMERESPONSE']._serialized_start=980
+  _globals['_RESUMERESPONSE']._serialized_end=996
+  _globals['_SERVERINFOREQUEST']._serialized_start=998
+  _globals['_SERVERINFOREQUEST']._serialized_end=1017
+  _globals['_SERVERINFORESPONSE']._serialized_start=1020
+  _globals['_SERVERINFORESPONSE']._serialized_end=1453
+  _globals['_UPDATEWEIGHTSREQUEST']._serialized_start=1455
+  _globals['_UPDATEWEIGHTSREQUEST']._serialized_end=1494
+  _globals['_UPDATEWEIGHTSRESPONSE']._serialized_start=1496
+  _globals['_UPDATEWEIGHTSRESPONSE']._serialized_end=1563
+  _globals['_BEGINWEIGHTUPDATEREQUEST']._serialized_start=1565
+  _globals['_BEGINWEIGHTUPDATEREQUEST']._serialized_end=1608
+  _globals['_BEGINWEIGHTUPDATERESPONSE']._serialized_start=1610
+  _globals['_BEGINWEIGHTUPDATERESPONSE']._serialized_end=1694
+  _globals['_LOADWEIGHTSREQUEST']._serialized_start=1696
+  _globals['_LOADWEIGHTSREQUEST']._serialized_end=1733
+  _globals['_LOADWEIGHTSRESPONSE']._serialized_start=1735
+  _globals['_LOADWEIGHTSRESPONSE']._serialized_end=1795
+  _globals['_COMMITWEIGHTSREQUEST']._serialized_start=1797
+  _globals['_COMMITWEIGHTSREQUEST']._serialized_end=1836
+  _globals['_COMMITWEIGHTSRESPONSE']._serialized_start=1838
+  _globals['_COMMITWEIGHTSRESPONSE']._serialized_end=1903
+  _globals['_ABORTWEIGHTUPDATEREQUEST']._serialized_start=1905
+  _globals['_ABORTWEIGHTUPDATEREQUEST']._serialized_end=1931
+  _globals['_ABORTWEIGHTUPDATERESPONSE']._serialized_start=1933
+  _globals['_ABORTWEIGHTUPDATERESPONSE']._serialized_end=1985
+  _globals['_ROLLOUTSERVICE']._serialized_start=2241
+  _globals['_ROLLOUTSERVICE']._serialized_end=3204
 # @@protoc_insertion_point(module_scope)
