@@ -236,3 +236,29 @@ def test_an_abandoned_group_frees_its_slot_for_the_next_group_and_nothing_reache
             assert h.queued() == []
 
     asyncio.run(scenario())
+
+
+def test_get_session_gives_each_generated_turn_its_version_spans_and_the_last_one_its_routes(
+    rollout_server, redis_url, tokens_file
+):
+    from coordinator.agent_api import _turn_message
+    from coordinator.agent_groups import Turn
+    from protos.records import FinishReason
+
+    async def scenario():
+        async with harness(rollout_server, redis_url, tokens_file) as h:
+            session = await open_session(h.stub)
+            first = await turn(h.stub, session.session_id)
+            request = pb.AppendRequest(session_id=session.session_id, token_ids=[DIGIT_IDS[1]])
+            await h.stub.Append(request, metadata=A)
+            second = await turn(h.stub, session.session_id)
+            info = await h.stub.GetSession(pb.GetSessionRequest(session_id=session.session_id), metadata=A)
+            spans = [list(t.version_spans) for t in info.turns]
+            assert spans == [list(first[-1].version_spans), [], list(second[-1].version_spans)] and spans[0]
+
+    asyncio.run(scenario())
+    routes = np.arange(24, dtype=np.int32).reshape(6, 2, 2)  # vLLM on CPU returns none: the message from a record
+    message = _turn_message(Turn(True, [5, 6], [-0.5, -0.25], FinishReason.STOP, [(3, 0, 2)], routes, "r0"))
+    assert [(s.version, s.start, s.end) for s in message.version_spans] == [(3, 0, 2)]
+    assert list(message.routed_experts.shape) == [6, 2, 2] and message.routed_experts.data == routes.tobytes()
+    assert not _turn_message(Turn(False, [7], [0.0])).HasField("routed_experts")
