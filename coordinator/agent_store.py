@@ -201,10 +201,11 @@ async def restore_book(book, last_pushed_id: str | None) -> None:
         group.slot = book.scheduler.readmit_external()
     for group in waiting:
         await book.resume_group(group)
-    logger.warning(
-        "agent sessions restored: %d sessions of %d groups (%d take slots again), %d records skipped",
-        len(book.sessions),
-        len(restored),
-        len(waiting),
-        len(stale) + stored.num_undecodable,
-    )
+    if restored or stale or stored.num_undecodable:  # a restart: worth a line at warning level, as the others
+        logger.warning(
+            "agent sessions restored: %d sessions of %d groups (%d take slots again), %d records skipped",
+            len(book.sessions),
+            len(restored),
+            len(waiting),
+            len(stale) + stored.num_undecodable,
+        )
