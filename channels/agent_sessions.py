@@ -10,10 +10,12 @@ Layout (``RedisKeys.agent_session`` / ``agent_group``):
   transaction: the trainer replays only the last turn's);
 - one string per group: its AgentGroupRecord.
 
-Every write is one MULTI/EXEC of HSET/SET/HDEL/PEXPIREAT of given values, so it is idempotent, and goes through the
-one retry policy (channels/retry.py): ``timeout_s`` of retries while Redis is unreachable, then the error
-propagates (the caller answers UNAVAILABLE and applies nothing). Every key expires at the deadline the caller
-gives (its group's timeout plus how long a finished session is remembered), so nothing of a crashed run stays.
+Every write sets given values (HSET/SET/HDEL/PEXPIREAT; a write of a group and a session is one MULTI/EXEC), so it
+is idempotent, and goes through the one retry policy (channels/retry.py): ``timeout_s`` of retries while Redis is
+unreachable, then the error propagates (the caller answers UNAVAILABLE and applies nothing). A turn is one HSET:
+the hot path of an agent costs one round trip per turn. Every key expires at the deadline of its group (its
+timeout plus how long a finished session is remembered), set when the key is written with its group record, so
+nothing of a crashed run stays.
 """
 
 from __future__ import annotations
@@ -65,43 +67,54 @@ class AgentSessionStore:
 
     async def write(
         self,
-        expire_at_s: float,
         *,
         group: AgentGroupRecord | None = None,
+        expire_at_s: float | None = None,
         session: AgentSessionRecord | None = None,
         turn: tuple[int, AgentTurn] | None = None,
         routes: tuple[int, Array] | None = None,
         superseded_routes: int | None = None,
     ) -> None:
-        """Write the given records in one transaction; every key written expires at ``expire_at_s`` (wall time).
+        """Write the given records (idempotent: a repeat writes the same values).
 
-        ``turn``, ``routes`` and ``superseded_routes`` (the turn whose routes field to delete) need ``session``.
+        With ``group``: one transaction, and every key written expires at ``expire_at_s`` (wall time); a session's
+        key gets its expiry when it is first written with its group (OpenSession) and keeps it. Without: the
+        session's fields in one round trip of one command (HSET), two when routes are superseded (HDEL). ``turn``,
+        ``routes`` and ``superseded_routes`` (the turn whose routes field to delete) need ``session``.
         """
         if session is None and (turn or routes or superseded_routes is not None):
             raise ValueError("AgentSessionStore.write: turns and routes belong to a session: pass session")
-        expire_at_ms = int(expire_at_s * 1000)
+        if group is not None and expire_at_s is None:
+            raise ValueError("AgentSessionStore.write: a group record needs expire_at_s (its keys' deadline)")
+        fields = {}
+        if session is not None:
+            fields["h"] = encode(session)
+            if turn is not None:
+                fields[f"t{turn[0]}"] = encode(turn[1])
+            if routes is not None:
+                fields[f"r{routes[0]}"] = encode(routes[1])
+        session_key = self.keys.agent_session(session.session_id) if session is not None else ""
 
-        async def transaction() -> None:
-            async with self.client.pipeline(transaction=True) as pipe:
+        async def once() -> None:
+            if group is None and superseded_routes is None:  # the hot path: a turn, a state change
+                await self.client.hset(session_key, mapping=fields)
+                return
+            async with self.client.pipeline(transaction=group is not None) as pipe:
+                expire_at_ms = int(expire_at_s * 1000) if group is not None else 0
                 if group is not None:
                     pipe.set(self.keys.agent_group(group.group_uid), encode(group), pxat=expire_at_ms)
                 if session is not None:
-                    key = self.keys.agent_session(session.session_id)
-                    fields = {"h": encode(session)}
-                    if turn is not None:
-                        fields[f"t{turn[0]}"] = encode(turn[1])
-                    if routes is not None:
-                        fields[f"r{routes[0]}"] = encode(routes[1])
-                    pipe.hset(key, mapping=fields)
+                    pipe.hset(session_key, mapping=fields)
                     if superseded_routes is not None:
-                        pipe.hdel(key, f"r{superseded_routes}")
-                    pipe.pexpireat(key, expire_at_ms)
+                        pipe.hdel(session_key, f"r{superseded_routes}")
+                    if group is not None:
+                        pipe.pexpireat(session_key, expire_at_ms)
                 await pipe.execute()
 
         what = (
             f"recording agent session {session.session_id}" if session else f"recording agent group {group.group_uid}"
         )
-        await retry_async(transaction, what, self.timeout_s)
+        await retry_async(once, what, self.timeout_s)
 
     async def forget(self, session_ids: list[str] = (), group_uids: list[str] = ()) -> None:
         """Delete sessions and groups that are done and no longer remembered."""

@@ -76,8 +76,10 @@ class BookRecords:
     async def write(self, of_group: AgentGroup, /, **records) -> None:
         """``AgentSessionStore.write`` of ``records`` (group, session, turn, ...), expiring with ``of_group``;
         UNAVAILABLE when Redis is away."""
+        if records.get("group") is not None:
+            records["expire_at_s"] = self.expire_at(of_group)
         try:
-            await self.store.write(self.expire_at(of_group), **records)
+            await self.store.write(**records)
         except UNREACHABLE as error:
             raise Unavailable(f"the session store (Redis) is unreachable, nothing was recorded: {error}") from error
 

@@ -70,13 +70,11 @@ def test_a_session_written_turn_by_turn_loads_back_with_its_group_and_only_its_l
     async def scenario():
         store = AgentSessionStore(aioredis.Redis.from_url(redis_url), KEYS)
         expire_at = time.time() + 600
-        await store.write(expire_at, group=_group(), session=_session())
-        await store.write(expire_at, session=_session(), turn=(0, _turn([5, 6])), routes=(0, _routes(4)))
-        await store.write(expire_at, session=_session(), turn=(1, _turn([7], generated=False)))
+        await store.write(expire_at_s=expire_at, group=_group(), session=_session())
+        await store.write(session=_session(), turn=(0, _turn([5, 6])), routes=(0, _routes(4)))
+        await store.write(session=_session(), turn=(1, _turn([7], generated=False)))
         submitted = _session(state=AgentSessionState.SUBMITTED, reward=0.5, submission_id="sub")
-        await store.write(
-            expire_at, session=submitted, turn=(2, _turn([8])), routes=(2, _routes(7)), superseded_routes=0
-        )
+        await store.write(session=submitted, turn=(2, _turn([8])), routes=(2, _routes(7)), superseded_routes=0)
         return await store.load(), expire_at
 
     found, expire_at = run(scenario())
@@ -95,8 +93,8 @@ def test_a_session_written_turn_by_turn_loads_back_with_its_group_and_only_its_l
 def test_a_write_whose_reply_is_lost_is_retried_and_lands_once(redis_url):
     async def scenario(proxy_url: str):
         store = AgentSessionStore(aioredis.Redis.from_url(proxy_url), KEYS)
-        await store.write(time.time() + 600, group=_group(), session=_session("lost-reply"))
-        await store.write(time.time() + 600, session=_session("lost-reply"), turn=(0, _turn([5, 6])))
+        await store.write(expire_at_s=time.time() + 600, group=_group(), session=_session("lost-reply"))
+        await store.write(session=_session("lost-reply"), turn=(0, _turn([5, 6])))
         return await AgentSessionStore(aioredis.Redis.from_url(redis_url), KEYS).load()
 
     with reply_dropping_proxy(redis_url, b"lost-reply") as (proxy_url, proxy):
@@ -112,12 +110,12 @@ def test_an_outage_is_waited_out_within_the_timeout_and_raises_after_it(redis_ur
         proxy.cut()
         threading.Timer(1.0, proxy.restore).start()
         started = time.monotonic()
-        await store.write(time.time() + 600, group=_group(), session=_session())  # waits for the restore
+        await store.write(expire_at_s=time.time() + 600, group=_group(), session=_session())  # waits for the restore
         waited = time.monotonic() - started
         proxy.cut()
         short = AgentSessionStore(aioredis.Redis.from_url(proxy_url), KEYS, timeout_s=0.5)
         with pytest.raises(UNREACHABLE):
-            await short.write(time.time() + 600, session=_session("never"))
+            await short.write(session=_session("never"))
         return waited
 
     with redis_proxy(redis_url) as (proxy_url, proxy):
@@ -131,9 +129,9 @@ def test_forget_deletes_and_load_sees_only_its_run_and_skips_what_does_not_decod
     async def scenario():
         store = AgentSessionStore(aioredis.Redis.from_url(redis_url), KEYS)
         other = AgentSessionStore(aioredis.Redis.from_url(redis_url), RedisKeys("agents*"))  # a glob in a run id
-        await store.write(time.time() + 600, group=_group("g1"), session=_session("s1"))
-        await store.write(time.time() + 600, group=_group("g2"), session=_session("s2"))
-        await other.write(time.time() + 600, group=_group("g9"), session=_session("s9"))
+        await store.write(expire_at_s=time.time() + 600, group=_group("g1"), session=_session("s1"))
+        await store.write(expire_at_s=time.time() + 600, group=_group("g2"), session=_session("s2"))
+        await other.write(expire_at_s=time.time() + 600, group=_group("g9"), session=_session("s9"))
         client.set(KEYS.agent_group("broken"), b"\x01\x02")
         await store.forget(["s2"], ["g2"])
         return await store.load(), await other.load()
@@ -147,5 +145,5 @@ def test_forget_deletes_and_load_sees_only_its_run_and_skips_what_does_not_decod
 def test_turns_and_routes_without_a_session_are_refused_before_anything_is_written(redis_url, client):
     store = AgentSessionStore(aioredis.Redis.from_url(redis_url), KEYS)
     with pytest.raises(ValueError, match="pass session"):
-        run(store.write(time.time() + 600, group=_group(), turn=(0, _turn([5]))))
+        run(store.write(expire_at_s=time.time() + 600, group=_group(), turn=(0, _turn([5]))))
     assert client.keys("*") == []

@@ -94,7 +94,9 @@ def test_a_group_pushed_just_before_the_crash_is_not_pushed_again(rollout_server
             assert result.state is GroupState.QUEUED
             group = sessions[0].group
             # the coordinator died between the push and its PUSHED record: the record still says COMPLETE
-            await first.store.write(time.time() + 600, group=first.book.records.group(group, AgentGroupState.COMPLETE))
+            await first.store.write(
+                expire_at_s=time.time() + 600, group=first.book.records.group(group, AgentGroupState.COMPLETE)
+            )
             return sessions
 
     async def after_the_restart(sessions):
