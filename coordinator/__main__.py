@@ -220,9 +220,7 @@ class AgentDoor:
     openai_door: object = None  # aiohttp AppRunner of the OpenAI-compatible door, when agent.openai_port >= 0
 
 
-async def start_agent_door(
-    config, pipeline: Pipeline, client, keys, fleet, stop: asyncio.Event, operators: Operators
-) -> AgentDoor:
+async def start_agent_door(config, pipeline: Pipeline, fleet, stop: asyncio.Event, operators: Operators) -> AgentDoor:
     """The agent API (and the OpenAI door when configured) over the sessions an earlier coordinator of the run left
     in Redis (restored before it serves and before any admission); its expiry loop is supervised with the
     operators'."""
@@ -240,7 +238,7 @@ async def start_agent_door(
         lambda: scheduler.run.temperature,  # live: the admin API may change it
         info.max_model_len,
         info.vocab_size,
-        AgentSessionStore(client, keys),
+        AgentSessionStore(scheduler.queue.client, scheduler.queue.keys),  # the run's Redis and key names
     )
     cursor = await scheduler.queue.prompt_cursor()  # names the last group pushed
     await restore_book(book, cursor.group_id if cursor is not None else None)
@@ -305,9 +303,7 @@ async def run(args: argparse.Namespace) -> None:
     scheduler, evals = pipeline.scheduler, pipeline.evals
     # 3) serve operators and watch the fleet: admin API, /metrics, metrics reports (supervised below)
     operators = await start_operators(config, pipeline, client, keys, fleet, runners, stop)
-    agents = None
-    if config.agent.enabled:
-        agents = await start_agent_door(config, pipeline, client, keys, fleet, stop, operators)
+    agents = await start_agent_door(config, pipeline, fleet, stop, operators) if config.agent.enabled else None
     producers: set[asyncio.Task] = set()
     eval_task: asyncio.Task | None = None
     # 4) loop: supervise; start a due eval round; admit while the staleness bound (and eval hold) allows
