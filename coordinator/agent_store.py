@@ -196,9 +196,8 @@ async def restore_book(book, last_pushed_id: str | None) -> None:
             book.adopt(session)
         restored.append(group)
     await book.records.store.forget([s.record.session_id for s in stale])
-    waiting = sorted(
-        (g for g in restored if not g.dropped and not g.pushed), key=lambda g: (_oldest_token(g), g.created_wall)
-    )
+    unpushed = (g for g in restored if g.state in (AgentGroupState.OPEN, AgentGroupState.COMPLETE))
+    waiting = sorted(unpushed, key=lambda g: (_oldest_token(g), g.created_wall))
     for group in waiting:
         group.slot = book.scheduler.readmit_external()
     for group in waiting:

@@ -75,9 +75,10 @@ def test_sessions_survive_a_restart_and_their_group_is_queued_once(rollout_serve
             again = await second.book.submit(OWNER, s2.session_id, "sub-2", 0.75, [])
             assert done.state is again.state is GroupState.QUEUED
             [group] = second.queued()
-            assert group.group_id == done.group_id and [s.reward for s in group.samples] == [0.25, 0.75]
-            assert list(group.samples[0].response_token_ids.to_numpy()) == r1.tokens()[len(PROMPT) :]
-            assert list(group.samples[0].loss_mask.to_numpy()).count(0) == 1  # the appended token
+            by_reward = {sample.reward: sample for sample in group.samples}  # the order of samples means nothing
+            assert group.group_id == done.group_id and sorted(by_reward) == [0.25, 0.75]
+            assert list(by_reward[0.25].response_token_ids.to_numpy()) == r1.tokens()[len(PROMPT) :]
+            assert list(by_reward[0.25].loss_mask.to_numpy()).count(0) == 1  # the appended token
             with pytest.raises(Exhausted):  # the only slot of max_staleness 0 was the restored group's
                 await second.book.open(OWNER, PROMPT, "another", 2, None, {})
 
@@ -176,5 +177,13 @@ def test_dynamic_sampling_skips_a_uniform_agent_group_and_keeps_the_last_try(rol
             assert states[-1] is GroupState.QUEUED and stats.groups_kept_uniform == 1  # the 2nd try in a row
             replay = await h.book.submit(OWNER, uniform[0].session_id, "s", 0.5, [])
             assert replay.state is GroupState.SKIPPED and len(h.queued()) == 1
+            return uniform
 
-    asyncio.run(scenario())
+    async def after_a_restart(uniform):
+        async with harness(rollout_server, redis_url, *overrides, pushed_before=1) as h:
+            await h.restore()  # the skipped group and the queued one are remembered, neither takes a slot
+            replay = await h.book.submit(OWNER, uniform[1].session_id, "s", 0.5, [])
+            assert replay.state is GroupState.SKIPPED and h.scheduler.stats.slots_admitted == 0
+            assert len(h.queued()) == 1
+
+    asyncio.run(after_a_restart(asyncio.run(scenario())))
