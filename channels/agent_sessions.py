@@ -28,7 +28,8 @@ import msgspec
 import redis.asyncio as aioredis
 
 from channels.retry import retry_async
-from protos.records import AgentGroupRecord, AgentSessionRecord, AgentTurn, Array, encode
+from protos.agent_records import AgentGroupRecord, AgentSessionRecord, AgentTurn
+from protos.records import Array, encode
 from protos.redis_keys import RedisKeys, as_text
 
 logger = logging.getLogger(__name__)

@@ -14,7 +14,7 @@ import time
 from channels.retry import UNREACHABLE
 from coordinator.agent_errors import Unavailable
 from coordinator.agent_groups import AgentGroup, Session, SessionState
-from protos.records import AgentGroupState
+from protos.agent_records import AgentGroupState
 
 logger = logging.getLogger(__name__)
 

@@ -18,8 +18,9 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from coordinator.agent_errors import InvalidArgument
-from protos.records import AgentGroupState, Array, FinishReason, Sample, TrajectoryGroup, VersionSpan
-from protos.records import AgentSessionState as SessionState
+from protos.agent_records import AgentGroupState
+from protos.agent_records import AgentSessionState as SessionState
+from protos.records import Array, FinishReason, Sample, TrajectoryGroup, VersionSpan
 
 if TYPE_CHECKING:
     from coordinator.rollout_client import RolloutClient

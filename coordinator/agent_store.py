@@ -28,7 +28,8 @@ from channels.agent_sessions import AgentSessionStore, StoredSession
 from channels.retry import UNREACHABLE
 from coordinator.agent_errors import InvalidArgument, Unavailable
 from coordinator.agent_groups import AgentGroup, Session, SessionState, Turn
-from protos.records import AgentGroupRecord, AgentGroupState, AgentSessionRecord, AgentTurn, Array, VersionSpan
+from protos.agent_records import AgentGroupRecord, AgentGroupState, AgentSessionRecord, AgentTurn
+from protos.records import Array, VersionSpan
 
 logger = logging.getLogger(__name__)
 

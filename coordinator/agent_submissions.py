@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from coordinator.agent_errors import FailedPrecondition, InvalidArgument, Unavailable
 from coordinator.agent_groups import AgentGroup, GroupState, Session, SessionState, build_trajectory_group
-from protos.records import AgentGroupState
+from protos.agent_records import AgentGroupState
 
 logger = logging.getLogger(__name__)
 

@@ -15,12 +15,14 @@ import redis.asyncio as aioredis
 
 from channels.agent_sessions import AgentSessionStore
 from channels.retry import UNREACHABLE
-from protos.records import (
+from protos.agent_records import (
     AgentGroupRecord,
     AgentGroupState,
     AgentSessionRecord,
     AgentSessionState,
     AgentTurn,
+)
+from protos.records import (
     Array,
     FinishReason,
     VersionSpan,

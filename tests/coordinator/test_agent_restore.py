@@ -15,7 +15,7 @@ from coordinator.agent_errors import Exhausted, InvalidArgument
 from coordinator.agent_groups import GroupState
 from coordinator.tasks import EchoTask
 from modeling.tiny_model import BOS_ID, DIGIT_IDS
-from protos.records import AgentGroupState
+from protos.agent_records import AgentGroupState
 from protos.redis_keys import RedisKeys
 from tests.coordinator.agent_core import BookHarness
 

@@ -12,12 +12,14 @@ import numpy as np
 import pytest
 
 from protos import agent_pb2
-from protos.records import (
+from protos.agent_records import (
     AgentGroupRecord,
     AgentGroupState,
     AgentSessionRecord,
     AgentSessionState,
     AgentTurn,
+)
+from protos.records import (
     Array,
     FinishReason,
     VersionSpan,
