@@ -3,7 +3,7 @@
 
 ``sequential_names`` renames a grouped model's tensors to the ``SequentialMLP`` model's: ``experts.fc1.weight``
 [E, 2F, H] becomes ``experts.local_experts.<e>.linear_fc1.weight`` per expert, and the grouped adapters
-``lora_a`` [E, H, R] / ``lora_b`` [E, R, 2F] become the per-expert adapter's ``linear_in.weight`` [R, H] /
+``lora_a`` [E, R, H] / ``lora_b`` [E, 2F, R] become the per-expert adapter's ``linear_in.weight`` [R, H] /
 ``linear_out.weight`` [2F, R] (views: writing through them writes the grouped tensor).
 """
 
@@ -42,9 +42,9 @@ def sequential_names(named: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
             if match["kind"] == "weight":
                 renamed[base.format(expert) + ".weight"] = tensor_e
             elif match["kind"].endswith("lora_a"):
-                renamed[base.format(expert) + ".adapter.linear_in.weight"] = tensor_e.t()
+                renamed[base.format(expert) + ".adapter.linear_in.weight"] = tensor_e
             else:
-                renamed[base.format(expert) + ".adapter.linear_out.weight"] = tensor_e.t()
+                renamed[base.format(expert) + ".adapter.linear_out.weight"] = tensor_e
     return renamed
 
 

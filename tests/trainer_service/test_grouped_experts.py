@@ -59,13 +59,14 @@ def test_grouped_matmul_equals_the_per_expert_loop_forward_and_backward(kernels,
     assert torch.equal(grads[1][1], torch.zeros_like(grads[1][1]))  # no rows, no gradient
 
 
-def test_padding_to_whole_gpu_rows_changes_no_product(kernels):
-    """The CUDA path zero-pads K and N (a LoRA rank of 4 is 8 bytes of bf16); the loop shows it is exact."""
+def test_padding_to_whole_16_byte_rows_changes_no_product(kernels):
+    """torch._grouped_mm wants 16-byte row strides: K and N are zero-padded (a LoRA rank of 4 is 8 bytes of bf16);
+    the loop shows the padding is exact."""
     generator = torch.Generator().manual_seed(1)
     rows = _rows(kernels, [2, 3])
     x_TK = torch.randn(5, 4, generator=generator, dtype=torch.bfloat16)
     w_EKN = torch.randn(2, 4, 6, generator=generator, dtype=torch.bfloat16)
-    padded_x, padded_w = kernels._cuda_padded(x_TK, w_EKN)
+    padded_x, padded_w = kernels._aligned(x_TK, w_EKN)
     assert padded_x.shape == (5, 8) and padded_w.shape == (2, 8, 8)
     expected = kernels.loop_mm(x_TK, w_EKN, rows)
     assert torch.equal(kernels.loop_mm(padded_x, padded_w, rows)[:, :6], expected)

@@ -39,8 +39,8 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 from megatron.core.utils import divide
 
-# torch._grouped_mm on CUDA reads its operands with 16-byte vector loads: row strides must be multiples of it.
-_CUDA_ALIGN_BYTES = 16
+# torch._grouped_mm (CUDA and CPU) wants row strides in whole 16 bytes; CUDA also 16-byte aligned start addresses.
+_ALIGN_BYTES = 16
 
 
 @dataclasses.dataclass
@@ -84,13 +84,13 @@ def grouped_mm_runs(x_TK: torch.Tensor, w_EKN: torch.Tensor) -> bool:
         return False
     if torch.cuda.get_device_capability(x_TK.device) < (8, 0):
         return False
-    # Widths are padded to the alignment (_cuda_padded); the start addresses must be aligned already.
-    return all(t.data_ptr() % _CUDA_ALIGN_BYTES == 0 for t in (x_TK, w_EKN))
+    # Widths are padded to the alignment (_aligned); the start addresses must be aligned already.
+    return all(t.data_ptr() % _ALIGN_BYTES == 0 for t in (x_TK, w_EKN))
 
 
-def _cuda_padded(x_TK: torch.Tensor, w_EKN: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Zero-pad K and N to whole 16-byte rows (LoRA ranks such as 4 are narrower); zeros change no product."""
-    multiple = _CUDA_ALIGN_BYTES // x_TK.element_size()
+def _aligned(x_TK: torch.Tensor, w_EKN: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Zero-pad K and N to whole 16-byte rows (LoRA ranks such as 2 or 4 are narrower); zeros change no product."""
+    multiple = _ALIGN_BYTES // x_TK.element_size()
     pad_k, pad_n = -x_TK.shape[-1] % multiple, -w_EKN.shape[-1] % multiple
     if pad_k:
         x_TK = F.pad(x_TK, (0, pad_k))
@@ -107,8 +107,7 @@ def grouped_mm(x_TK: torch.Tensor, w_EKN: torch.Tensor, rows: ExpertRows) -> tor
     if not grouped_mm_runs(x_TK, w_EKN):
         return loop_mm(x_TK, w_EKN, rows)
     width = w_EKN.shape[-1]
-    if x_TK.device.type == "cuda":
-        x_TK, w_EKN = _cuda_padded(x_TK, w_EKN)
+    x_TK, w_EKN = _aligned(x_TK, w_EKN)
     out_TN = torch._grouped_mm(x_TK, w_EKN, offs=rows.offsets_E)
     return _ContiguousGrad.apply(out_TN[:, :width] if out_TN.shape[-1] != width else out_TN)
 

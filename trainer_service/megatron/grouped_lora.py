@@ -1,11 +1,12 @@
 """LoRA on grouped experts: one batched adapter per expert projection, applied with grouped matmuls.
 
 Every targeted projection of a ``GroupedExperts`` (``linear_fc1`` in ``trainer.lora.target_modules`` -> ``fc1``,
-``linear_fc2`` -> ``fc2``) gets ``adapter``: A ``lora_a`` [E, K, R] and B ``lora_b`` [E, R, N], run next to the
-base grouped matmul as two more, ``out += (dropout(x) @ A[e]) @ B[e] * alpha / R`` for each row of expert e. It
-is megatron-bridge's per-expert ``ParallelLinearAdapter`` on a ``SequentialMLP`` expert, batched: that
-adapter's ``linear_in.weight`` is A[e]^T and its ``linear_out.weight`` B[e]^T; A Kaiming-uniform, B zero (step 0
-is the base model), dropout on the adapter's input.
+``linear_fc2`` -> ``fc2``) gets ``adapter``: A ``lora_a`` and B ``lora_b``, run next to the
+base grouped matmul as two more, ``out += (dropout(x) @ A[e]^T) @ B[e]^T * alpha / R`` for each row of expert e.
+It is megatron-bridge's per-expert ``ParallelLinearAdapter`` on a ``SequentialMLP`` expert, batched: A [E, R, K]
+stacks that adapter's ``linear_in.weight`` [R, K] and B [E, N, R] its ``linear_out.weight`` [N, R] (the layout of
+a megatron linear's weight, as the base [E, N, K]: the matmuls read memory as the per-expert ones do, so fp32
+results agree to the last bit); A Kaiming-uniform, B zero (step 0 is the base model), dropout on the input.
 
 R is ``trainer.lora.rank``, or ``rank / top_k`` with ``trainer.lora.normalize_moe_lora`` (megatron-bridge's
 ``normalize_moe_lora``: a token's top_k experts together hold about one dense adapter's capacity).
@@ -44,7 +45,7 @@ def expert_rank(config: LoraConfig, top_k: int) -> int:
 
 
 class GroupedLoraAdapter(torch.nn.Module):
-    """The low-rank term of one grouped projection: ``(x @ A[e]) @ B[e] * alpha / R`` per row of expert e."""
+    """The low-rank term of one grouped projection: ``(x @ A[e]^T) @ B[e]^T * alpha / R`` per row of expert e."""
 
     def __init__(self, base: GroupedExpertLinear, rank: int, alpha: float, dropout: float):
         super().__init__()
@@ -53,8 +54,8 @@ class GroupedLoraAdapter(torch.nn.Module):
         a_ERK = torch.empty(num_experts, rank, in_features, **factory)
         for matrix in a_ERK:  # each expert as a Linear(in, R) weight, like the per-expert adapter's linear_in
             torch.nn.init.kaiming_uniform_(matrix, a=math.sqrt(5))
-        self.lora_a = torch.nn.Parameter(a_ERK.transpose(1, 2).contiguous())
-        self.lora_b = torch.nn.Parameter(torch.zeros(num_experts, rank, out_features, **factory))
+        self.lora_a = torch.nn.Parameter(a_ERK)
+        self.lora_b = torch.nn.Parameter(torch.zeros(num_experts, out_features, rank, **factory))
         for factor in (self.lora_a, self.lora_b):  # reduced over the same data-parallel group as the base
             factor.allreduce = base.weight.allreduce
         self.alpha = alpha
@@ -66,8 +67,8 @@ class GroupedLoraAdapter(torch.nn.Module):
         return self.alpha / self.rank
 
     def forward(self, x_TK: torch.Tensor, rows: ExpertRows) -> torch.Tensor:
-        low_TR = grouped_mm(self.dropout(x_TK), self.lora_a, rows)
-        return grouped_mm(low_TR, self.lora_b, rows) * self.scale
+        low_TR = grouped_mm(self.dropout(x_TK), self.lora_a.transpose(1, 2), rows)
+        return grouped_mm(low_TR, self.lora_b.transpose(1, 2), rows) * self.scale
 
 
 def merged_expert_weight(linear: GroupedExpertLinear, expert: int) -> torch.Tensor:
@@ -78,8 +79,8 @@ def merged_expert_weight(linear: GroupedExpertLinear, expert: int) -> torch.Tens
         return weight_NK
     with torch.no_grad():
         # megatron-bridge's LoRAMerge on fp32 copies: base + scale * (linear_out @ linear_in), cast back.
-        linear_out_NR = adapter.lora_b[expert].float().t()
-        linear_in_RK = adapter.lora_a[expert].float().t()
+        linear_out_NR = adapter.lora_b[expert].float()
+        linear_in_RK = adapter.lora_a[expert].float()
         return (weight_NK.float() + adapter.scale * (linear_out_NR @ linear_in_RK)).to(weight_NK.dtype)
 
 
