@@ -4,7 +4,7 @@ The grouped matmul against its per-expert loop; then the tiny Qwen3-MoE and the 
 one checkpoint (grouped experts and SequentialMLP experts): the same imported weights and HF export, log-probs,
 and a training step's loss, grad norm and every gradient (the embedding's gradient is the experts' input
 gradient carried back), with the model's own routing and with replayed routes (R3); and grouped experts split
-over two expert-parallel ranks against the HF reference.
+over two expert-parallel or two expert-tensor-parallel ranks against the HF reference.
 """
 
 from __future__ import annotations
@@ -109,15 +109,17 @@ def test_grouped_experts_match_sequential_mlp_with_natural_and_replayed_routes(m
     assert_close(dict(grouped.export_hf_weights()), dict(sequential.export_hf_weights()), rtol=1e-5, atol=1e-5)
 
 
-def test_grouped_experts_split_over_two_expert_parallel_ranks_match_the_hf_reference(tmp_path):
-    """EP=2 on two gloo ranks (each rank holds 8 of the tiny Beam's 16 experts in its grouped weights): logits
-    equal the HF reference, the export gathers the HF checkpoint exactly, and a step equals one rank's."""
+@pytest.mark.parametrize("tp, ep", [(1, 2), (2, 1)], ids=["ep2", "tp2-etp2"])
+def test_grouped_experts_split_over_two_ranks_match_the_hf_reference(tmp_path, tp, ep):
+    """Two gloo ranks: EP=2 (each rank holds 8 of the tiny Beam's 16 experts in its grouped weights) or TP=2 with
+    expert TP 2 (each rank holds half of every expert's FFN width): logits equal the HF reference, the export
+    gathers the HF checkpoint exactly, and a step equals one rank's."""
     from modeling.beam.tiny import init_tiny_beam
     from protos.config import TrainerConfig
     from trainer_service.torch_backend import TorchBackend
 
     beam_dir = str(init_tiny_beam(tmp_path / "beam", seed=0))
-    out = tmp_path / "ep2.json"
+    out = tmp_path / "figures.json"
     worker = Path(__file__).with_name("megatron_beam_worker.py")
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
     # The workers import this checkout's code, wherever the installed package points.
@@ -126,7 +128,7 @@ def test_grouped_experts_split_over_two_expert_parallel_ranks_match_the_hf_refer
         "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[2]), os.environ.get("PYTHONPATH", "")]),
     }
     run = subprocess.run(
-        [*command, str(worker), beam_dir, "1", "2", str(out)],
+        [*command, str(worker), beam_dir, str(tp), str(ep), str(out)],
         capture_output=True,
         text=True,
         timeout=600,
