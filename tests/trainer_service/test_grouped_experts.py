@@ -143,3 +143,14 @@ def test_grouped_experts_split_over_two_ranks_match_the_hf_reference(tmp_path, t
     assert figures["mean_kl"] <= 1e-6 and figures["top1"] == 1.0, figures
     assert figures["loss"] == pytest.approx(reference["loss"], abs=1e-6)
     assert figures["grad_norm"] == pytest.approx(reference["grad_norm"], rel=1e-4)
+
+
+def test_a_checkpoint_of_one_experts_layout_is_refused_by_the_other_naming_the_setting(tmp_path):
+    from modeling.tiny_model import init_tiny
+
+    model_dir = str(init_tiny(tmp_path / "tiny", seed=0))
+    grouped = backend(model_dir, grouped=True)
+    grouped.train_step(lora_batch())  # megatron's optimizer has a state to save once it has stepped
+    grouped.save_checkpoint(tmp_path / "grouped")
+    with pytest.raises(ValueError, match="trainer.megatron.moe_grouped_experts"):
+        backend(model_dir, grouped=False).load_checkpoint(tmp_path / "grouped")
