@@ -8,9 +8,10 @@ vocab 32768), random-initialises it through megatron-bridge (``MegatronBackend(r
     grouped       GroupedExperts (grouped matmuls), natural routing
     grouped_r3    GroupedExperts, replaying routes recorded from a forward of the same batch (R3)
 
-grouped and grouped_r3 share one backend and alternate round by round; sequential runs first on its own backend,
-which is freed before the grouped one is built (two 3.4 B-parameter backends with Adam state do not fit one
-H200). A mode that fails (out of memory, a kernel error) is reported in the JSON with its error; the others run.
+grouped and grouped_r3 share one backend and alternate round by round; sequential runs first on its own backend.
+Each backend is built in a child process of its own, one after the other (two 3.4 B-parameter backends with Adam
+state do not fit one H200, and megatron keeps a built model referenced, so only a process exit frees it). A mode
+that fails (out of memory, a kernel error, a crashed child) is reported in the JSON with its error; the others run.
 
 Model FLOPs per step (3x forward, recompute not counted):
     forward = 2 * tokens * (attention projections + router + top_k experts + LM head, per-token parameters)
@@ -28,6 +29,8 @@ import argparse
 import gc
 import json
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 
@@ -203,6 +206,22 @@ def summarize(results: dict[str, dict], flops: float) -> dict:
     return summary
 
 
+def run_in_child(modes: list[str], argv: list[str]) -> dict[str, dict]:
+    """``run_backend`` for ``modes`` in a fresh process, so that the backend's memory is all given back (megatron
+    keeps references to a built model) and a crash still leaves a result. Its output passes through."""
+    command = [sys.executable, "-u", __file__, *argv, "--modes", *modes, "--one-backend"]
+    child = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    tail: list[str] = []
+    for line in child.stdout:
+        print(line, end="", flush=True)
+        tail = (tail + [line.rstrip()])[-20:]
+    returncode = child.wait()
+    if returncode == 0 and tail and tail[-1].startswith("{"):
+        return json.loads(tail[-1])
+    error = f"exit code {returncode}: " + " | ".join(tail[-5:])
+    return {mode: {"steps_s": [], "error": error[:500]} for mode in modes}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--tiny", action="store_true", help="CPU smoke sizes, fp32")
@@ -210,9 +229,15 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--rounds", type=int, default=2, help="alternate grouped/grouped_r3 this often")
     parser.add_argument("--modes", nargs="+", choices=list(MODES), default=list(MODES))
+    parser.add_argument("--one-backend", action="store_true", help="internal: run the given modes of one backend")
     args = parser.parse_args()
     size = SIZES["tiny" if args.tiny else "full"]
     cuda = torch.cuda.is_available() and not args.tiny
+    if args.one_backend:
+        with tempfile.TemporaryDirectory() as model_dir:
+            write_config(model_dir, size)
+            print(json.dumps(run_backend(model_dir, args.modes, size, args, cuda)))
+        return
     flops = model_flops(size)
     result: dict = {
         "sizes": size,
@@ -220,12 +245,11 @@ def main() -> None:
         "model_tflop_per_step": round(flops / 1e12, 3),
         "modes": {},
     }
-    with tempfile.TemporaryDirectory() as model_dir:
-        write_config(model_dir, size)
-        for sharing in (["sequential"], ["grouped", "grouped_r3"]):
-            modes = [mode for mode in sharing if mode in args.modes]
-            if modes:
-                result["modes"].update(run_backend(model_dir, modes, size, args, cuda))
+    argv = [f"--warmup={args.warmup}", f"--steps={args.steps}", f"--rounds={args.rounds}"] + ["--tiny"] * args.tiny
+    for sharing in (["sequential"], ["grouped", "grouped_r3"]):
+        modes = [mode for mode in sharing if mode in args.modes]
+        if modes:
+            result["modes"].update(run_in_child(modes, argv))
     result.update(summarize(result["modes"], flops))
     if cuda:
         result["device"] = torch.cuda.get_device_name()
