@@ -212,12 +212,15 @@ def run_in_child(modes: list[str], argv: list[str]) -> dict[str, dict]:
     command = [sys.executable, "-u", __file__, *argv, "--modes", *modes, "--one-backend"]
     child = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     tail: list[str] = []
+    results = None  # the child's JSON line; warnings (NCCL's at exit) may follow it
     for line in child.stdout:
         print(line, end="", flush=True)
         tail = (tail + [line.rstrip()])[-20:]
+        if line.startswith("{"):
+            results = json.loads(line)
     returncode = child.wait()
-    if returncode == 0 and tail and tail[-1].startswith("{"):
-        return json.loads(tail[-1])
+    if returncode == 0 and results is not None:
+        return results
     error = f"exit code {returncode}: " + " | ".join(tail[-5:])
     return {mode: {"steps_s": [], "error": error[:500]} for mode in modes}
 
