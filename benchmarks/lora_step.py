@@ -2,13 +2,21 @@
 
 Builds a Beam ``config.json`` (default: 12 layers with 2 dense, hidden 2048, 64 experts top-8 in 8 groups
 (keep 4), expert FFN 768, GQA 16/4 x 128 with the elementwise output gate, window 512 with a NoPE/SSMax layer
-every 6, soft-cap 30, vocab 32768), random-initialises it twice through megatron-bridge
-(``MegatronBackend(random_init=True)``): once for full fine-tuning, once with LoRA adapters on every
-attention and expert linear. Times ``train_step`` alternately on the same random batch and reports, per mode:
-step time, the memory the backend holds after it is built (weights, gradient buffers, optimizer state), the
-step's peak on top of that, the trainable parameter count and the bytes a weight publish sends.
+every 6, soft-cap 30, vocab 32768), random-initialises it through megatron-bridge
+(``MegatronBackend(random_init=True)``) once per mode:
 
-Prints one line per round and mode, then one JSON object with the LoRA / full ratios. On a CUDA machine:
+    full              full fine-tuning, grouped experts (trainer.megatron.moe_grouped_experts)
+    lora              LoRA on every attention and expert linear, grouped experts with one batched adapter per
+                      expert projection (trainer.megatron.moe_grouped_lora)
+    lora_per_expert   the same LoRA on SequentialMLP experts, one adapter module per expert (megatron-bridge's)
+
+Expert adapters get rank / top_k with ``--normalize-moe-lora`` (the default, as SkyRL's Beam LoRA recipe).
+Times ``train_step`` alternately on the same random batch and reports, per mode: step time, the memory the
+backend holds after it is built (weights, gradient buffers, optimizer state), the step's peak on top of that,
+the trainable parameter count and the bytes a weight publish sends. A mode that fails is reported in the JSON
+with its error; the others run.
+
+Prints one line per round and mode, then one JSON object with the ratios to full. On a CUDA machine:
     PYTHONPATH=. python3 -u benchmarks/lora_step.py
 CPU smoke run (tiny sizes, fp32):
     .venv/bin/python benchmarks/lora_step.py --tiny
@@ -139,57 +147,94 @@ def profile_step(mode: str, backend, batch, cuda: bool) -> None:
     print(profiler.key_averages().table(sort_by=sort_by, row_limit=18, max_name_column_width=60))
 
 
+def configs(args, cuda: bool) -> dict:
+    from protos.config import LoraConfig, MegatronConfig, TrainerConfig
+
+    def megatron(grouped_lora: bool) -> MegatronConfig:
+        return MegatronConfig(
+            params_dtype="bfloat16" if cuda else "float32",
+            moe_token_dispatcher="alltoall" if cuda else "allgather",
+            moe_grouped_lora=grouped_lora,
+        )
+
+    lora = LoraConfig(rank=args.lora_rank, alpha=2 * args.lora_rank, normalize_moe_lora=args.normalize_moe_lora)
+    every = {
+        "full": TrainerConfig(backend="megatron", lr=1e-6, geo_mask=None, megatron=megatron(True)),
+        "lora": TrainerConfig(backend="megatron", lr=1e-5, geo_mask=None, megatron=megatron(True), lora=lora),
+        "lora_per_expert": TrainerConfig(
+            backend="megatron", lr=1e-5, geo_mask=None, megatron=megatron(False), lora=lora
+        ),
+    }
+    return {mode: every[mode] for mode in args.modes}
+
+
+def timed_rounds(backends: dict, result: dict, batch, args, cuda: bool) -> None:
+    """Alternate the modes round by round; a mode that fails keeps its error and drops out."""
+    for round_index in range(args.rounds):
+        for mode, backend in list(backends.items()):
+            try:
+                round_times, step_peak = time_steps(backend, batch, args.warmup, args.steps, cuda)
+            except Exception as error:  # a benchmark reports a failed mode in its JSON and goes on
+                print(f"{mode}: failed: {error!r}", flush=True)
+                result[mode]["error"] = repr(error)[:500]
+                del backends[mode]
+                continue
+            result[mode].setdefault("steps_s", []).extend(round(t, 4) for t in round_times)
+            if step_peak is not None:
+                result[mode]["step_peak_gib"] = round(step_peak, 2)
+            print(f"round {round_index} {mode}: median {statistics.median(round_times):.4f} s/step", flush=True)
+
+
+def ratios_to_full(result: dict, cuda: bool) -> dict:
+    keys = ["step_s", "trainable_m", "publish_gib"] + (["held_gib", "step_peak_gib"] if cuda else [])
+    full = result.get("full", {})
+    return {
+        f"{mode}_over_full": {key: round(result[mode][key] / full[key], 4) for key in keys if full.get(key)}
+        for mode in result["modes"]
+        if mode != "full" and "error" not in result[mode] and "error" not in full
+    }
+
+
 def main() -> None:
     import modeling.beam  # noqa: F401 - registers model_type "beam"
-    from protos.config import LoraConfig, MegatronConfig, TrainerConfig
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--tiny", action="store_true", help="CPU smoke sizes, fp32")
     parser.add_argument("--lora-rank", type=int, default=32)
+    parser.add_argument("--normalize-moe-lora", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--modes", nargs="+", choices=["full", "lora", "lora_per_expert"], default=None)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--steps", type=int, default=4)
-    parser.add_argument("--rounds", type=int, default=2, help="alternate full/lora this often (order effects)")
+    parser.add_argument("--rounds", type=int, default=2, help="alternate the modes this often (order effects)")
     parser.add_argument("--profile", action="store_true", help="then profile one step per mode (top ops)")
     args = parser.parse_args()
+    args.modes = args.modes or ["full", "lora", "lora_per_expert"]
     size = SIZES["tiny" if args.tiny else "full"]
     cuda = torch.cuda.is_available() and not args.tiny
-    megatron = MegatronConfig(
-        params_dtype="bfloat16" if cuda else "float32", moe_token_dispatcher="alltoall" if cuda else "allgather"
-    )
-    configs = {
-        "full": TrainerConfig(backend="megatron", lr=1e-6, geo_mask=None, megatron=megatron),
-        "lora": TrainerConfig(
-            backend="megatron",
-            lr=1e-5,
-            geo_mask=None,
-            megatron=megatron,
-            lora=LoraConfig(rank=args.lora_rank, alpha=2 * args.lora_rank),
-        ),
+    result: dict = {
+        "sizes": size,
+        "dtype": "bfloat16" if cuda else "float32",
+        "lora_rank": args.lora_rank,
+        "normalize_moe_lora": args.normalize_moe_lora,
+        "modes": args.modes,
     }
-    result: dict = {"sizes": size, "dtype": megatron.params_dtype, "lora_rank": args.lora_rank}
     backends = {}
     with tempfile.TemporaryDirectory() as model_dir:
         write_config(model_dir, size)
-        for mode, config in configs.items():
-            backends[mode], result[mode] = build(model_dir, config, cuda)
+        for mode, config in configs(args, cuda).items():
+            try:
+                backends[mode], result[mode] = build(model_dir, config, cuda)
+            except Exception as error:  # reported in the JSON; the other modes still run
+                result[mode] = {"error": repr(error)[:500]}
             print(f"{mode}: built {result[mode]}", flush=True)
     batch = make_batch(size)  # trainer_step's: random tokens, loss on the second half
-    times: dict[str, list[float]] = {mode: [] for mode in backends}
-    for round_index in range(args.rounds):
-        for mode, backend in backends.items():
-            round_times, step_peak = time_steps(backend, batch, args.warmup, args.steps, cuda)
-            times[mode] += round_times
-            if step_peak is not None:
-                result[mode]["step_peak_gib"] = round(step_peak, 2)
-            print(f"round {round_index} {mode}: median {statistics.median(round_times):.4f} s/step", flush=True)
-    for mode, mode_times in times.items():
-        result[mode]["step_s"] = round(statistics.median(mode_times), 4)
-        result[mode]["steps_s"] = [round(t, 4) for t in mode_times]
+    timed_rounds(backends, result, batch, args, cuda)
+    for mode in backends:
+        result[mode]["step_s"] = round(statistics.median(result[mode]["steps_s"]), 4)
     if args.profile:
         for mode, backend in backends.items():
             profile_step(mode, backend, batch, cuda)
-    ratio_keys = ["step_s", "trainable_m", "publish_gib"] + (["held_gib", "step_peak_gib"] if cuda else [])
-    result["lora_over_full"] = {key: round(result["lora"][key] / result["full"][key], 4) for key in ratio_keys}
+    result.update(ratios_to_full(result, cuda))
     if cuda:
         result["device"] = torch.cuda.get_device_name()
     print(json.dumps(result))

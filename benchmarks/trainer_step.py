@@ -1,14 +1,23 @@
-"""One MegatronBackend training step of a small random MoE, with and without R3 (rollout routing replay).
+"""One MegatronBackend training step of a random MoE: SequentialMLP vs grouped experts, and R3 vs natural routing.
 
 Builds a Qwen3-MoE HF config (default: 8 layers, hidden 2048, 64 experts top-8, expert FFN 1024, GQA 16/4,
 vocab 32768), random-initialises it through megatron-bridge (``MegatronBackend(random_init=True)``), and times
-``train_step`` on random tokens: plain, then replaying routes recorded from a forward of the same batch.
+``train_step`` on random tokens in three modes:
+
+    sequential    megatron-core's SequentialMLP experts (trainer.megatron.moe_grouped_experts=false), natural routing
+    grouped       GroupedExperts (grouped matmuls), natural routing
+    grouped_r3    GroupedExperts, replaying routes recorded from a forward of the same batch (R3)
+
+grouped and grouped_r3 share one backend and alternate round by round; sequential runs first on its own backend.
+Each backend is built in a child process of its own, one after the other (two 3.4 B-parameter backends with Adam
+state do not fit one H200, and megatron keeps a built model referenced, so only a process exit frees it). A mode
+that fails (out of memory, a kernel error, a crashed child) is reported in the JSON with its error; the others run.
 
 Model FLOPs per step (3x forward, recompute not counted):
     forward = 2 * tokens * (attention projections + router + top_k experts + LM head, per-token parameters)
             + 2 * 2 * batch * seq^2 * heads * head_dim * layers / 2   (QK^T and AV, causal half)
 
-Prints one line per mode and, last, one JSON object. On a CUDA machine:
+Prints one line per round and mode and, last, one JSON object. On a CUDA machine:
     PYTHONPATH=. python3 -u benchmarks/trainer_step.py
 CPU smoke run (tiny sizes, fp32):
     .venv/bin/python benchmarks/trainer_step.py --tiny
@@ -17,8 +26,11 @@ CPU smoke run (tiny sizes, fp32):
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 
@@ -104,6 +116,10 @@ def make_batch(size: dict):
     )
 
 
+# mode -> (grouped experts, replay recorded routes); modes that share a backend alternate round by round.
+MODES = {"sequential": (False, False), "grouped": (True, False), "grouped_r3": (True, True)}
+
+
 def time_steps(backend, batch, routes, warmup: int, steps: int, sync) -> list[float]:
     times = []
     for i in range(warmup + steps):
@@ -117,57 +133,127 @@ def time_steps(backend, batch, routes, warmup: int, steps: int, sync) -> list[fl
     return times
 
 
-def main() -> None:
+def build(model_dir: str, grouped: bool, cuda: bool):
     from protos.config import MegatronConfig, TrainerConfig
     from trainer_service.megatron.backend import MegatronBackend
+
+    megatron = MegatronConfig(
+        params_dtype="bfloat16" if cuda else "float32",
+        moe_token_dispatcher="alltoall" if cuda else "allgather",
+        moe_grouped_experts=grouped,
+    )
+    config = TrainerConfig(backend="megatron", lr=1e-6, geo_mask=None, megatron=megatron)
+    return MegatronBackend(model_dir, config, device="cuda" if cuda else "cpu", random_init=True)
+
+
+def recorded_routes(backend, batch, size: dict) -> torch.Tensor:
     from trainer_service.megatron.routing_replay import megatron_record_routes
 
+    with megatron_record_routes(backend.model) as recorder:
+        backend.token_logprobs(batch.input_ids_BT, batch.attention_mask_BT)
+    return recorder.routes(size["batch"], size["seq"])
+
+
+def run_backend(model_dir: str, modes: list[str], size: dict, args, cuda: bool) -> dict[str, dict]:
+    """Build one backend and alternate ``modes`` on it for ``args.rounds`` rounds; failures are results too."""
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    results: dict[str, dict] = {mode: {"steps_s": []} for mode in modes}
+    backend = None
+    try:
+        started = time.perf_counter()
+        backend = build(model_dir, MODES[modes[0]][0], cuda)
+        for mode in modes:
+            results[mode]["build_s"] = round(time.perf_counter() - started, 1)
+            results[mode]["params_b"] = round(sum(p.numel() for p in backend.model[0].parameters()) / 1e9, 3)
+        batch = make_batch(size)
+        routes = recorded_routes(backend, batch, size) if any(MODES[mode][1] for mode in modes) else None
+        for round_index in range(args.rounds):
+            for mode in modes:
+                if cuda:
+                    torch.cuda.reset_peak_memory_stats()
+                mode_routes = routes if MODES[mode][1] else None
+                round_times = time_steps(backend, batch, mode_routes, args.warmup, args.steps, sync)
+                results[mode]["steps_s"] += [round(t, 4) for t in round_times]
+                if cuda:
+                    peak = torch.cuda.max_memory_allocated() / 2**30
+                    results[mode]["peak_gib"] = round(max(peak, results[mode].get("peak_gib", 0.0)), 1)
+                print(f"round {round_index} {mode}: median {statistics.median(round_times):.4f} s/step", flush=True)
+    except Exception as error:  # a benchmark reports a failed mode in its JSON and goes on with the others
+        print(f"{modes}: failed: {error!r}", flush=True)
+        for mode in modes:
+            results[mode]["error"] = repr(error)[:500]
+    finally:
+        del backend
+        gc.collect()
+        if cuda:
+            torch.cuda.empty_cache()
+    return results
+
+
+def summarize(results: dict[str, dict], flops: float) -> dict:
+    """Median step time and TFLOP/s per mode, the grouped speed-up and R3's cost."""
+    for mode, figures in results.items():
+        if figures["steps_s"] and "error" not in figures:
+            step_s = statistics.median(figures["steps_s"])
+            figures.update(step_s=round(step_s, 4), tflops_per_gpu=round(flops / step_s / 1e12, 1))
+            print(f"{mode}: {step_s:.4f} s/step, {flops / step_s / 1e12:.1f} TFLOP/s/GPU", flush=True)
+    step = {mode: figures.get("step_s") for mode, figures in results.items()}
+    summary = {}
+    if step.get("sequential") and step.get("grouped"):
+        summary["grouped_speedup"] = round(step["sequential"] / step["grouped"], 2)
+    if step.get("grouped") and step.get("grouped_r3"):
+        summary["r3_overhead_pct"] = round(100 * (step["grouped_r3"] / step["grouped"] - 1), 1)
+    return summary
+
+
+def run_in_child(modes: list[str], argv: list[str]) -> dict[str, dict]:
+    """``run_backend`` for ``modes`` in a fresh process, so that the backend's memory is all given back (megatron
+    keeps references to a built model) and a crash still leaves a result. Its output passes through."""
+    command = [sys.executable, "-u", __file__, *argv, "--modes", *modes, "--one-backend"]
+    child = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    tail: list[str] = []
+    results = None  # the child's JSON line; warnings (NCCL's at exit) may follow it
+    for line in child.stdout:
+        print(line, end="", flush=True)
+        tail = (tail + [line.rstrip()])[-20:]
+        if line.startswith("{"):
+            results = json.loads(line)
+    returncode = child.wait()
+    if returncode == 0 and results is not None:
+        return results
+    error = f"exit code {returncode}: " + " | ".join(tail[-5:])
+    return {mode: {"steps_s": [], "error": error[:500]} for mode in modes}
+
+
+def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--tiny", action="store_true", help="CPU smoke sizes, fp32")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--rounds", type=int, default=2, help="alternate plain/r3 this often (order effects)")
+    parser.add_argument("--rounds", type=int, default=2, help="alternate grouped/grouped_r3 this often")
+    parser.add_argument("--modes", nargs="+", choices=list(MODES), default=list(MODES))
+    parser.add_argument("--one-backend", action="store_true", help="internal: run the given modes of one backend")
     args = parser.parse_args()
     size = SIZES["tiny" if args.tiny else "full"]
     cuda = torch.cuda.is_available() and not args.tiny
-    megatron = MegatronConfig(
-        params_dtype="bfloat16" if cuda else "float32", moe_token_dispatcher="alltoall" if cuda else "allgather"
-    )
-    config = TrainerConfig(backend="megatron", lr=1e-6, geo_mask=None, megatron=megatron)
-    sync = torch.cuda.synchronize if cuda else (lambda: None)
-    with tempfile.TemporaryDirectory() as model_dir:
-        write_config(model_dir, size)
-        started = time.perf_counter()
-        backend = MegatronBackend(model_dir, config, device="cuda" if cuda else "cpu", random_init=True)
-        build_s = time.perf_counter() - started
-    batch = make_batch(size)
-    with megatron_record_routes(backend.model) as recorder:
-        backend.token_logprobs(batch.input_ids_BT, batch.attention_mask_BT)
-    routes = recorder.routes(size["batch"], size["seq"])
+    if args.one_backend:
+        with tempfile.TemporaryDirectory() as model_dir:
+            write_config(model_dir, size)
+            print(json.dumps(run_backend(model_dir, args.modes, size, args, cuda)))
+        return
     flops = model_flops(size)
-    result = {
+    result: dict = {
         "sizes": size,
-        "dtype": megatron.params_dtype,
-        "build_s": round(build_s, 1),
+        "dtype": "bfloat16" if cuda else "float32",
         "model_tflop_per_step": round(flops / 1e12, 3),
-        "params_b": round(sum(p.numel() for p in backend.model[0].parameters()) / 1e9, 3),
+        "modes": {},
     }
-    times: dict[str, list[float]] = {"plain": [], "r3": []}
-    for round_index in range(args.rounds):
-        for mode, mode_routes in (("plain", None), ("r3", routes)):
-            round_times = time_steps(backend, batch, mode_routes, args.warmup, args.steps, sync)
-            times[mode] += round_times
-            print(f"round {round_index} {mode}: median {statistics.median(round_times):.4f} s/step", flush=True)
-    for mode, mode_times in times.items():
-        step_s = statistics.median(mode_times)
-        result[mode] = {
-            "step_s": round(step_s, 4),
-            "tflops_per_gpu": round(flops / step_s / 1e12, 1),
-            "steps_s": [round(t, 4) for t in mode_times],
-        }
-        print(f"{mode}: {step_s:.4f} s/step, {flops / step_s / 1e12:.1f} TFLOP/s/GPU", flush=True)
-    result["peak_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 1) if cuda else None
-    result["r3_overhead_pct"] = round(100 * (result["r3"]["step_s"] / result["plain"]["step_s"] - 1), 1)
+    argv = [f"--warmup={args.warmup}", f"--steps={args.steps}", f"--rounds={args.rounds}"] + ["--tiny"] * args.tiny
+    for sharing in (["sequential"], ["grouped", "grouped_r3"]):
+        modes = [mode for mode in sharing if mode in args.modes]
+        if modes:
+            result["modes"].update(run_in_child(modes, argv))
+    result.update(summarize(result["modes"], flops))
     if cuda:
         result["device"] = torch.cuda.get_device_name()
     print(json.dumps(result))

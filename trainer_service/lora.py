@@ -2,7 +2,8 @@
 
 Torch backend: every targeted weight W [..., out, in] gets a parametrization ``W + alpha / r * B @ A`` with
 A [..., r, in] (Kaiming-uniform, as PEFT) and B [..., out, r] (zeros, so step 0 is the base model). The leading
-dims cover fused expert tensors (transformers' ``experts.gate_up_proj`` [E, 2I, H]): one adapter per expert.
+dims cover fused expert tensors (transformers' ``experts.gate_up_proj`` [E, 2I, H]): one adapter per expert, of
+rank r / top_k with ``normalize_moe_lora`` (its scale alpha / (r / top_k)).
 Base weights are frozen; only A and B train and only they are checkpointed (the base is ``model_path``).
 
 Publishing: vLLM's in-place reload rebuilds a layer from the tensors it receives, so a layer that gets only
@@ -32,6 +33,7 @@ _TARGET_PATTERNS = {
     "linear_fc2": re.compile(r"\.mlp\.((experts\.\d+\.)?down_proj\.weight|experts\.down_proj)$"),
 }
 _MOE_BLOCK = re.compile(r"\.mlp\.(experts|gate|shared_expert|shared_expert_gate)\.")
+_ROUTED_EXPERTS = re.compile(r"\.mlp\.experts\.")
 
 
 def target_of(hf_name: str) -> str | None:
@@ -82,9 +84,22 @@ def apply_lora(model: nn.Module, config: LoraConfig) -> int:
     ]
     if not adapted:
         raise ValueError(f"trainer.lora.target_modules {sorted(targets)} match no weight of {type(model).__name__}")
-    for _name, module, leaf in adapted:
-        parametrize.register_parametrization(module, leaf, LoraDelta(getattr(module, leaf), config.rank, config.alpha))
+    for name, module, leaf in adapted:
+        rank = adapter_rank(config, name, getattr(model.config, "num_experts_per_tok", None))
+        parametrize.register_parametrization(module, leaf, LoraDelta(getattr(module, leaf), rank, config.alpha))
     return len(adapted)
+
+
+def adapter_rank(config: LoraConfig, hf_name: str, top_k: int | None) -> int:
+    """``config.rank``; for a routed expert's weight with ``normalize_moe_lora``, ``rank / top_k``."""
+    if not (config.normalize_moe_lora and _ROUTED_EXPERTS.search(hf_name)):
+        return config.rank
+    if not top_k or config.rank % top_k:
+        raise ValueError(
+            f"trainer.lora.rank {config.rank} must be divisible by the router's top_k {top_k} with "
+            "trainer.lora.normalize_moe_lora (expert rank = rank / top_k)"
+        )
+    return config.rank // top_k
 
 
 def _named_leaf_parameters(model: nn.Module) -> list[tuple[str, nn.Module, str]]:

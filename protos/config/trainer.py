@@ -37,7 +37,11 @@ class MegatronConfig(Strict):
     moe_token_dispatcher: Literal["allgather", "alltoall"] = Field(
         "allgather", description="MoE token dispatcher; 'alltoall' needs CUDA (it creates a CUDA stream)."
     )
-    moe_grouped_gemm: bool = Field(False, description="Grouped GEMM for the experts (CUDA only).")
+    moe_grouped_gemm: bool = Field(
+        False,
+        description="megatron-core's Transformer Engine grouped GEMM (TEGroupedMLP); fleetrl builds the local "
+        "(non-TE) spec, which ignores it: keep False and use moe_grouped_experts.",
+    )
     moe_aux_loss_coeff: float = Field(
         0.0, ge=0.0, description="Load-balancing aux loss weight; 0 keeps the loss equal to the policy loss."
     )
@@ -49,6 +53,18 @@ class MegatronConfig(Strict):
         ge=0.0,
         description="Aux-loss-free balancing step on routers with an expert bias (Beam's e_score_correction_bias) "
         "per optimizer step; 0 keeps the checkpoint's bias, so rollout and trainer route alike.",
+    )
+    moe_grouped_experts: bool = Field(
+        True,
+        description="Experts as GroupedExperts: all local experts in one grouped matmul per projection "
+        "(torch._grouped_mm where the device and dtype have it, else a per-expert loop), forward and backward; "
+        "False: megatron-core's per-expert SequentialMLP. Same numerics and the same HF export either way.",
+    )
+    moe_grouped_lora: bool = Field(
+        True,
+        description="With moe_grouped_experts and LoRA on linear_fc1/linear_fc2: one batched adapter per expert "
+        "projection, applied with grouped matmuls; False builds SequentialMLP experts with one adapter module "
+        "per expert (megatron-bridge's) for LoRA runs.",
     )
     fused_attention: bool = Field(
         True,
@@ -113,6 +129,11 @@ class LoraConfig(Strict):
         default_factory=lambda: ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"],
         min_length=1,
         description="Adapted modules (megatron-core names; see the class docstring for the HF ones).",
+    )
+    normalize_moe_lora: bool = Field(
+        False,
+        description="Routed experts' adapters get rank / top_k (rank must divide by the router's top_k), "
+        "with the scale alpha / (rank / top_k): a token's top_k experts together hold one dense adapter's rank.",
     )
 
     @property

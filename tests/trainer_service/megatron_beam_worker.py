@@ -53,8 +53,11 @@ def main(beam_dir: str, tp: int, ep: int, out_path: str) -> None:
         exported[name].dtype == tensor.dtype and torch.equal(exported[name], tensor)
         for name, tensor in checkpoint.items()
     )
+    from trainer_service.megatron.grouped_experts import GroupedExperts
+
     result = {
         **compare(expected, logits, mask),
+        "grouped_experts": any(isinstance(module, GroupedExperts) for module in backend.model[0].modules()),
         "export_exact": exact,
         "loss": metrics["loss"],
         "grad_norm": metrics["grad_norm"],

@@ -60,11 +60,14 @@ class MegatronBackend:
         random_init: bool = False,
     ):
         """``random_init``: build from ``config.json`` alone with random weights (benchmarks), else load weights."""
-        AutoBridge = cpu_shims.import_bridge()
+        cpu_shims.import_bridge()
         beam.register()  # fleetrl's own bridge: BeamForCausalLM checkpoints
         from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
         from megatron.core.utils import get_model_config
         from transformers import AutoConfig
+
+        # AutoBridge whose model bridges also map grouped experts (trainer.megatron.moe_grouped_experts).
+        from trainer_service.megatron.grouped_bridge import GroupedExpertsAutoBridge as AutoBridge
 
         check_supported(config.megatron)
         self.config = config

@@ -9,6 +9,9 @@ layout (tensor/pipeline/expert/data parallel sizes) must be the same at load as 
 snapshot, not megatron-core's reshardable ``dist_checkpointing`` format, whose save path calls CUDA in 0.19.2 and
 was not made to run on CPU here.
 
+The experts' layout (``GroupedExperts`` or per-expert ``SequentialMLP``, ``trainer.megatron.moe_grouped_experts``)
+must match too: their weights have other names and shapes, and a mismatch is refused naming the setting.
+
 LoRA (a frozen base): the model part holds the adapters only. The base is what the backend loads from the HF
 checkpoint at start and never changes, so a Beam-sized LoRA checkpoint is adapters + their Adam state, not the
 whole model again.
@@ -44,6 +47,7 @@ def save(model: list, optimizer, directory: str | Path) -> None:
         state = {
             "model": [_model_state(chunk, adapters_only) for chunk in model],
             "adapters_only": adapters_only,
+            "experts_layout": experts_layout(model),
             "optimizer": optimizer.state_dict(),
             "optimizer_params": [_param_state(sub) for sub in sub_optimizers(optimizer)],
             "rng": rng,
@@ -63,6 +67,12 @@ def load(model: list, optimizer, directory: str | Path) -> None:
             f"{directory}: checkpoint written with{'' if state.get('adapters_only') else 'out'} LoRA; "
             "trainer.lora.rank must match the run that wrote it"
         )
+    saved_layout, layout = state.get("experts_layout"), experts_layout(model)
+    if saved_layout and layout and saved_layout != layout:
+        raise ValueError(
+            f"{directory}: checkpoint written with {saved_layout} experts, this model has {layout} experts; "
+            "trainer.megatron.moe_grouped_experts (and moe_grouped_lora) must match the run that wrote it"
+        )
     for chunk, chunk_state in zip(model, state["model"], strict=True):
         _load_model_state(chunk, _adapter_wrapper_keys(chunk, chunk_state), state.get("adapters_only", False))
     # no_grad: the state is copied into views of the parameters.
@@ -79,6 +89,20 @@ def load(model: list, optimizer, directory: str | Path) -> None:
     if rng["cuda"] is not None:
         torch.cuda.set_rng_state_all(rng["cuda"])
     get_cuda_rng_tracker().set_states(rng["tracker"])
+
+
+def experts_layout(model: list) -> str | None:
+    """How the model's MoE experts hold their weights: "grouped", "sequential" (per expert), None without MoE."""
+    from megatron.core.transformer.moe.experts import SequentialMLP
+
+    from trainer_service.megatron.grouped_experts import GroupedExperts
+
+    for module in (module for chunk in model for module in chunk.modules()):
+        if isinstance(module, GroupedExperts):
+            return "grouped"
+        if isinstance(module, SequentialMLP):
+            return "sequential"
+    return None
 
 
 def _has_frozen_base(model: list) -> bool:

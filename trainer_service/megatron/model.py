@@ -2,12 +2,16 @@
 
 ``build_model`` turns an ``AutoBridge`` (from the HF checkpoint or config) into megatron-core model chunks wrapped
 in DDP plus megatron-core's optimizer (distributed over the data-parallel ranks when configured). The provider
-settings are the CPU-safe ones: the local (non-TE) layer spec and no fusions that need TE or apex. The switches of
-``trainer.megatron`` that need neither act here too: the fused core attention in the spec, activation recompute,
-torch's fused AdamW and the optimizer's CPU offload (docs/trainer_service.md, "Speed and memory switches").
+settings are the CPU-safe ones: the local (non-TE) layer spec and no fusions that need TE or apex; MoE experts
+are ``GroupedExperts`` (grouped matmuls, ``trainer.megatron.moe_grouped_experts``) or megatron-core's
+``SequentialMLP``. The switches of ``trainer.megatron`` that need neither TE nor apex act here too: the fused core
+attention in the spec, activation recompute, torch's fused AdamW and the optimizer's CPU offload
+(docs/trainer_service.md, "Speed and memory switches").
 """
 
 from __future__ import annotations
+
+from functools import partial
 
 import torch
 
@@ -19,8 +23,11 @@ from trainer_service.megatron import lora as megatron_lora
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
-def configure_provider(provider, config: MegatronConfig, on_cpu: bool) -> None:
-    """Model settings: the local (non-TE) layer spec, no fusions that need TE/apex, the policy loss alone."""
+def configure_provider(provider, config: MegatronConfig, on_cpu: bool, grouped_experts: bool = False) -> None:
+    """Model settings: the local (non-TE) layer spec, no fusions that need TE/apex, the policy loss alone.
+
+    ``grouped_experts``: MoE layers get ``GroupedExperts`` instead of ``SequentialMLP`` (``uses_grouped_experts``).
+    """
     from megatron.bridge.models.gpt_provider import local_layer_spec
 
     dtype = DTYPES[config.params_dtype]
@@ -42,7 +49,7 @@ def configure_provider(provider, config: MegatronConfig, on_cpu: bool) -> None:
     provider.autocast_dtype = dtype
     provider.bf16 = dtype == torch.bfloat16
     provider.fp16 = False
-    _configure_moe(provider, config)
+    _configure_moe(provider, config, grouped_experts)
     provider.gradient_accumulation_fusion = False
     provider.bias_dropout_fusion = False
     provider.masked_softmax_fusion = False
@@ -54,7 +61,20 @@ def configure_provider(provider, config: MegatronConfig, on_cpu: bool) -> None:
     _configure_attention_and_recompute(provider, config)
 
 
-def _configure_moe(provider, config: MegatronConfig) -> None:
+def uses_grouped_experts(config: TrainerConfig) -> bool:
+    """Whether the experts are ``GroupedExperts``: ``moe_grouped_experts``, unless a LoRA run adapts the experts
+    and ``moe_grouped_lora`` is off (megatron-bridge's per-expert adapters need ``SequentialMLP`` experts)."""
+    if not config.megatron.moe_grouped_experts:
+        return False
+    adapts_experts = config.lora.enabled and bool({"linear_fc1", "linear_fc2"} & set(config.lora.target_modules))
+    return config.megatron.moe_grouped_lora or not adapts_experts
+
+
+def _configure_moe(provider, config: MegatronConfig, grouped_experts: bool) -> None:
+    if grouped_experts:  # wraps the spec chosen above (the stock local spec or the provider's own, Beam's)
+        from trainer_service.megatron.grouped_experts import grouped_experts_spec
+
+        provider.transformer_layer_spec = partial(grouped_experts_spec, provider.transformer_layer_spec)
     provider.moe_grouped_gemm = config.moe_grouped_gemm
     provider.moe_token_dispatcher_type = config.moe_token_dispatcher
     provider.moe_permute_fusion = False  # the bridge turns it on; it needs TE
@@ -86,10 +106,11 @@ def build_model(bridge, config: TrainerConfig, on_cpu: bool, load_weights: bool)
     from megatron.core.utils import get_model_config
 
     provider = bridge.to_megatron_provider(load_weights=load_weights)
-    configure_provider(provider, config.megatron, on_cpu)
+    grouped_experts = uses_grouped_experts(config)
+    configure_provider(provider, config.megatron, on_cpu, grouped_experts)
     provider.finalize()
     if config.lora.enabled:  # after the bridge's weight-loading hook, before DDP wraps the chunks
-        provider.register_pre_wrap_hook(megatron_lora.lora_pre_wrap_hook(config.lora))
+        provider.register_pre_wrap_hook(megatron_lora.lora_pre_wrap_hook(config.lora, grouped_experts))
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True, use_distributed_optimizer=config.megatron.use_distributed_optimizer
     )

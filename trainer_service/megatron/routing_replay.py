@@ -77,6 +77,9 @@ def megatron_forced_routing(
     batch, seq, num_layers, top_k = routes_BTLK.shape
     if num_layers not in (len(moe_layer_numbers), num_model_layers):
         raise ValueError(f"routes have {num_layers} layers, the model has {len(moe_layer_numbers)} MoE routers")
+    # One copy to the model's device for the whole step: a router handed host indices copies them in every forward,
+    # and a copy from pageable host memory waits for the GPU, costing the host its lead at every MoE layer.
+    routes_BTLK = routes_BTLK.to(next(model_chunks[0].parameters()).device)
     fill_K = torch.arange(top_k, dtype=torch.long, device=routes_BTLK.device)
     for replay in replays:
         layer = _layer_index(replay, num_layers, num_model_layers or len(moe_layer_numbers), moe_layer_numbers)

@@ -9,9 +9,10 @@ on CPU and GPU. Per-layer differences are data, read by the modules from the con
     ssmax_freq                1 full layer: SSMax query scaling (``BeamCoreAttention``)
 
 Parallelism goes through the stock megatron-core paths: tensor parallel (heads, gate rows, ``ssmax_scale``, MLP
-and expert widths, vocabulary), sequence parallel (every norm marks its weight), expert parallel (``SequentialMLP``
-experts). Checked on CPU/gloo: TP 2, EP 2, TP 2 x EP 2 with the allgather dispatcher, and PP 2
-(``beam_block_spec`` builds only the stage's layers; tests/trainer_service/test_megatron_multirank.py).
+and expert widths, vocabulary), sequence parallel (every norm marks its weight), expert parallel (the spec's
+``SequentialMLP`` experts, which ``model.configure_provider`` swaps for ``GroupedExperts`` by default). Checked on
+CPU/gloo: TP 2, EP 2, TP 2 x EP 2 with the allgather dispatcher, and PP 2 (``beam_block_spec`` builds only the
+stage's layers; tests/trainer_service/test_megatron_multirank.py).
 """
 
 from __future__ import annotations
