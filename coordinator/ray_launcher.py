@@ -1,0 +1,280 @@
+"""``fleetrl up``: the roles of ``fleetrl demo`` on a Ray cluster, each role process owned by a Ray actor.
+
+The driver is the ``fleetrl up`` process. It is a ``DemoLauncher`` whose processes live in actors: the same role
+specs (coordinator/roles.py), the same step lines and summary. Placement (docs/ray_launcher.md):
+
+* a rollout replica: its own placement group, one STRICT_PACK bundle of ``launcher.ray.rollout_cpus`` CPUs and, with
+  ``launcher.ray.use_gpus``, TP x PP GPUs; the replica's ``RoleActor`` takes the whole bundle;
+* the trainer: one placement group for its gang, a bundle per node of ``trainer.num_processes`` ranks (STRICT_PACK on
+  one node, STRICT_SPREAD over ``trainer.num_nodes``), one ``RoleActor`` per rank with torchrun's environment;
+* the coordinator: an actor of ``coordinator_cpus``; Redis: the run's ``redis_url``, or valkey in a ``RedisActor``.
+
+Healing: a rollout server's or the coordinator's actor restarts its process by ``launcher.restart``; the trainer's
+ranks restart together (``TrainerGang``) under the same policy. ``fleetrl scale`` and ``fleetrl down`` reach the driver
+through the run's named ``RunControl`` actor (coordinator/ray_control.py).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import ray
+from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from coordinator import roles
+from coordinator.launcher import DemoLauncher
+from coordinator.ray_actors import RedisActor, RoleActor, RunControl, control_actor_name
+from coordinator.ray_control import RunLocation, write_state
+from coordinator.ray_placement import TrainerGang, check_placeable, rollout_bundle, wait_placed
+from coordinator.supervision import RoleFailed
+from protos.config import RunConfig
+
+STOP_GRACE_S = 30.0  # a rollout server drains its calls (--grace-s) and shuts its engine down within this
+
+
+class RunStopped(Exception):
+    """``fleetrl down`` asked the run to stop."""
+
+
+@dataclass
+class Replica:
+    """One rollout server: its actor and its placement group; ``stopping`` is its stop call once scaled away."""
+
+    name: str
+    actor: ray.actor.ActorHandle
+    group: PlacementGroup
+    stopping: ray.ObjectRef | None = None
+
+
+class RayLauncher(DemoLauncher):
+    def __init__(self, config: RunConfig, out_dir: Path):
+        super().__init__(config, out_dir)
+        self.ray_config = config.launcher.ray
+        self.local = self.ray_config.address == "local"
+        self.replicas: dict[str, Replica] = {}
+        self.leaving: dict[str, Replica] = {}
+        self.num_replicas_made = 0
+        self.gang: TrainerGang | None = None
+        self.coordinator = None
+        self.redis_actor = None
+        self.control = None
+        self.reports: dict[str, dict] = {}
+        self.config_path = Path()
+        self.actor_options = {"log_dir": str(out_dir / "logs"), "cwd": os.getcwd()}
+
+    # the run -------------------------------------------------------------------------------
+    def start(self) -> str:
+        # 1) refuse what this launcher cannot place, and a second driver of the same run id
+        check_placeable(self.config, self.local)
+        self.control = self._claim_run()
+        (self.out_dir / "logs").mkdir(parents=True, exist_ok=True)
+        # 2) Redis: the run's redis_url, or embedded valkey in an actor of its own
+        redis_url = self.config.redis_url
+        if not redis_url:
+            self.redis_actor = ray.remote(RedisActor).options(num_cpus=self.ray_config.redis_cpus).remote(self.local)
+            redis_url = ray.get(self.redis_actor.url.remote(), timeout=60)
+        # 3) the config every role reads, and where `fleetrl down|scale` find this run
+        self.config_path = self.prepare(redis_url)
+        address = ray.get_runtime_context().gcs_address
+        location = RunLocation(address, self.ray_config.namespace, self.config.run_id, str(self.out_dir), os.getpid())
+        write_state(self.out_dir, location)
+        # 4) rollout replicas, each in its own placement group; the trainer's ranks in one
+        for _ in range(self.config.rollout.num_servers):
+            self.add_replica()
+        self.gang = TrainerGang(self.config, self.config_path, self.actor_options, self.local)
+        self.gang.start()
+        # 5) the coordinator, once every rollout server serves (it finds them in Redis, or is handed the list)
+        addresses = self.wait_for_rollouts()
+        self.coordinator = self._role_actor(self.ray_config.coordinator_cpus, 0, None)
+        node = ray.get(self.coordinator.placement.remote(), timeout=60)
+        extra = () if self.local else (f"coordinator.admin_host={node['ip']}",)
+        spec = roles.coordinator_spec(self.config, self.config_path, addresses, extra)
+        ray.get(self.coordinator.start.remote(spec), timeout=60)
+        return redis_url
+
+    def _claim_run(self):
+        try:
+            return (
+                ray.remote(RunControl)
+                .options(name=control_actor_name(self.config.run_id), num_cpus=0)
+                .remote(self.config.run_id, str(self.out_dir))
+            )
+        except ValueError:
+            raise RoleFailed(
+                f"run {self.config.run_id!r} is already up on this Ray cluster (namespace "
+                f"{self.ray_config.namespace!r}): stop it with `fleetrl down --run-id {self.config.run_id}` or choose "
+                "another run_id"
+            ) from None
+
+    def _role_actor(self, num_cpus: float, num_gpus: float, group: PlacementGroup | None, restart: bool = True):
+        strategy = PlacementGroupSchedulingStrategy(group, 0) if group is not None else "DEFAULT"
+        options = {"num_cpus": num_cpus, "num_gpus": num_gpus, "scheduling_strategy": strategy}
+        policy = self.config.launcher.restart.model_dump()
+        return ray.remote(RoleActor).options(**options).remote(policy=policy, restart=restart, **self.actor_options)
+
+    def add_replica(self) -> Replica | None:
+        """One more rollout server in a placement group of its own; None (said why) when the cluster cannot hold
+        it within ``launcher.ray.placement_timeout_s``."""
+        name = f"rollout-{self.num_replicas_made}"
+        bundle = rollout_bundle(self.config)
+        group = placement_group([bundle], strategy="STRICT_PACK", name=f"fleetrl-{self.config.run_id}-{name}")
+        try:
+            wait_placed(group, name, self.ray_config.placement_timeout_s)
+        except RoleFailed as error:
+            if not self.replicas:  # the run cannot start without one
+                raise
+            remove_placement_group(group)
+            print(f"fleetrl: {error}; that replica is not started", flush=True)
+            return None
+        actor = self._role_actor(bundle.get("CPU", 0), bundle.get("GPU", 0), group)
+        host = "" if self.local else ray.get(actor.placement.remote(), timeout=60)["ip"]
+        spec = roles.rollout_spec(self.config, self.config_path, self.out_dir, self.num_replicas_made, host)
+        ray.get(actor.start.remote(spec), timeout=60)
+        self.num_replicas_made += 1
+        self.replicas[name] = Replica(name, actor, group)
+        return self.replicas[name]
+
+    def retire_replica(self, replica: Replica) -> None:
+        """Scale down: SIGTERM the server, which leaves the fleet hash (the coordinator stops routing to it) and
+        drains its calls (they finish or are re-dispatched); its actor and group go once it stopped."""
+        del self.replicas[replica.name]
+        replica.stopping = replica.actor.stop.remote(STOP_GRACE_S)
+        self.leaving[replica.name] = replica
+        print(f"fleetrl: {replica.name} leaving (draining its calls)", flush=True)
+
+    def scale_rollout(self, count: int) -> None:
+        print(f"fleetrl: scaling rollout servers {len(self.replicas)} -> {count}", flush=True)
+        while len(self.replicas) < count:
+            if self.add_replica() is None:
+                return
+        newest_first = sorted(self.replicas.values(), key=lambda r: int(r.name.rsplit("-", 1)[1]), reverse=True)
+        for replica in newest_first[: len(self.replicas) - count]:
+            self.retire_replica(replica)
+
+    def wait_for_rollouts(self, timeout_s: float = 900.0) -> list[str]:
+        """The rollout servers' host:port, once each serves (a CPU engine starts in ~30 s)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            self.check_children()
+            addresses = {name: self.reports[name].get("address") for name in self.replicas}
+            if all(addresses.values()):
+                return list(addresses.values())
+            if time.monotonic() > deadline:
+                missing = [name for name, address in addresses.items() if not address]
+                raise RoleFailed(f"{missing} not serving within {timeout_s:.0f}s (logs in {self.out_dir / 'logs'})")
+            time.sleep(0.5)
+
+    # supervision ---------------------------------------------------------------------------
+    def check_children(self) -> None:
+        """Collect the actors' reports (printing their events), restart a failed trainer gang, finish the scaled-away
+        replicas, act on ``fleetrl down|scale``, and post the reports (RunControl, roles.json)."""
+        actors = {name: r.actor for name, r in self.replicas.items()}
+        if self.coordinator is not None:
+            actors["coordinator"] = self.coordinator
+        names = list(actors) + (self.gang.names if self.gang else [])
+        refs = [actor.report.remote() for actor in actors.values()] + (self.gang.report_refs() if self.gang else [])
+        try:
+            reports = dict(zip(names, ray.get(refs, timeout=60), strict=True))
+        except ray.exceptions.RayActorError as error:
+            raise RoleFailed(f"an actor of the run died (its node may be gone): {error}") from None
+        for report in reports.values():
+            for event in report["events"]:
+                print(f"fleetrl: {event}", flush=True)
+            if report["error"]:
+                raise RoleFailed(report["error"])
+        if self.gang is not None:
+            event = self.gang.supervise([reports[name] for name in self.gang.names])
+            if event:
+                print(f"fleetrl: {event}", flush=True)
+        self.reports = reports
+        self._finish_leaving()
+        self._act_on_requests()
+        self._post_reports()
+
+    def _finish_leaving(self) -> None:
+        for name, replica in list(self.leaving.items()):
+            done, _ = ray.wait([replica.stopping], timeout=0)
+            if done:
+                ray.kill(replica.actor)
+                remove_placement_group(replica.group)
+                del self.leaving[name]
+                print(f"fleetrl: {name} stopped", flush=True)
+
+    def _act_on_requests(self) -> None:
+        stop_reason, scale = ray.get(self.control.take_requests.remote(), timeout=30)
+        if stop_reason:
+            raise RunStopped(stop_reason)
+        if roles.ROLLOUT in scale:
+            self.scale_rollout(scale[roles.ROLLOUT])
+
+    def _post_reports(self) -> None:
+        posted = {name: {k: v for k, v in r.items() if k != "events"} for name, r in self.reports.items()}
+        for name in self.leaving:
+            posted[name] = {"name": name, "kind": roles.ROLLOUT, "state": "leaving", "leaving": True}
+        if self.gang is not None:
+            for name in self.gang.names:
+                posted[name]["restarts"] = self.gang.restarts
+        self.control.post.remote(posted)
+        path = self.out_dir / "roles.json"
+        path.with_suffix(".partial").write_text(json.dumps(posted, indent=2))
+        path.with_suffix(".partial").rename(path)
+
+    def coordinator_running(self) -> bool:
+        report = self.reports.get("coordinator")
+        return report is None or report["state"] not in ("finished", "failed")
+
+    def restarts(self) -> dict[str, int]:
+        counts = {name: r["restarts"] for name, r in self.reports.items() if r.get("kind") != roles.TRAINER}
+        return {**counts, roles.TRAINER: self.gang.restarts if self.gang else 0}
+
+    def stop_all(self, grace_s: float = STOP_GRACE_S) -> None:
+        """Stop every process (in parallel, each with ``grace_s``), then the actors, groups and Redis."""
+        replicas = [*self.replicas.values(), *self.leaving.values()]
+        actors = [r.actor for r in replicas] + (self.gang.actors if self.gang else [])
+        actors += [self.coordinator] if self.coordinator is not None else []
+        ray.get([actor.stop.remote(grace_s) for actor in actors], timeout=grace_s + 60)
+        for actor in actors:
+            ray.kill(actor)
+        for group in [r.group for r in replicas] + ([self.gang.group] if self.gang else []):
+            remove_placement_group(group)
+        if self.redis_actor is not None:
+            ray.get(self.redis_actor.stop.remote(), timeout=30)
+        if self.control is not None:
+            ray.kill(self.control)
+
+
+def run_up(config: RunConfig, out_dir: Path) -> dict:
+    """``fleetrl up``: join or start the cluster, run to the end (or ``fleetrl down``), stop everything; returns and
+    writes the summary."""
+    from coordinator.ray_control import connect
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    out_dir = out_dir.resolve()
+    connect(config.launcher.ray.address, config.launcher.ray.namespace, config.launcher.ray.num_cpus)
+    launcher = RayLauncher(config, out_dir)
+    try:
+        redis_url = launcher.start()
+        print(_banner(launcher, redis_url), flush=True)
+        summary = launcher.monitor(redis_url)
+        summary["restarts"] = launcher.restarts()
+        summary["launcher"] = "ray"
+    finally:
+        launcher.stop_all()
+        ray.shutdown()
+    (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    return summary
+
+
+def _banner(launcher: RayLauncher, redis_url: str) -> str:
+    cfg, out_dir = launcher.config.coordinator, launcher.out_dir
+    admin = f"{cfg.admin_host}:{cfg.admin_port}" if cfg.admin_port else "(port in logs/coordinator.log)"
+    return (
+        f"run dir {out_dir} | Ray {ray.get_runtime_context().gcs_address} | Redis {redis_url} | logs in "
+        f"{out_dir / 'logs'} | admin API {admin} (fleetrl status --admin ADDR) | fleetrl scale rollout=N --run-dir "
+        f"{out_dir} | fleetrl down --run-dir {out_dir}"
+    )
