@@ -203,7 +203,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    # Dotted overrides may follow options (`fleetrl up RECIPE --ray local num_steps=3`), which argparse leaves over.
+    if extra and (not hasattr(args, "overrides") or any("=" not in e or e.startswith("-") for e in extra)):
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    if extra:
+        args.overrides = [*args.overrides, *extra]
     if args.command == "rollout" and (not args.rest or args.rest[0] != "serve"):
         print("fleetrl rollout: usage: fleetrl rollout serve --model PATH [--host H] [--port P] ...", file=sys.stderr)
         sys.exit(2)

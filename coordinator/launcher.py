@@ -121,7 +121,7 @@ class DemoLauncher:
         policy gives up on one."""
         for role in self.roles.values():
             event = role.supervise()
-            if event and event != f"{role.name} finished":
+            if event:
                 print(f"fleetrl: {event}", flush=True)
 
     def coordinator_running(self) -> bool:
