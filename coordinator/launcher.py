@@ -29,7 +29,7 @@ from coordinator import roles
 from coordinator.demo_agents import demo_agent_commands, prepare_agents
 from coordinator.redis_server import EmbeddedRedis
 from coordinator.roles import RoleSpec
-from coordinator.supervision import RoleFailed, SupervisedProcess
+from coordinator.supervision import RoleFailed, SupervisedProcess, write_roles
 from protos.config import RunConfig
 from protos.records import decode_done, decode_metrics
 from protos.redis_keys import RedisKeys
@@ -106,6 +106,7 @@ class DemoLauncher:
         self.out_dir = out_dir
         self.keys = RedisKeys(config.run_id)
         self.roles: dict[str, SupervisedProcess] = {}
+        self.posted_reports: dict[str, dict] = {}  # what roles.json holds
         self.redis_server: EmbeddedRedis | None = None
         self.started = time.monotonic()
         self.rollout_rates: list[float] = []  # the coordinator's tokens/s reports (summary median)
@@ -123,6 +124,10 @@ class DemoLauncher:
             event = role.supervise()
             if event:
                 print(f"fleetrl: {event}", flush=True)
+        reports = {name: role.report() for name, role in self.roles.items()}
+        if reports != self.posted_reports:
+            write_roles(self.out_dir, reports)
+            self.posted_reports = reports
 
     def coordinator_running(self) -> bool:
         coordinator = self.roles["coordinator"]

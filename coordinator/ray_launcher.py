@@ -31,7 +31,7 @@ from coordinator.launcher import DemoLauncher
 from coordinator.ray_actors import RedisActor, RoleActor, RunControl, control_actor_name
 from coordinator.ray_control import RunLocation, write_state
 from coordinator.ray_placement import TrainerGang, check_placeable, rollout_bundle, wait_placed
-from coordinator.supervision import RoleFailed
+from coordinator.supervision import RoleFailed, write_roles
 from protos.config import RunConfig
 
 STOP_GRACE_S = 30.0  # a rollout server drains its calls (--grace-s) and shuts its engine down within this
@@ -220,9 +220,9 @@ class RayLauncher(DemoLauncher):
             for name in self.gang.names:
                 posted[name]["restarts"] = self.gang.restarts
         self.control.post.remote(posted)
-        path = self.out_dir / "roles.json"
-        path.with_suffix(".partial").write_text(json.dumps(posted, indent=2))
-        path.with_suffix(".partial").rename(path)
+        if posted != self.posted_reports:
+            write_roles(self.out_dir, posted)
+            self.posted_reports = posted
 
     def coordinator_running(self) -> bool:
         report = self.reports.get("coordinator")

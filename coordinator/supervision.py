@@ -11,6 +11,7 @@ the latest version and registers again, the trainer resumes from its checkpoint,
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
@@ -28,6 +29,14 @@ logger = logging.getLogger(__name__)
 
 class RoleFailed(RuntimeError):
     """A role process failed and the restart policy gives up on it (or a role could not start)."""
+
+
+def write_roles(out_dir: Path, reports: dict[str, dict]) -> None:
+    """``roles.json`` in the run directory: every role's pid, restarts and state (replaced whole: a reader never
+    sees half of it). What an operator, or a test, looks at to find a role's process."""
+    partial = out_dir / "roles.json.partial"
+    partial.write_text(json.dumps(reports, indent=2))
+    partial.rename(out_dir / "roles.json")
 
 
 def log_tail(path: Path, num_chars: int = 3000) -> str:
