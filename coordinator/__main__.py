@@ -7,7 +7,6 @@ import asyncio
 import logging
 import signal
 import sys
-import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
@@ -31,25 +30,6 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     )
     parser.add_argument("overrides", nargs="*")
     return parser.parse_intermixed_args(argv)
-
-
-async def wait_for_servers(fleet, discovery, board, timeout_s: float) -> None:
-    """Until every listed server is healthy and, with discovery, the fleet holds at least one server."""
-    deadline = time.monotonic() + timeout_s
-    for client in fleet.clients:
-        while not await client.check_health():
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"rollout server {client.address} not healthy after {timeout_s}s")
-            await asyncio.sleep(0.5)
-        await client.info()
-    while discovery is not None and not fleet.clients:
-        await discovery.refresh(await board.fleet_reports())
-        if not fleet.clients and time.monotonic() > deadline:
-            raise TimeoutError(
-                f"no rollout server registered in Redis ({board.keys.fleet}) within {timeout_s}s: start servers "
-                "with this run's redis_url and run_id, or pass --servers"
-            )
-        await asyncio.sleep(0.5)
 
 
 @dataclass
@@ -284,11 +264,8 @@ async def start_agent_door(config, pipeline: Pipeline, fleet, stop: asyncio.Even
 async def run(args: argparse.Namespace) -> None:
     import redis.asyncio as aioredis
 
-    from channels.version_board import AsyncVersionBoard
     from coordinator.dashboard import start_dashboard
-    from coordinator.discovery import FleetDiscovery
-    from coordinator.fleet import Fleet
-    from coordinator.rollout_client import RolloutClient
+    from coordinator.discovery import connect_fleet
     from protos.config import flag_overrides, load_run_config
     from protos.redis_keys import RedisKeys
 
@@ -309,11 +286,7 @@ async def run(args: argparse.Namespace) -> None:
     runners: list = []
     if cfg.dashboard:  # up before the servers are, so the page shows the fleet starting
         runners.append((await start_dashboard(client, keys, cfg.dashboard_host, cfg.dashboard_port))[0])
-    fleet = Fleet([RolloutClient(address) for address in args.servers.split(",") if address])
-    discovery = FleetDiscovery(fleet, cfg.server_timeout_s) if cfg.discovery else None
-    if discovery is None and not fleet.clients:
-        raise SystemExit("coordinator: no rollout servers: pass --servers, or leave coordinator.discovery on")
-    await wait_for_servers(fleet, discovery, AsyncVersionBoard(client, keys), timeout_s=300)
+    fleet, discovery = await connect_fleet(args.servers, cfg, client, keys)
     # 2) build the pipeline: task (prompts and rewards), eval sets, the scheduler core
     pipeline = await build_pipeline(config, client, keys, fleet)
     scheduler, evals = pipeline.scheduler, pipeline.evals

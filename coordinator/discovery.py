@@ -11,17 +11,20 @@ Every rollout server re-sends its ``VersionReport`` to the run's ``fleet`` hash 
   outside the registry), and never re-adds an address an operator removed until the operator adds it again.
 
 Beat ages compare the server's clock with the coordinator's (``time_s`` is the server's ``time.time()``).
+``connect_fleet`` is the coordinator's start: the listed servers, and with discovery the registered ones.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 
 import grpc
 
+from channels.version_board import AsyncVersionBoard
 from coordinator.fleet import Fleet
-from coordinator.rollout_client import RolloutFailed
+from coordinator.rollout_client import RolloutClient, RolloutFailed
 from protos.records import VersionReport
 
 logger = logging.getLogger(__name__)
@@ -93,3 +96,32 @@ class FleetDiscovery:
             removed: sid for removed, sid in self.operator_removed.items() if removed != address and sid != server_id
         }
         self.registered.discard(address)
+
+
+async def connect_fleet(servers: str, cfg, client, keys, timeout_s: float = 300.0):
+    """The listed servers (``--servers``) and, with discovery, the registered ones; (fleet, discovery or None)."""
+    fleet = Fleet([RolloutClient(address) for address in servers.split(",") if address])
+    discovery = FleetDiscovery(fleet, cfg.server_timeout_s) if cfg.discovery else None
+    if discovery is None and not fleet.clients:
+        raise SystemExit("coordinator: no rollout servers: pass --servers, or leave coordinator.discovery on")
+    await wait_for_servers(fleet, discovery, AsyncVersionBoard(client, keys), timeout_s)
+    return fleet, discovery
+
+
+async def wait_for_servers(fleet, discovery, board, timeout_s: float) -> None:
+    """Until every listed server is healthy and, with discovery, the fleet holds at least one server."""
+    deadline = time.monotonic() + timeout_s
+    for client in fleet.clients:
+        while not await client.check_health():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"rollout server {client.address} not healthy after {timeout_s}s")
+            await asyncio.sleep(0.5)
+        await client.info()
+    while discovery is not None and not fleet.clients:
+        await discovery.refresh(await board.fleet_reports())
+        if not fleet.clients and time.monotonic() > deadline:
+            raise TimeoutError(
+                f"no rollout server registered in Redis ({board.keys.fleet}) within {timeout_s}s: start servers "
+                "with this run's redis_url and run_id, or pass --servers"
+            )
+        await asyncio.sleep(0.5)

@@ -72,7 +72,10 @@ class RoleActor:
         self._join_supervisor()
         with self._lock:
             self.error = ""
-            self.process = SupervisedProcess(lambda: spec, self.log_dir, self.policy, self.cwd, self.restart)
+            # Ray starts its workers at niceness 15 (its daemons keep the CPU they need); a role is the workload.
+            self.process = SupervisedProcess(
+                lambda: spec, self.log_dir, self.policy, self.cwd, self.restart, niceness=0
+            )
             self.process.start()
         self._stop.clear()
         self._thread = threading.Thread(target=self._supervise, name=f"supervise-{spec.name}", daemon=True)

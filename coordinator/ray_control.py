@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 STATE_FILE = "ray_run.json"
+AUTH_MODE_ENV = "RAY_AUTH_MODE"  # Ray's own variable; a cluster Ray starts on this machine is "token"
 FLEETRL_ROOT = Path(__file__).resolve().parents[1]  # where the fleetrl packages are imported from
 
 
@@ -30,6 +32,7 @@ class RunLocation:
     run_id: str
     out_dir: str = ""
     driver_pid: int = 0
+    auth_mode: str = ""  # RAY_AUTH_MODE of the cluster ("token": clients must send the token in ~/.ray/auth_token)
 
 
 def write_state(out_dir: Path, location: RunLocation) -> Path:
@@ -72,6 +75,7 @@ def control_actor(location: RunLocation):
 
     from coordinator.ray_actors import control_actor_name
 
+    _check_reachable(location)
     connect(location.ray_address, location.namespace)
     try:
         return ray.get_actor(control_actor_name(location.run_id), namespace=location.namespace)
@@ -82,8 +86,30 @@ def control_actor(location: RunLocation):
         ) from None
 
 
+def use_auth_mode(location: RunLocation) -> None:
+    """A joining client sends no token unless told that the cluster wants one; Ray reads the mode when it is
+    imported, so this comes first."""
+    if location.auth_mode:
+        os.environ.setdefault(AUTH_MODE_ENV, location.auth_mode)
+
+
+def _check_reachable(location: RunLocation, timeout_s: float = 5.0) -> None:
+    """A cluster that is gone (a local one ends with its run) is RunNotFound at once: Ray would retry for minutes."""
+    host, sep, port = location.ray_address.rpartition(":")
+    if not sep or not port.isdigit() or "://" in location.ray_address:
+        return  # 'auto', ray://: Ray resolves those itself
+    try:
+        socket.create_connection((host, int(port)), timeout=timeout_s).close()
+    except OSError as error:
+        raise RunNotFound(
+            f"the Ray cluster of run {location.run_id!r} at {location.ray_address} is not reachable ({error}); "
+            "the run has ended"
+        ) from None
+
+
 def request_down(location: RunLocation, wait_s: float) -> bool:
     """Ask the run to stop; True once its driver is gone (its control actor with it) within ``wait_s``."""
+    use_auth_mode(location)
     import ray
 
     control = control_actor(location)
@@ -103,6 +129,7 @@ def request_scale(location: RunLocation, role: str, count: int, wait_s: float) -
 
     Raises ValueError for a role that does not scale or a bad count (the driver's RunControl checks it).
     """
+    use_auth_mode(location)
     import ray
 
     control = control_actor(location)

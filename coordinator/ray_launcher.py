@@ -29,7 +29,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from coordinator import roles
 from coordinator.launcher import DemoLauncher
 from coordinator.ray_actors import RedisActor, RoleActor, RunControl, control_actor_name
-from coordinator.ray_control import RunLocation, write_state
+from coordinator.ray_control import AUTH_MODE_ENV, RunLocation, write_state
 from coordinator.ray_placement import TrainerGang, check_placeable, rollout_bundle, wait_placed
 from coordinator.supervision import RoleFailed, write_roles
 from protos.config import RunConfig
@@ -81,7 +81,14 @@ class RayLauncher(DemoLauncher):
         # 3) the config every role reads, and where `fleetrl down|scale` find this run
         self.config_path = self.prepare(redis_url)
         address = ray.get_runtime_context().gcs_address
-        location = RunLocation(address, self.ray_config.namespace, self.config.run_id, str(self.out_dir), os.getpid())
+        location = RunLocation(
+            address,
+            self.ray_config.namespace,
+            self.config.run_id,
+            str(self.out_dir),
+            os.getpid(),
+            os.environ.get(AUTH_MODE_ENV, ""),
+        )
         write_state(self.out_dir, location)
         # 4) rollout replicas, each in its own placement group; the trainer's ranks in one
         for _ in range(self.config.rollout.num_servers):

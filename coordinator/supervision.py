@@ -39,6 +39,15 @@ def write_roles(out_dir: Path, reports: dict[str, dict]) -> None:
     partial.rename(out_dir / "roles.json")
 
 
+def set_niceness(pid: int, niceness: int) -> None:
+    """Set ``pid``'s scheduling niceness before it starts its own processes; where lowering it is not permitted
+    (no CAP_SYS_NICE), it keeps the launcher's."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, pid, niceness)
+    except PermissionError:
+        logger.info("pid %d keeps niceness %d (lowering it to %d is not permitted)", pid, os.nice(0), niceness)
+
+
 def log_tail(path: Path, num_chars: int = 3000) -> str:
     try:
         return path.read_text(errors="replace")[-num_chars:]
@@ -56,6 +65,7 @@ class SupervisedProcess:
         policy: RestartPolicy,
         cwd: str | None = None,
         restart: bool = True,
+        niceness: int | None = None,
     ):
         self.make_spec = make_spec
         self.spec = make_spec()
@@ -63,6 +73,7 @@ class SupervisedProcess:
         self.policy = policy
         self.cwd = cwd
         self.restart = restart  # False: a failure is only reported (a Ray trainer gang restarts as a whole)
+        self.niceness = niceness  # the process's, where the launcher runs at another (None: inherit)
         self.process: subprocess.Popen | None = None
         self.restarts = 0
         self.restart_at: float | None = None  # monotonic time of a scheduled restart
@@ -101,6 +112,8 @@ class SupervisedProcess:
                 cwd=self.cwd,
                 start_new_session=True,
             )
+        if self.niceness is not None:
+            set_niceness(self.process.pid, self.niceness)
 
     def supervise(self, now_s: float | None = None) -> str:
         """Look at the process and restart it when due; returns what happened ('' = nothing new).
