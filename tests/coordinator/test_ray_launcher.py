@@ -41,12 +41,14 @@ def _addresses(run: LaunchedRun) -> dict[str, str]:
 def test_fleetrl_up_heals_scales_and_trains_every_group_once(tmp_path):
     model = init_tiny(tmp_path / "model")
     run = launch(
-        ["up", "recipes/demo-echo.yaml", "--ray", "local"], tmp_path / "run", str(model), STEPS, "launcher.ray.num_cpus=8"
+        ["up", "recipes/demo-echo.yaml", "--ray", "local"],
+        tmp_path / "run",
+        str(model),
+        STEPS,
+        "launcher.ray.num_cpus=8",
     )
     try:
-        run.wait_for(
-            lambda: (s := run.status()) and s.groups_pushed >= GROUPS_PER_STEP, "the first step's groups", 600
-        )
+        run.wait_for(lambda: (s := run.status()) and s.groups_pushed >= GROUPS_PER_STEP, "the first step's groups", 600)
         before = _addresses(run)
         run.kill_role("rollout-1")  # mid-run: its open calls go to rollout-0
         run.stub.Pause(admin_pb2.PauseRequest(), timeout=10)  # the run must still be going once it is back
