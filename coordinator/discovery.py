@@ -76,6 +76,8 @@ class FleetDiscovery:
             return
         try:
             await self.fleet.add(address, timeout_s=self.add_timeout_s)
+        except ValueError:  # an operator added it meanwhile
+            return
         except (RolloutFailed, grpc.aio.AioRpcError) as error:
             self._next_try[address] = time.monotonic() + self.retry_s
             logger.info("registered rollout server %s (%s) not joining yet: %s", address, report.server_id, error)
