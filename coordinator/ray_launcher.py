@@ -19,36 +19,25 @@ from __future__ import annotations
 import json
 import os
 import time
-from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import ray
-from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.placement_group import PlacementGroup, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from coordinator import roles
 from coordinator.launcher import DemoLauncher
 from coordinator.ray_actors import RedisActor, RoleActor, RunControl, control_actor_name
 from coordinator.ray_control import AUTH_MODE_ENV, RunLocation, write_state
-from coordinator.ray_placement import TrainerGang, check_placeable, rollout_bundle, wait_placed
+from coordinator.ray_placement import TrainerGang, check_placeable
+from coordinator.ray_replicas import STOP_GRACE_S, RolloutReplicas
 from coordinator.supervision import RoleFailed, write_roles
 from protos.config import RunConfig
-
-STOP_GRACE_S = 30.0  # a rollout server drains its calls (--grace-s) and shuts its engine down within this
 
 
 class RunStopped(Exception):
     """``fleetrl down`` asked the run to stop."""
-
-
-@dataclass
-class Replica:
-    """One rollout server: its actor and its placement group; ``stopping`` is its stop call once scaled away."""
-
-    name: str
-    actor: ray.actor.ActorHandle
-    group: PlacementGroup
-    stopping: ray.ObjectRef | None = None
 
 
 class RayLauncher(DemoLauncher):
@@ -56,9 +45,7 @@ class RayLauncher(DemoLauncher):
         super().__init__(config, out_dir)
         self.ray_config = config.launcher.ray
         self.local = self.ray_config.address == "local"
-        self.replicas: dict[str, Replica] = {}
-        self.leaving: dict[str, Replica] = {}
-        self.num_replicas_made = 0
+        self.replicas: RolloutReplicas | None = None
         self.gang: TrainerGang | None = None
         self.coordinator = None
         self.redis_actor = None
@@ -91,8 +78,10 @@ class RayLauncher(DemoLauncher):
         )
         write_state(self.out_dir, location)
         # 4) rollout replicas, each in its own placement group; the trainer's ranks in one
+        make_spec = partial(roles.rollout_spec, self.config, self.config_path, self.out_dir)
+        self.replicas = RolloutReplicas(self.config, make_spec, self._role_actor, self.local)
         for _ in range(self.config.rollout.num_servers):
-            self.add_replica()
+            self.replicas.add(wait=True)
         self.gang = TrainerGang(self.config, self.config_path, self.actor_options, self.local)
         self.gang.start()
         # 5) the coordinator, once every rollout server serves (it finds them in Redis, or is handed the list)
@@ -114,8 +103,8 @@ class RayLauncher(DemoLauncher):
         except ValueError:
             raise RoleFailed(
                 f"run {self.config.run_id!r} is already up on this Ray cluster (namespace "
-                f"{self.ray_config.namespace!r}): stop it with `fleetrl down --run-id {self.config.run_id}` or choose "
-                "another run_id"
+                f"{self.ray_config.namespace!r}): stop it with `fleetrl down --run-dir DIR` (its run directory) or "
+                f"`fleetrl down --ray ADDRESS --run-id {self.config.run_id}`, or choose another run_id"
             ) from None
 
     def _role_actor(self, num_cpus: float, num_gpus: float, group: PlacementGroup | None, restart: bool = True):
@@ -124,51 +113,12 @@ class RayLauncher(DemoLauncher):
         policy = self.config.launcher.restart.model_dump()
         return ray.remote(RoleActor).options(**options).remote(policy=policy, restart=restart, **self.actor_options)
 
-    def add_replica(self) -> Replica | None:
-        """One more rollout server in a placement group of its own; None (said why) when the cluster cannot hold
-        it within ``launcher.ray.placement_timeout_s``."""
-        name = f"rollout-{self.num_replicas_made}"
-        bundle = rollout_bundle(self.config)
-        group = placement_group([bundle], strategy="STRICT_PACK", name=f"fleetrl-{self.config.run_id}-{name}")
-        try:
-            wait_placed(group, name, self.ray_config.placement_timeout_s)
-        except RoleFailed as error:
-            if not self.replicas:  # the run cannot start without one
-                raise
-            remove_placement_group(group)
-            print(f"fleetrl: {error}; that replica is not started", flush=True)
-            return None
-        actor = self._role_actor(bundle.get("CPU", 0), bundle.get("GPU", 0), group)
-        host = "" if self.local else ray.get(actor.placement.remote(), timeout=60)["ip"]
-        spec = roles.rollout_spec(self.config, self.config_path, self.out_dir, self.num_replicas_made, host)
-        ray.get(actor.start.remote(spec), timeout=60)
-        self.num_replicas_made += 1
-        self.replicas[name] = Replica(name, actor, group)
-        return self.replicas[name]
-
-    def retire_replica(self, replica: Replica) -> None:
-        """Scale down: SIGTERM the server, which leaves the fleet hash (the coordinator stops routing to it) and
-        drains its calls (they finish or are re-dispatched); its actor and group go once it stopped."""
-        del self.replicas[replica.name]
-        replica.stopping = replica.actor.stop.remote(STOP_GRACE_S)
-        self.leaving[replica.name] = replica
-        print(f"fleetrl: {replica.name} leaving (draining its calls)", flush=True)
-
-    def scale_rollout(self, count: int) -> None:
-        print(f"fleetrl: scaling rollout servers {len(self.replicas)} -> {count}", flush=True)
-        while len(self.replicas) < count:
-            if self.add_replica() is None:
-                return
-        newest_first = sorted(self.replicas.values(), key=lambda r: int(r.name.rsplit("-", 1)[1]), reverse=True)
-        for replica in newest_first[: len(self.replicas) - count]:
-            self.retire_replica(replica)
-
     def wait_for_rollouts(self, timeout_s: float = 900.0) -> list[str]:
         """The rollout servers' host:port, once each serves (a CPU engine starts in ~30 s)."""
         deadline = time.monotonic() + timeout_s
         while True:
             self.check_children()
-            addresses = {name: self.reports[name].get("address") for name in self.replicas}
+            addresses = {name: self.reports[name].get("address") for name in self.replicas.serving}
             if all(addresses.values()):
                 return list(addresses.values())
             if time.monotonic() > deadline:
@@ -180,7 +130,7 @@ class RayLauncher(DemoLauncher):
     def check_children(self) -> None:
         """Collect the actors' reports (printing their events), restart a failed trainer gang, finish the scaled-away
         replicas, act on ``fleetrl down|scale``, and post the reports (RunControl, roles.json)."""
-        actors = {name: r.actor for name, r in self.replicas.items()}
+        actors = {name: r.actor for name, r in self.replicas.serving.items()} if self.replicas else {}
         if self.coordinator is not None:
             actors["coordinator"] = self.coordinator
         names = list(actors) + (self.gang.names if self.gang else [])
@@ -199,30 +149,21 @@ class RayLauncher(DemoLauncher):
             if event:
                 print(f"fleetrl: {event}", flush=True)
         self.reports = reports
-        self._finish_leaving()
+        for event in self.replicas.advance() if self.replicas else []:
+            print(f"fleetrl: {event}", flush=True)
         self._act_on_requests()
         self._post_reports()
-
-    def _finish_leaving(self) -> None:
-        for name, replica in list(self.leaving.items()):
-            done, _ = ray.wait([replica.stopping], timeout=0)
-            if done:
-                ray.kill(replica.actor)
-                remove_placement_group(replica.group)
-                del self.leaving[name]
-                print(f"fleetrl: {name} stopped", flush=True)
 
     def _act_on_requests(self) -> None:
         stop_reason, scale = ray.get(self.control.take_requests.remote(), timeout=30)
         if stop_reason:
             raise RunStopped(stop_reason)
         if roles.ROLLOUT in scale:
-            self.scale_rollout(scale[roles.ROLLOUT])
+            print(f"fleetrl: {self.replicas.scale_to(scale[roles.ROLLOUT])}", flush=True)
 
     def _post_reports(self) -> None:
         posted = {name: {k: v for k, v in r.items() if k != "events"} for name, r in self.reports.items()}
-        for name in self.leaving:
-            posted[name] = {"name": name, "kind": roles.ROLLOUT, "state": "leaving", "leaving": True}
+        posted.update(self.replicas.transient_reports() if self.replicas else {})
         if self.gang is not None:
             for name in self.gang.names:
                 posted[name]["restarts"] = self.gang.restarts
@@ -241,14 +182,17 @@ class RayLauncher(DemoLauncher):
 
     def stop_all(self, grace_s: float = STOP_GRACE_S) -> None:
         """Stop every process (in parallel, each with ``grace_s``), then the actors, groups and Redis."""
-        replicas = [*self.replicas.values(), *self.leaving.values()]
-        actors = [r.actor for r in replicas] + (self.gang.actors if self.gang else [])
-        actors += [self.coordinator] if self.coordinator is not None else []
-        ray.get([actor.stop.remote(grace_s) for actor in actors], timeout=grace_s + 60)
+        actors = (self.gang.actors if self.gang else []) + ([self.coordinator] if self.coordinator else [])
+        stops = [actor.stop.remote(grace_s) for actor in actors] + (
+            self.replicas.stop_refs(grace_s) if self.replicas else []
+        )
+        ray.get(stops, timeout=grace_s + 60)
         for actor in actors:
             ray.kill(actor)
-        for group in [r.group for r in replicas] + ([self.gang.group] if self.gang else []):
-            remove_placement_group(group)
+        if self.replicas is not None:
+            self.replicas.release()
+        if self.gang is not None:
+            remove_placement_group(self.gang.group)
         if self.redis_actor is not None:
             ray.get(self.redis_actor.stop.remote(), timeout=30)
         if self.control is not None:
