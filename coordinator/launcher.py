@@ -24,6 +24,7 @@ from pathlib import Path
 
 import redis
 
+from channels.metrics_stream import MetricsStreamReader
 from channels.version_board import VersionBoard
 from coordinator import roles
 from coordinator.demo_agents import demo_agent_commands, prepare_agents
@@ -31,7 +32,6 @@ from coordinator.redis_server import EmbeddedRedis
 from coordinator.roles import RoleSpec
 from coordinator.supervision import RoleFailed, SupervisedProcess, write_roles
 from protos.config import RunConfig
-from protos.records import decode_done, decode_metrics
 from protos.redis_keys import RedisKeys
 from protos.trainer_command import trainer_argv
 
@@ -220,37 +220,34 @@ class DemoLauncher:
     def monitor(self, redis_url: str) -> dict:
         """Print a line per training step until the trainer reports done; returns the summary."""
         client = redis.Redis.from_url(redis_url, socket_timeout=30)
+        metrics = MetricsStreamReader(client, self.keys)
         trainer_steps: list[dict] = []
         coordinator_last: dict = {}
-        cursors = {self.keys.metrics("trainer"): "0", self.keys.metrics("coordinator"): "0"}
+        cursors = {"trainer": "0", "coordinator": "0"}
         done = False
         while not done:
             self.check_children()
-            reply = client.xread(cursors, block=1000) or []
-            for stream, entries in reply:
-                stream = stream.decode()
-                for entry_id, fields in entries:
-                    cursors[stream] = entry_id.decode()
-                    if b"d" in fields:  # a RoleDone: the trainer finished
-                        done = done or decode_done(fields[b"d"]).role == "trainer"
-                        continue
-                    report = decode_metrics(fields[b"m"])
-                    if report.role == "coordinator":  # periodic figures, and eval rounds (eval/...)
-                        coordinator_last = {**coordinator_last, **report.values}
-                        self.rollout_rates.append(report.values.get("tokens_per_s", 0.0))
-                    else:
-                        step = {"step": report.step, "policy_version": report.policy_version, **report.values}
-                        # A report retried after a lost reply lands twice; a restarted trainer redoes the steps
-                        # after its checkpoint: the later report of a step replaces the earlier ones.
-                        while trainer_steps and trainer_steps[-1]["step"] >= report.step:
-                            trainer_steps.pop()
-                        trainer_steps.append(step)
-                        self.print_step(step, coordinator_last, client)
+            for entry in metrics.follow(cursors, block_s=1.0):
+                if entry.done is not None:  # a RoleDone: the trainer finished
+                    done = done or entry.done.role == "trainer"
+                    continue
+                report = entry.report
+                if report.role == "coordinator":  # periodic figures, and eval rounds (eval/...)
+                    coordinator_last = {**coordinator_last, **report.values}
+                    self.rollout_rates.append(report.values.get("tokens_per_s", 0.0))
+                else:
+                    step = {"step": report.step, "policy_version": report.policy_version, **report.values}
+                    # A report retried after a lost reply lands twice; a restarted trainer redoes the steps after its
+                    # checkpoint: the later report of a step replaces the earlier ones.
+                    while trainer_steps and trainer_steps[-1]["step"] >= report.step:
+                        trainer_steps.pop()
+                    trainer_steps.append(step)
+                    self.print_step(step, coordinator_last, client)
         self.wait_for_fleet(client, trainer_steps[-1]["policy_version"] if trainer_steps else 0)
-        coordinator_last.update(self.wait_for_coordinator(client, cursors[self.keys.metrics("coordinator")]))
+        coordinator_last.update(self.wait_for_coordinator(metrics, cursors["coordinator"]))
         return self.summary(client, trainer_steps, coordinator_last)
 
-    def wait_for_coordinator(self, client: redis.Redis, cursor: str, timeout_s: float = 120.0) -> dict:
+    def wait_for_coordinator(self, metrics: MetricsStreamReader, cursor: str, timeout_s: float = 120.0) -> dict:
         """The coordinator exits after its last eval round; returns the figures it reported meanwhile."""
         values: dict = {}
         deadline = time.monotonic() + timeout_s
@@ -260,9 +257,9 @@ class DemoLauncher:
         if self.coordinator_running():
             logger.warning("the coordinator did not exit within %.0fs after the trainer finished", timeout_s)
         self.check_children()
-        for _entry_id, fields in client.xrange(self.keys.metrics("coordinator"), min=f"({cursor}"):
-            if b"m" in fields:
-                values.update(decode_metrics(fields[b"m"]).values)
+        for entry in metrics.after("coordinator", cursor):
+            if entry.report is not None:
+                values.update(entry.report.values)
         return values
 
     def print_step(self, step: dict, coordinator: dict, client: redis.Redis) -> None:
