@@ -30,7 +30,13 @@ from coordinator import roles
 from coordinator.launcher import DemoLauncher
 from coordinator.ray_actors import RedisActor, RoleActor, RunControl, control_actor_name
 from coordinator.ray_control import AUTH_MODE_ENV, RunLocation, write_state
-from coordinator.ray_placement import TrainerGang, check_placeable
+from coordinator.ray_placement import (
+    TrainerGang,
+    actor_options,
+    check_placeable,
+    coordinator_resources,
+    resolve_cluster_choices,
+)
 from coordinator.ray_replicas import STOP_GRACE_S, RolloutReplicas
 from coordinator.supervision import RoleFailed, write_roles
 from protos.config import RunConfig
@@ -56,7 +62,9 @@ class RayLauncher(DemoLauncher):
 
     # the run -------------------------------------------------------------------------------
     def start(self) -> str:
-        # 1) refuse what this launcher cannot place, and a second driver of the same run id
+        # 1) settle what the cluster decides (GPUs, KubeRay's role resources); refuse what this launcher cannot place
+        #    and a second driver of the same run id
+        resolve_cluster_choices(self.config, ray.cluster_resources())
         check_placeable(self.config, self.local)
         self.control = self._claim_run()
         (self.out_dir / "logs").mkdir(parents=True, exist_ok=True)
@@ -86,7 +94,7 @@ class RayLauncher(DemoLauncher):
         self.gang.start()
         # 5) the coordinator, once every rollout server serves (it finds them in Redis, or is handed the list)
         addresses = self.wait_for_rollouts()
-        self.coordinator = self._role_actor(self.ray_config.coordinator_cpus, 0, None)
+        self.coordinator = self._role_actor(coordinator_resources(self.config), None)
         node = ray.get(self.coordinator.placement.remote(), timeout=60)
         extra = () if self.local else (f"coordinator.admin_host={node['ip']}",)
         spec = roles.coordinator_spec(self.config, self.config_path, addresses, extra)
@@ -107,11 +115,12 @@ class RayLauncher(DemoLauncher):
                 f"`fleetrl down --ray ADDRESS --run-id {self.config.run_id}`, or choose another run_id"
             ) from None
 
-    def _role_actor(self, num_cpus: float, num_gpus: float, group: PlacementGroup | None, restart: bool = True):
+    def _role_actor(self, resources: dict[str, float], group: PlacementGroup | None):
+        """A RoleActor asking for ``resources`` (a replica: its whole bundle of ``group``)."""
         strategy = PlacementGroupSchedulingStrategy(group, 0) if group is not None else "DEFAULT"
-        options = {"num_cpus": num_cpus, "num_gpus": num_gpus, "scheduling_strategy": strategy}
+        options = {**actor_options(resources), "scheduling_strategy": strategy}
         policy = self.config.launcher.restart.model_dump()
-        return ray.remote(RoleActor).options(**options).remote(policy=policy, restart=restart, **self.actor_options)
+        return ray.remote(RoleActor).options(**options).remote(policy=policy, **self.actor_options)
 
     def wait_for_rollouts(self, timeout_s: float = 900.0) -> list[str]:
         """The rollout servers' host:port, once each serves (a CPU engine starts in ~30 s)."""

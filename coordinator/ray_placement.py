@@ -24,13 +24,35 @@ from protos.config import RunConfig
 RANK_STOP_GRACE_S = 10.0
 
 
+# The custom resources the KubeRay rendering (deploy/kuberay.py) gives the rollout and trainer worker groups (one per
+# GPU) and the head (1): asking for them puts each role on its own group.
+ROLE_RESOURCES = {
+    roles.ROLLOUT: "fleetrl_rollout",
+    roles.TRAINER: "fleetrl_trainer",
+    roles.COORDINATOR: "fleetrl_coordinator",
+}
+
+
+def resolve_cluster_choices(config: RunConfig, cluster: dict[str, float]) -> None:
+    """Settle ``launcher.ray.use_gpus`` and ``role_resources`` left at None by what ``cluster`` (Ray's
+    cluster_resources) has; the run's config.json records the choice."""
+    ray_config = config.launcher.ray
+    if ray_config.use_gpus is None:
+        ray_config.use_gpus = cluster.get("GPU", 0) > 0
+    if ray_config.role_resources is None:
+        ray_config.role_resources = all(name in cluster for name in ROLE_RESOURCES.values())
+
+
+def _with_role_resource(config: RunConfig, role: str, bundle: dict[str, float], count: float) -> dict[str, float]:
+    return {**bundle, ROLE_RESOURCES[role]: count} if config.launcher.ray.role_resources else bundle
+
+
 def rollout_bundle(config: RunConfig) -> dict[str, float]:
     """One rollout replica: its CPUs and, on GPUs, TP x PP of them (one node: a bundle never spans nodes)."""
     ray_config, rollout = config.launcher.ray, config.rollout
-    bundle = {"CPU": ray_config.rollout_cpus}
-    if ray_config.use_gpus:
-        bundle["GPU"] = rollout.tensor_parallel_size * rollout.pipeline_parallel_size
-    return bundle
+    gpus = rollout.tensor_parallel_size * rollout.pipeline_parallel_size
+    bundle = {"CPU": ray_config.rollout_cpus, **({"GPU": gpus} if ray_config.use_gpus else {})}
+    return _with_role_resource(config, roles.ROLLOUT, bundle, gpus)
 
 
 def trainer_bundles(config: RunConfig) -> tuple[list[dict[str, float]], str]:
@@ -39,7 +61,25 @@ def trainer_bundles(config: RunConfig) -> tuple[list[dict[str, float]], str]:
     bundle = {"CPU": ray_config.trainer_cpus_per_rank * trainer.num_processes}
     if ray_config.use_gpus:
         bundle["GPU"] = trainer.num_processes
+    bundle = _with_role_resource(config, roles.TRAINER, bundle, trainer.num_processes)
     return [bundle] * trainer.num_nodes, "STRICT_PACK" if trainer.num_nodes == 1 else "STRICT_SPREAD"
+
+
+def trainer_rank_resources(config: RunConfig) -> dict[str, float]:
+    """What one rank's actor takes of its node's bundle."""
+    ray_config = config.launcher.ray
+    rank = {"CPU": ray_config.trainer_cpus_per_rank, **({"GPU": 1} if ray_config.use_gpus else {})}
+    return _with_role_resource(config, roles.TRAINER, rank, 1)
+
+
+def coordinator_resources(config: RunConfig) -> dict[str, float]:
+    return _with_role_resource(config, roles.COORDINATOR, {"CPU": config.launcher.ray.coordinator_cpus}, 1)
+
+
+def actor_options(resources: dict[str, float]) -> dict:
+    """Ray actor options asking for ``resources`` (CPU, GPU and custom ones)."""
+    custom = {name: amount for name, amount in resources.items() if name not in ("CPU", "GPU")}
+    return {"num_cpus": resources.get("CPU", 0), "num_gpus": resources.get("GPU", 0), "resources": custom}
 
 
 def check_placeable(config: RunConfig, local: bool) -> None:
@@ -77,30 +117,30 @@ def wait_placed(group: PlacementGroup, what: str, timeout_s: float) -> None:
 class TrainerGang:
     """The trainer's ranks, one ``RoleActor`` each in one placement group; restarted together when one fails."""
 
-    def __init__(self, config: RunConfig, config_path: Path, actor_options: dict, local: bool):
+    def __init__(self, config: RunConfig, config_path: Path, role_actor_args: dict, local: bool):
         self.config = config
         self.config_path = config_path
         self.local = local
         self.policy = config.launcher.restart
-        trainer, ray_config = config.trainer, config.launcher.ray
+        trainer = config.trainer
         self.world_size = trainer.num_nodes * trainer.num_processes
         bundles, strategy = trainer_bundles(config)
         self.group = placement_group(bundles, strategy=strategy, name=f"fleetrl-{config.run_id}-trainer")
-        wait_placed(self.group, "the trainer's ranks", ray_config.placement_timeout_s)
+        wait_placed(self.group, "the trainer's ranks", config.launcher.ray.placement_timeout_s)
+        resources = actor_options(trainer_rank_resources(config))
         self.actors = [
             ray.remote(RoleActor)
             .options(
-                num_cpus=ray_config.trainer_cpus_per_rank,
-                num_gpus=1 if ray_config.use_gpus else 0,
+                **resources,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(self.group, rank // trainer.num_processes),
             )
-            .remote(policy=self.policy.model_dump(), restart=False, **actor_options)
+            .remote(policy=self.policy.model_dump(), restart=False, **role_actor_args)
             for rank in range(self.world_size)
         ]
         self.names = [roles.TRAINER] if self.world_size == 1 else [f"trainer-rank-{r}" for r in range(self.world_size)]
         self.restarts = 0
         self.restart_at: float | None = None
-        self.log_dir = Path(actor_options["log_dir"])
+        self.log_dir = Path(role_actor_args["log_dir"])
 
     def start(self) -> None:
         """Every rank with torchrun's environment; a fresh MASTER_PORT on rank 0's node at every (re)start."""

@@ -39,7 +39,8 @@ class Replica:
 
 
 class RolloutReplicas:
-    """Adds, starts, retires and stops the run's rollout replicas; ``make_actor(cpus, gpus, group)`` builds one."""
+    """Adds, starts, retires and stops the run's rollout replicas; ``make_actor(resources, group)`` builds the actor
+    that takes a replica's whole bundle."""
 
     def __init__(self, config: RunConfig, make_spec: Callable[[int, str], roles.RoleSpec], make_actor, local: bool):
         self.config = config
@@ -69,8 +70,7 @@ class RolloutReplicas:
         return placement_group([rollout_bundle(self.config)], strategy="STRICT_PACK", name=name)
 
     def _start(self, replica: Replica) -> None:
-        bundle = rollout_bundle(self.config)
-        replica.actor = self.make_actor(bundle.get("CPU", 0), bundle.get("GPU", 0), replica.group)
+        replica.actor = self.make_actor(rollout_bundle(self.config), replica.group)
         host = "" if self.local else ray.get(replica.actor.placement.remote(), timeout=60)["ip"]
         ray.get(replica.actor.start.remote(self.make_spec(replica.index, host)), timeout=60)
         self.serving[replica.name] = replica

@@ -46,10 +46,17 @@ class RayConfig(Strict):
         None, gt=0, description="Logical CPUs of a 'local' cluster; None = this machine's count."
     )
     namespace: str = Field("fleetrl", description="Ray namespace of the run's named actors.")
-    use_gpus: bool = Field(
-        False,
-        description="Ask for GPUs: TP x PP per rollout replica's bundle, one per trainer rank. False (the CPU "
-        "recipes): bundles ask for CPUs only.",
+    use_gpus: bool | None = Field(
+        None,
+        description="Ask for GPUs: TP x PP per rollout replica's bundle, one per trainer rank; False: CPUs only; "
+        "None: whether the cluster has GPUs (a CPU machine runs the tiny recipes on CPUs).",
+    )
+    role_resources: bool | None = Field(
+        None,
+        description="Also ask for the custom resources fleetrl_rollout / fleetrl_trainer (one per GPU, or per "
+        "replica and rank without GPUs) and fleetrl_coordinator (1) that the KubeRay rendering (python -m "
+        "deploy.render --kuberay) gives its worker groups and head, so each role lands on its own group; None: "
+        "whether the cluster declares them.",
     )
     rollout_cpus: float = Field(1.0, ge=0, description="CPUs in each rollout replica's bundle.")
     trainer_cpus_per_rank: float = Field(1.0, ge=0, description="CPUs in each trainer rank's bundle.")

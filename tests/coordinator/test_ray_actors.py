@@ -14,6 +14,7 @@ import ray
 
 from coordinator.ray_actors import RoleActor, RunControl, control_actor_name
 from coordinator.ray_control import FLEETRL_ROOT, connect
+from coordinator.ray_placement import actor_options
 from coordinator.ray_replicas import RolloutReplicas
 from coordinator.roles import ROLLOUT, RoleSpec
 from protos.config import RestartPolicy, load_run_config
@@ -78,15 +79,11 @@ def test_a_role_actor_restarts_its_killed_process_and_reports_it(cluster, tmp_pa
 def test_replicas_scale_up_in_the_background_and_down_by_retiring_the_newest(cluster, tmp_path):
     config = load_run_config(overrides=["run_id=replica-test", "launcher.ray.rollout_cpus=0.5"])
 
-    def make_actor(num_cpus, num_gpus, group):
+    def make_actor(resources, group):
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        strategy = PlacementGroupSchedulingStrategy(group, 0)
-        return (
-            ray.remote(RoleActor)
-            .options(num_cpus=num_cpus, scheduling_strategy=strategy)
-            .remote(**_actor_options(tmp_path))
-        )
+        options = {**actor_options(resources), "scheduling_strategy": PlacementGroupSchedulingStrategy(group, 0)}
+        return ray.remote(RoleActor).options(**options).remote(**_actor_options(tmp_path))
 
     replicas = RolloutReplicas(config, lambda index, host: _server_spec(tmp_path, index), make_actor, local=True)
     replicas.add(wait=True)

@@ -10,7 +10,15 @@ import pytest
 from coordinator import roles
 from coordinator.ray_actors import RunControl
 from coordinator.ray_control import serving_replicas
-from coordinator.ray_placement import check_placeable, rollout_bundle, trainer_bundles
+from coordinator.ray_placement import (
+    actor_options,
+    check_placeable,
+    coordinator_resources,
+    resolve_cluster_choices,
+    rollout_bundle,
+    trainer_bundles,
+    trainer_rank_resources,
+)
 from coordinator.supervision import RoleFailed
 from protos.config import load_run_config
 
@@ -53,7 +61,7 @@ def test_a_gang_over_two_nodes_gets_torchruns_environment_with_each_nodes_gpus()
 
 
 def test_bundles_ask_for_cpus_only_unless_the_recipe_uses_gpus():
-    cpu = load_run_config("recipes/demo-echo.yaml")
+    cpu = load_run_config("recipes/demo-echo.yaml", ["launcher.ray.use_gpus=false"])
     assert rollout_bundle(cpu) == {"CPU": 1.0}
     assert trainer_bundles(cpu) == ([{"CPU": 1.0}], "STRICT_PACK")
     gpu = load_run_config(
@@ -68,6 +76,31 @@ def test_bundles_ask_for_cpus_only_unless_the_recipe_uses_gpus():
     )
     assert rollout_bundle(gpu) == {"CPU": 1.0, "GPU": 8}  # TP x PP in one bundle: one node
     assert trainer_bundles(gpu) == ([{"CPU": 8.0, "GPU": 8}] * 2, "STRICT_SPREAD")  # a bundle per trainer node
+
+
+def test_gpus_and_kuberays_role_resources_follow_the_cluster_unless_the_recipe_says():
+    cpu_box, kuberay = {"CPU": 8.0}, {"CPU": 64.0, "GPU": 16.0}
+    kuberay.update(fleetrl_rollout=8.0, fleetrl_trainer=8.0, fleetrl_coordinator=1.0)
+    config = load_run_config(overrides=["rollout.tensor_parallel_size=8", "trainer.backend=megatron"])
+    resolve_cluster_choices(config, cpu_box)
+    assert (config.launcher.ray.use_gpus, config.launcher.ray.role_resources) == (False, False)
+    assert rollout_bundle(config) == {"CPU": 1.0}
+    config = load_run_config(
+        overrides=["rollout.tensor_parallel_size=8", "trainer.backend=megatron", "trainer.num_processes=8"]
+    )
+    resolve_cluster_choices(config, kuberay)
+    assert rollout_bundle(config) == {"CPU": 1.0, "GPU": 8, "fleetrl_rollout": 8}
+    assert trainer_bundles(config)[0] == [{"CPU": 8.0, "GPU": 8, "fleetrl_trainer": 8}]
+    assert trainer_rank_resources(config) == {"CPU": 1.0, "GPU": 1, "fleetrl_trainer": 1}
+    assert coordinator_resources(config) == {"CPU": 1.0, "fleetrl_coordinator": 1}
+    assert actor_options(rollout_bundle(config)) == {
+        "num_cpus": 1.0,
+        "num_gpus": 8,
+        "resources": {"fleetrl_rollout": 8},
+    }
+    kept = load_run_config(overrides=["launcher.ray.use_gpus=false", "launcher.ray.role_resources=false"])
+    resolve_cluster_choices(kept, kuberay)
+    assert (kept.launcher.ray.use_gpus, kept.launcher.ray.role_resources) == (False, False)
 
 
 @pytest.mark.parametrize(
