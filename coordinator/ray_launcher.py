@@ -3,11 +3,12 @@
 The driver is the ``fleetrl up`` process. It is a ``DemoLauncher`` whose processes live in actors: the same role
 specs (coordinator/roles.py), the same step lines and summary. Placement (docs/ray_launcher.md):
 
-* a rollout replica: its own placement group, one STRICT_PACK bundle of ``launcher.ray.rollout_cpus`` CPUs and, with
-  ``launcher.ray.use_gpus``, TP x PP GPUs; the replica's ``RoleActor`` takes the whole bundle;
+* a rollout replica (coordinator/ray_replicas.py): its own placement group, one STRICT_PACK bundle of
+  ``launcher.ray.rollout_cpus`` CPUs and, with GPUs, TP x PP of them; the replica's ``RoleActor`` takes the bundle;
 * the trainer: one placement group for its gang, a bundle per node of ``trainer.num_processes`` ranks (STRICT_PACK on
   one node, STRICT_SPREAD over ``trainer.num_nodes``), one ``RoleActor`` per rank with torchrun's environment;
-* the coordinator: an actor of ``coordinator_cpus``; Redis: the run's ``redis_url``, or valkey in a ``RedisActor``.
+* the coordinator: an actor of ``coordinator_cpus``; Redis: the run's ``redis_url``, or valkey in a ``RedisActor``;
+* on a KubeRay cluster (coordinator/ray_placement.py) each also asks for its group's custom resource.
 
 Healing: a rollout server's or the coordinator's actor restarts its process by ``launcher.restart``; the trainer's
 ranks restart together (``TrainerGang``) under the same policy. ``fleetrl scale`` and ``fleetrl down`` reach the driver
@@ -47,6 +48,9 @@ class RunStopped(Exception):
 
 
 class RayLauncher(DemoLauncher):
+    """The driver of ``fleetrl up``: starts the actors, supervises them through their reports, acts on
+    ``fleetrl down|scale``, and stops everything at the end."""
+
     def __init__(self, config: RunConfig, out_dir: Path):
         super().__init__(config, out_dir)
         self.ray_config = config.launcher.ray
@@ -148,6 +152,10 @@ class RayLauncher(DemoLauncher):
             reports = dict(zip(names, ray.get(refs, timeout=60), strict=True))
         except ray.exceptions.RayActorError as error:
             raise RoleFailed(f"an actor of the run died (its node may be gone): {error}") from None
+        except ray.exceptions.GetTimeoutError:
+            raise RoleFailed(
+                f"the actors of {names} did not report within 60s (is the Ray cluster overloaded?)"
+            ) from None
         for report in reports.values():
             for event in report["events"]:
                 print(f"fleetrl: {event}", flush=True)

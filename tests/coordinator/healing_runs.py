@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
+import psutil
 import pytest
 
 from coordinator.redis_server import free_port
@@ -95,6 +96,14 @@ class LaunchedRun:
         except subprocess.TimeoutExpired:
             pytest.fail(f"the run did not finish within {timeout_s}s:\n{self.text()}")
         assert code == 0, self.text()
+        # Every role process of the run is gone (each names the run directory in its argv); engines and ranks
+        # went with their process groups.
+        leftovers = [
+            p.info["cmdline"]
+            for p in psutil.process_iter(["cmdline"])
+            if str(self.out) in " ".join(p.info["cmdline"] or [])
+        ]
+        assert not leftovers, leftovers
         return json.loads((self.out / "summary.json").read_text())
 
     def stop(self) -> None:

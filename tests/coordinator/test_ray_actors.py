@@ -1,11 +1,14 @@
 """The Ray side of fleetrl up on a real local Ray cluster (one per module), with small stand-in role processes in
 place of vLLM: a RoleActor restarts its killed process and reports it; RolloutReplicas places, starts, retires and
-releases replicas, and gives up on one the cluster cannot hold; RunControl is found by name."""
+releases replicas, and gives up on one the cluster cannot hold; RunControl is found by name and carries
+`fleetrl down` to the driver."""
 
 from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -13,7 +16,8 @@ import pytest
 import ray
 
 from coordinator.ray_actors import RoleActor, RunControl, control_actor_name
-from coordinator.ray_control import FLEETRL_ROOT, connect
+from coordinator.ray_control import AUTH_MODE_ENV, FLEETRL_ROOT, RunLocation, connect, write_state
+from coordinator.ray_launcher import RayLauncher, RunStopped
 from coordinator.ray_placement import actor_options
 from coordinator.ray_replicas import RolloutReplicas
 from coordinator.roles import ROLLOUT, RoleSpec
@@ -128,3 +132,24 @@ def test_the_run_control_actor_is_found_by_its_run_id(cluster):
     with pytest.raises(ValueError, match="already taken"):  # a second driver of the same run id is refused
         ray.remote(RunControl).options(name=control_actor_name("named"), num_cpus=0).remote("named", "/r")
     ray.kill(control)
+
+
+def _fleetrl(*argv: str) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-m", "coordinator.cli", *argv]
+    return subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=FLEETRL_ROOT)
+
+
+def test_fleetrl_down_reaches_the_driver_through_the_run_control_actor(cluster, tmp_path):
+    control = ray.remote(RunControl).options(name=control_actor_name("down-test"), num_cpus=0).remote("down-test", "")
+    address = ray.get_runtime_context().gcs_address
+    auth_mode = os.environ.get(AUTH_MODE_ENV, "")
+    write_state(tmp_path, RunLocation(address, NAMESPACE, "down-test", str(tmp_path), os.getpid(), auth_mode))
+    asked = _fleetrl("down", "--run-dir", str(tmp_path), "--wait-s", "1")
+    assert asked.returncode == 1 and "run down-test asked to stop; still stopping after 1s" in asked.stdout, asked
+    launcher = RayLauncher(load_run_config(overrides=["run_id=down-test"]), tmp_path)
+    launcher.control = control
+    with pytest.raises(RunStopped, match="fleetrl down"):  # the driver's next look at the run
+        launcher._act_on_requests()
+    ray.kill(control)
+    gone = _fleetrl("down", "--ray", address, "--run-id", "down-test", "--namespace", NAMESPACE)
+    assert gone.returncode == 2 and "no run 'down-test' is up" in gone.stderr, gone
