@@ -148,7 +148,8 @@ def latest_checkpoint_state(out: Path) -> dict:
 
 def assert_every_group_trained_once(summary: dict, out: Path, steps: int) -> None:
     """The surviving lineage of weights (the last checkpoint's ledger) trained each of the run's groups, each once:
-    as many distinct groups as the run admits, and exactly their samples."""
+    as many distinct groups as the run admits, and exactly their samples. (A restarted coordinator reports only its own
+    pushes: the summary's trajectories_produced is checked by the callers whose coordinator ran throughout.)"""
     num_groups = steps * GROUPS_PER_STEP
     state = latest_checkpoint_state(out)
     seen = (
@@ -158,5 +159,4 @@ def assert_every_group_trained_once(summary: dict, out: Path, steps: int) -> Non
     assert state["step"] == steps and summary["steps"] == steps, seen
     assert len(state["ledger"]) == num_groups and set(state["ledger"].values()) == {"trained"}, seen
     assert summary["trajectories_trained"] == num_groups * GROUP_SIZE == state["totals"]["samples_trained"], seen
-    assert summary["trajectories_produced"] >= summary["trajectories_trained"]
     assert summary["max_staleness_seen"] <= summary["max_staleness_allowed"]

@@ -67,6 +67,7 @@ def test_fleetrl_up_heals_scales_and_trains_every_group_once(tmp_path):
     assert summary["launcher"] == "ray"
     assert summary["restarts"] == {"rollout-0": 0, "rollout-1": 1, "coordinator": 0, "trainer": 1}
     assert_every_group_trained_once(summary, run.out, STEPS)
+    assert summary["trajectories_produced"] >= summary["trajectories_trained"]
     versions = set(summary["rollout_server_versions"].values())
     assert summary["rollout_servers"] == 2 and len(versions) == 1 and versions.pop() >= STEPS
     trainer_log = (run.out / "logs" / "trainer.log").read_text()
