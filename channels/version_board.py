@@ -6,7 +6,8 @@ Keys (names: protos/redis_keys.py; records: protos/records.py):
 * ``version_offset`` (int): the trainer's policy version minus the steps it has taken (the coordinator's slot map).
 * ``weights:<v>`` (``WeightManifest``) and ``weights:<v>:ipc`` (``CudaIpcVersion``): where version v's bytes are.
 * ``weights:announce`` (stream, field ``v``): one entry per publish; rollout servers and ``fleetrl sync`` follow it.
-* ``fleet`` (hash server id -> ``VersionReport``): the version each rollout server has put in force.
+* ``fleet`` (hash server id -> ``VersionReport``): the registry of rollout servers: each one's address, the version
+  it has put in force and its load, re-sent as a heartbeat; a server removes its entry when it stops.
 
 ``VersionBoard`` takes a sync client (the trainer's rank 0, the weight bus's publishers and the nccl subscriber's
 threads); ``AsyncVersionBoard`` an asyncio one (coordinator, rollout servers, dashboard). Outages: writes that are
@@ -162,6 +163,10 @@ class AsyncVersionBoard:
     async def report_version(self, report: VersionReport) -> None:
         """Rollout side: record which version ``report.server_id`` serves and what its last weight update cost."""
         await self.client.hset(self.keys.fleet, report.server_id, encode(report))
+
+    async def deregister(self, server_id: str) -> None:
+        """Rollout side, at shutdown: remove ``server_id``'s report, so discovery stops routing to it at once."""
+        await self.client.hdel(self.keys.fleet, server_id)
 
     async def fleet_reports(self) -> dict[str, VersionReport]:
         """Every server's latest VersionReport; an undecodable entry is skipped with a warning, not fatal."""

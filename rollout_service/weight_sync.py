@@ -79,12 +79,20 @@ class WeightFollower:
         self.last_receive_s = 0.0  # receive + verify of the last version's bytes into staging (0 for ipc)
         self.last_source = ""  # where the last committed version came from: ipc | publisher | snapshot | nccl
         self.pending: PendingUpdate | None = None
+        # The last report's status and message: what the heartbeat repeats (rollout_service.heartbeat).
+        self.last_status, self.last_message = ReportStatus.OK, ""
+        self.registered = True  # False once the server left the fleet hash at shutdown
         receiver.check_receive_mode(config.receive_mode, _serves_mxfp8(engine), _cuda_available())
         # The announcement follower and gRPC calls may race for the same version.
         self._lock = asyncio.Lock()
 
     async def report(self, status: ReportStatus = ReportStatus.OK, message: str = "") -> None:
+        """Register the server in the fleet hash with its version, status and load (also the heartbeat's beat)."""
+        if not self.registered:  # a commit finishing during shutdown must not register the leaving server again
+            return
+        self.last_status, self.last_message = status, message
         engine = self.engine
+        running, waiting, _ = engine.load()
         report = VersionReport(
             engine.server_id,
             self.address,
@@ -94,6 +102,9 @@ class WeightFollower:
             time.time(),
             self.last_update_s,
             self.last_paused_s,
+            running=running,
+            waiting=waiting,
+            capacity=engine.config.max_num_seqs,
         )
         await self.board.report_version(report)
 

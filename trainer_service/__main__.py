@@ -74,7 +74,7 @@ def restore(config, stop: threading.Event):
     from trainer_service import ranks
     from trainer_service.checkpoint import CheckpointManager, TrainerState
     from trainer_service.redis_side import RedisSide
-    from trainer_service.trainer import Trainer
+    from trainer_service.trainer import Trainer, TrainerTotals
 
     tcfg = config.trainer
     backend = make_backend(config.model_path, config)
@@ -89,6 +89,9 @@ def restore(config, stop: threading.Event):
         mini_batches=tcfg.mini_batches,
         measure_replay_mismatch=tcfg.measure_replay_mismatch,
     )
+    # The run's counts go on from the checkpoint: a restarted trainer reports the samples of the whole run.
+    saved = {name: int(value) for name, value in state.totals.items() if name in TrainerTotals.__dataclass_fields__}
+    trainer.totals = TrainerTotals(**{"steps": state.step, **saved})
     side = RedisSide(config.redis_url, config, trainer, stop) if ranks.world_rank() == 0 else None
     return trainer, checkpoints, side, restored, state.step
 

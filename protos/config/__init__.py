@@ -13,6 +13,7 @@ from protos.config.coordinator import (
     SamplingConfig,
     TrainingSamplingConfig,
 )
+from protos.config.launcher import LauncherConfig, RayConfig, RestartPolicy
 from protos.config.loading import (
     apply_overrides,
     deep_merge,
@@ -32,9 +33,12 @@ __all__ = [
     "AgentConfig",
     "CoordinatorConfig",
     "EvalConfig",
+    "LauncherConfig",
     "LoraConfig",
     "MegatronConfig",
     "OverlongConfig",
+    "RayConfig",
+    "RestartPolicy",
     "RolloutConfig",
     "RunConfig",
     "SamplingConfig",

@@ -89,6 +89,15 @@ class CoordinatorConfig(Strict):
     dashboard_host: str = Field("127.0.0.1", description="Interface the dashboard binds.")
     dashboard_port: int = Field(0, ge=0, description="Dashboard port; 0 picks a free one (logged).")
 
+    discovery: bool = Field(
+        True,
+        description="Route to the rollout servers that register in the run's fleet hash (besides --servers and "
+        "`fleetrl servers add`), and stop routing to those whose registration is older than server_timeout_s.",
+    )
+    server_timeout_s: float = Field(
+        10.0, gt=0, description="Discovery: a server whose last registration is older than this is dropped."
+    )
+
     @model_validator(mode="after")
     def _overlong_fits(self) -> CoordinatorConfig:
         if self.overlong.enabled and self.overlong.buffer_len > self.sampling.max_tokens:

@@ -76,6 +76,13 @@ class RolloutConfig(Strict):
         "(benchmarks; the first weight update brings the real ones).",
     )
 
+    heartbeat_interval_s: float = Field(
+        1.0,
+        gt=0,
+        description="Seconds between the server's registrations in the run's fleet hash (address, version, load, "
+        "capacity); the coordinator discovers servers from them (coordinator.discovery).",
+    )
+
     @model_validator(mode="after")
     def _prefix_caching_is_exact(self) -> RolloutConfig:
         if self.enable_prefix_caching == "on" and not self.recompute_kv_on_update:

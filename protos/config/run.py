@@ -9,6 +9,7 @@ from pydantic import Field, field_validator, model_validator
 from protos.config.agent import AgentConfig
 from protos.config.base import Strict
 from protos.config.coordinator import CoordinatorConfig, SamplingConfig
+from protos.config.launcher import LauncherConfig
 from protos.config.rollout import RolloutConfig
 from protos.config.trainer import TrainerConfig
 from protos.config.weight_bus import WeightBusConfig
@@ -55,6 +56,7 @@ class RunConfig(Strict):
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
     weight_bus: WeightBusConfig = Field(default_factory=WeightBusConfig)
     agent: AgentConfig = Field(default_factory=AgentConfig)
+    launcher: LauncherConfig = Field(default_factory=LauncherConfig)
 
     @field_validator("run_id")
     @classmethod
@@ -69,6 +71,16 @@ class RunConfig(Strict):
             raise ValueError(
                 "coordinator.sampling.max_tokens must be below rollout.max_model_len "
                 f"({self.coordinator.sampling.max_tokens} >= {self.rollout.max_model_len})"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _heartbeats_outlive_their_timeout(self) -> RunConfig:
+        interval_s, timeout_s = self.rollout.heartbeat_interval_s, self.coordinator.server_timeout_s
+        if timeout_s < 2 * interval_s:
+            raise ValueError(
+                f"coordinator.server_timeout_s ({timeout_s}) must be at least twice rollout.heartbeat_interval_s "
+                f"({interval_s}): one late beat would drop a live server; raise the timeout or beat more often"
             )
         return self
 

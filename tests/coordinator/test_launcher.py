@@ -1,4 +1,5 @@
-"""The demo launcher's checks made before any process starts, and its summary's speed figures."""
+"""The launchers' checks made before any process starts (fleetrl demo, and the user errors of fleetrl up, scale and
+down), and the summary's speed figures."""
 
 from __future__ import annotations
 
@@ -78,4 +79,26 @@ def test_rollout_serve_user_errors_print_one_line_and_exit_2(args, needle):
 
     done = subprocess.run([sys.executable, "-m", "coordinator.cli", *args], capture_output=True, text=True)
     assert done.returncode == 2
+    assert needle in done.stderr and "Traceback" not in done.stderr and len(done.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (
+            ["up", "recipes/demo-echo.yaml", "--ray", "local", "launcher.restart.max_restarts=-1"],
+            "fleetrl up: invalid config: launcher.restart.max_restarts: Input should be greater than or equal to 0",
+        ),
+        (["up", "missing.yaml"], "missing.yaml does not exist"),
+        (["scale", "rollout=many", "--run-dir", "."], "expected ROLE=COUNT (e.g. rollout=3), got 'rollout=many'"),
+        (["scale", "rollout=2"], "name the run: --run-dir DIR (of `fleetrl up`), or --ray ADDRESS --run-id ID"),
+        (["down", "--run-dir", "no/such/run"], "no/such/run/ray_run.json does not exist"),
+    ],
+)
+def test_up_scale_and_down_user_errors_print_one_line_and_exit_2(args, needle):
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "coordinator.cli", *args], capture_output=True, text=True)
+    assert done.returncode == 2, done.stderr
     assert needle in done.stderr and "Traceback" not in done.stderr and len(done.stderr.strip().splitlines()) == 1

@@ -92,6 +92,9 @@ def _report() -> VersionReport:
         1700000002.0,
         update_s=1.5,
         paused_s=0.25,
+        running=3,
+        waiting=1,
+        capacity=256,
     )
 
 
@@ -124,7 +127,9 @@ MANIFEST_HEX = (
 REPORT_V1_HEX = (
     "96a9726f6c6c6f75742d30ae3132372e302e302e313a373030300501af66657463682074696d6564206f7574cb41d954fc40800000"
 )
-REPORT_HEX = REPORT_V1_HEX.replace("96a9", "98a9", 1) + "cb3ff8000000000000cb3fd0000000000000"
+# Written before the heartbeat's ``running``, ``waiting`` and ``capacity`` were appended (v2): still decodes.
+REPORT_V2_HEX = REPORT_V1_HEX.replace("96a9", "98a9", 1) + "cb3ff8000000000000cb3fd0000000000000"
+REPORT_HEX = REPORT_V2_HEX.replace("98a9", "9ba9", 1) + "0301cd0100"
 # Written before ``source`` was appended (v1, by the trainer): still decodes, with source "".
 METRICS_V1_HEX = (
     "95a7747261696e65720a05cb41d954fc40e0000082a46c6f7373cb3fe0000000000000ab7265776172645f6d65616ecb3fe8000000000000"
@@ -162,8 +167,10 @@ def test_golden_bytes_decode_to_the_same_records():
     assert older == msgspec.structs.replace(_group(), sampling_temperature=-1.0)
     assert decode_manifest(bytes.fromhex(MANIFEST_HEX)) == _manifest()
     assert decode_report(bytes.fromhex(REPORT_HEX)) == _report()
+    before_heartbeat = msgspec.structs.replace(_report(), running=0, waiting=0, capacity=0)
+    assert decode_report(bytes.fromhex(REPORT_V2_HEX)) == before_heartbeat
     older = decode_report(bytes.fromhex(REPORT_V1_HEX))
-    assert older == msgspec.structs.replace(_report(), update_s=0.0, paused_s=0.0)
+    assert older == msgspec.structs.replace(before_heartbeat, update_s=0.0, paused_s=0.0)
     assert decode_metrics(bytes.fromhex(METRICS_HEX)) == _metrics()
     older = decode_metrics(bytes.fromhex(METRICS_V1_HEX))
     assert older == msgspec.structs.replace(_metrics(), role="trainer", source="")

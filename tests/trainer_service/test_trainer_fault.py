@@ -107,6 +107,7 @@ def test_sigkill_mid_step_then_restart_trains_every_group_exactly_once(redis_ser
     assert final["step"] == NUM_GROUPS // GROUPS_PER_STEP
     assert sorted(final["ledger"]) == sorted(f"g{i}" for i in range(NUM_GROUPS))  # none lost, none twice
     assert set(final["ledger"].values()) == {"trained"}
+    assert final["totals"]["samples_trained"] == 4 * NUM_GROUPS  # the restart counts on from the checkpoint's totals
     assert _pending(client, keys) == 0 and client.llen(keys.dead_letters) == 0
     assert int(client.get(keys.policy_version)) > version_at_kill  # the restart published past the dead lineage
     # Versions it skipped are counted for the coordinator: version = steps trained + versions skipped.
