@@ -15,9 +15,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import signal
+import subprocess
 import sys
+import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from protos.config import flag_overrides, load_run_config
 from rollout_service.__main__ import make_follower, start_following, write_address_file
@@ -148,6 +152,54 @@ async def run(args: argparse.Namespace) -> None:
         if task in done and not task.cancelled() and task.exception():
             raise task.exception()
     logger.info("%d stand-in servers stopped", args.count)
+
+
+@dataclass
+class StandinFleetProcess:
+    """A ``standin_fleet`` process started by ``spawn`` (benchmarks, tests): wait for its addresses, stop it."""
+
+    process: subprocess.Popen
+    log_path: Path
+    address_file: Path
+    addresses: list[str] = field(default_factory=list)
+
+    def wait_serving(self, timeout_s: float = 120.0) -> list[str]:
+        """Wait until every server serves (the address file is written after the last one); returns addresses."""
+        deadline = time.monotonic() + timeout_s
+        while not self.address_file.exists():
+            if self.process.poll() is not None:
+                tail = self.log_path.read_text(errors="replace")[-3000:]
+                raise RuntimeError(f"standin_fleet exited with {self.process.returncode}: {tail}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"standin_fleet wrote no addresses to {self.address_file} within {timeout_s}s")
+            time.sleep(0.1)
+        self.addresses = self.address_file.read_text().split()
+        return self.addresses
+
+    def stop(self, timeout_s: float = 60.0) -> int:
+        """SIGTERM (the servers drain), SIGKILL after ``timeout_s``; returns the exit code."""
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+        try:
+            return self.process.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            return self.process.wait()
+
+
+def spawn(count: int, log_path: Path, *args: str, env: dict[str, str] | None = None) -> StandinFleetProcess:
+    """Start ``python -m rollout_service.standin_fleet --count COUNT ARGS`` (not waited for), logging to
+    ``log_path``; its addresses go to ``log_path`` with the suffix ``.addresses``."""
+    address_file = Path(log_path).with_suffix(".addresses")
+    address_file.unlink(missing_ok=True)
+    command = [sys.executable, "-m", "rollout_service.standin_fleet", "--count", str(count)]
+    process = subprocess.Popen(
+        [*command, "--address-file", str(address_file), *args],
+        stdout=open(log_path, "wb"),  # noqa: SIM115 - the child holds it
+        stderr=subprocess.STDOUT,
+        env={**os.environ, **(env or {})},
+    )
+    return StandinFleetProcess(process, Path(log_path), address_file)
 
 
 def main(argv: list[str] | None = None) -> None:
