@@ -69,16 +69,35 @@ class Fleet:
         logger.info("rollout server %s removed (%d calls still open there)", address, client.inflight)
         return client
 
+    def pick_now(self, accept: Callable[[RolloutClient], bool], exclude: set[str]) -> RolloutClient | None:
+        """``pick`` without waiting: None when no healthy server is accepted now.
+
+        One pass that stops at the first idle accepted server outside ``exclude``: the same choice as the minimum over
+        all of them (the first least-loaded in fleet order), without calling ``accept`` on every server of a large,
+        mostly idle fleet (at 256 servers the full scan cost about 40 us a dispatch).
+        """
+        best = fallback = None  # least loaded outside ``exclude``; least loaded inside it
+        for client in self.clients:
+            if not client.healthy or not accept(client):
+                continue
+            if client.address in exclude:
+                if fallback is None or client.inflight < fallback.inflight:
+                    fallback = client
+            elif best is None or client.inflight < best.inflight:
+                best = client
+                if best.inflight == 0:
+                    break
+        return best or fallback
+
     async def pick(
         self, accept: Callable[[RolloutClient], bool], exclude: set[str], timeout_s: float, what: str
     ) -> RolloutClient:
         """Least-loaded healthy accepted server, preferring ones not in ``exclude``; waits up to ``timeout_s``."""
         deadline = time.monotonic() + timeout_s
         while True:
-            eligible = [c for c in self.clients if c.healthy and accept(c)]
-            if eligible:
-                fresh = [c for c in eligible if c.address not in exclude]
-                return min(fresh or eligible, key=lambda c: c.inflight)
+            client = self.pick_now(accept, exclude)
+            if client is not None:
+                return client
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise NoServerAvailable(f"no healthy rollout server {what} within {timeout_s}s")
@@ -98,12 +117,24 @@ class Fleet:
         request_id: str,
         timeout_s: float,
         max_attempts: int,
+        on_dispatch: Callable[[float], None] | None = None,
     ) -> tuple[list[SampleResult], RolloutClient]:
-        """One Generate call, retried on another server when a server fails (each retry counted)."""
+        """One Generate call, retried on another server when a server fails (each retry counted).
+
+        ``on_dispatch(waited_s)`` is called once, as the first attempt is sent, with the seconds spent waiting for an
+        accepted server (0 when one was there at once): the scheduler's dispatch latency histograms.
+        """
         tried: set[str] = set()
         errors = []
         for attempt in range(1, max_attempts + 1):
-            client = await self.pick(accept, tried, timeout_s, what)
+            client = self.pick_now(accept, tried)
+            waited_s = 0.0
+            if client is None:
+                waiting_since = time.monotonic()
+                client = await self.pick(accept, tried, timeout_s, what)
+                waited_s = time.monotonic() - waiting_since
+            if on_dispatch is not None and attempt == 1:
+                on_dispatch(waited_s)
             tried.add(client.address)
             try:
                 results = await client.generate(
@@ -120,6 +151,9 @@ class Fleet:
     async def close(self) -> None:
         for client in self.clients + self.retired:
             await client.close()
+
+
+HEALTH_EVERY_TICKS = 10  # refresh ticks between two health sweeps
 
 
 class FleetWatcher:
@@ -155,8 +189,17 @@ class FleetWatcher:
                 client.policy_version = report.policy_version
         self.fleet.notify_changed()
 
-    async def check_health(self) -> None:
+    async def check_health(self, proven_within_s: float = 0.0) -> None:
+        """Health-check the servers, except healthy ones whose call succeeded within the last ``proven_within_s``.
+
+        Such a call is as good a sign of life as the check, and skipping it keeps a large busy fleet's checks off the
+        coordinator's CPU (about 0.1 ms each). A server that stops serving meanwhile (draining) refuses the next call
+        with UNAVAILABLE, which marks it unhealthy at once (``RolloutClient._failure``) and re-dispatches the call.
+        """
+        now = time.monotonic()
         for client in list(self.fleet.clients):
+            if client.healthy and now - client.last_success_s < proven_within_s:
+                continue
             was_healthy = client.healthy
             if not await client.check_health() and was_healthy:
                 logger.warning("rollout server %s is unhealthy", client.address)
@@ -171,8 +214,8 @@ class FleetWatcher:
                 await self.refresh()
             except UNREACHABLE as error:  # periodic: the next tick is the retry
                 logger.warning("fleet refresh skipped, Redis unreachable: %s", error)
-            if ticks % 10 == 0:
-                await self.check_health()
+            if ticks % HEALTH_EVERY_TICKS == 0:
+                await self.check_health(proven_within_s=HEALTH_EVERY_TICKS * self.interval_s)
             ticks += 1
             try:
                 await asyncio.wait_for(stop.wait(), timeout=self.interval_s)

@@ -6,6 +6,7 @@ raises ``RolloutFailed`` so the scheduler can re-dispatch the whole group elsewh
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import grpc
@@ -49,6 +50,7 @@ class RolloutClient:
         self.inflight = 0
         self.requests = 0  # Generate calls sent
         self.failures = 0  # of which failed
+        self.last_success_s = float("-inf")  # monotonic time the last call completed (FleetWatcher skips checks)
         self.healthy = True
         self.policy_version = 0
         self.server_id = ""
@@ -106,6 +108,7 @@ class RolloutClient:
         if finished != n:
             self.failures += 1
             raise RolloutFailed(f"{self.address}: stream ended with {finished} of {n} samples finished")
+        self.last_success_s = time.monotonic()
         return samples
 
     async def stream_one(
@@ -145,6 +148,7 @@ class RolloutClient:
             raise self._failure(error) from error
         finally:
             self.inflight -= 1
+        self.last_success_s = time.monotonic()
 
     def _failure(self, error: grpc.aio.AioRpcError) -> RolloutFailed | RolloutRejected:
         """A failed Generate call, counted: INVALID_ARGUMENT is the request's fault, anything else the server's."""

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import logging
 import os
 import signal
@@ -137,6 +138,7 @@ async def run(args: argparse.Namespace) -> None:
     # 1) start the servers (each serving and reported) and their weight followers
     fleet = StandinFleet(run_config, args.count, args.base_port, args.id_prefix)
     addresses = await fleet.start(stop)
+    gc.freeze()  # the servers live as long as the process: keep them out of the collector's full passes
     # 2) tell the launcher where they are
     if args.address_file:
         write_address_file(args.address_file, "\n".join(addresses) + "\n")
