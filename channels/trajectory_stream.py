@@ -39,6 +39,32 @@ return entry_id
 """
 
 
+# One server-side step of trim_acknowledged (the trainer runs it after every ack): the group's last delivered id and
+# its oldest pending id, then XTRIM MINID below the older of the two. Three round trips from the client cost more than
+# the XACK itself on a fast step (benchmarks/queue_throughput.py). Lua sees XINFO as flat field/value arrays (RESP2).
+_TRIM_ACKNOWLEDGED = """
+local function id_parts(id)
+  local ms, seq = string.match(id, '^(%d+)-(%d+)$')
+  return tonumber(ms), tonumber(seq)
+end
+local function older(a, b)
+  local a_ms, a_seq = id_parts(a)
+  local b_ms, b_seq = id_parts(b)
+  return a_ms < b_ms or (a_ms == b_ms and a_seq < b_seq)
+end
+local keep_from = nil
+for _, group in ipairs(redis.call('XINFO', 'GROUPS', KEYS[1])) do
+  local fields = {}
+  for i = 1, #group, 2 do fields[group[i]] = group[i + 1] end
+  if fields['name'] == ARGV[1] then keep_from = fields['last-delivered-id'] end
+end
+if keep_from == nil or keep_from == '0-0' then return 0 end
+local pending = redis.call('XPENDING', KEYS[1], ARGV[1])
+if tonumber(pending[1]) > 0 and older(pending[2], keep_from) then keep_from = pending[2] end
+return redis.call('XTRIM', KEYS[1], 'MINID', keep_from)
+"""
+
+
 class TrajectoryStreamWriter:
     """The coordinator's end of the stream: pushes whole groups, each with the prompt cursor after it."""
 
@@ -112,6 +138,7 @@ class TrajectoryStreamReader:
         self._in_hand: set[str] = set()  # read by this consumer, not yet acknowledged
         self._orphans_possible = False  # a read broke: entries may be pending here that never reached us
         self._last_depth = 0
+        self._trim_acknowledged = client.register_script(_TRIM_ACKNOWLEDGED)  # EVALSHA, re-loaded if Redis lost it
         try:
             client.xgroup_create(keys.trajectories, keys.trainer_group, id="0", mkstream=True)
         except redis.ResponseError as error:
@@ -228,16 +255,10 @@ class TrajectoryStreamReader:
         """Delete stream entries older than both the oldest pending entry and the group's last delivery.
 
         Those are acknowledged: keeping them only grows Redis by one group per entry for the whole run. Entries
-        not yet delivered are never trimmed, so the group's lag (the queue depth) stays exact.
+        not yet delivered are never trimmed, so the group's lag (the queue depth) stays exact. One round trip (a Lua
+        step); returns the entries deleted.
         """
-        group = self.keys.trainer_group_info(self.client.xinfo_groups(self.keys.trajectories))
-        keep_from = as_text(group["last-delivered-id"]) if group else None
-        if keep_from is None or keep_from == "0-0":
-            return 0
-        pending = self.client.xpending(self.keys.trajectories, self.keys.trainer_group)
-        if pending["pending"]:
-            keep_from = min(keep_from, as_text(pending["min"]), key=_stream_id_key)
-        return int(self.client.xtrim(self.keys.trajectories, minid=keep_from, approximate=False))
+        return int(self._trim_acknowledged(keys=[self.keys.trajectories], args=[self.keys.trainer_group]))
 
     def depth(self) -> int:
         """Entries on the stream not yet delivered to the trainers' group (the queue's backlog); the last value read
@@ -249,8 +270,3 @@ class TrajectoryStreamReader:
             return self._last_depth
         self._last_depth = int(group.get("lag") or 0) if group else 0
         return self._last_depth
-
-
-def _stream_id_key(entry_id: str) -> tuple[int, int]:
-    millis, _, sequence = entry_id.partition("-")
-    return int(millis), int(sequence or 0)
