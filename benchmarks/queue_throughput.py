@@ -15,8 +15,11 @@ sample: what the coordinator pushes) one round moves ``--groups`` groups through
     and XACK (sync client, as the reader), no encode, decode, cursor or trim.
 
 Both sides start on a fresh stream and consumer group. Rounds alternate a, b, a, b, ... after one warm-up each; the
-medians are compared. The last line printed is one JSON object with each shape's ``channel_traj_s``, ``raw_traj_s``
-and ``ratio`` (channel / raw; goal >= 0.8) and ``min_ratio``.
+medians are compared. Each round also takes the CPU seconds of this process and of valkey (psutil): on a busy
+machine the wall clock wanders with everyone else's load, the CPU spent per trajectory much less. The last line
+printed is one JSON object with each shape's ``channel_traj_s``, ``raw_traj_s``, ``ratio`` (channel / raw wall-clock
+throughput; goal >= 0.8), ``cpu_ratio`` (raw CPU / channel CPU per trajectory, client and valkey together) and
+``min_ratio``.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import psutil
 import redis
 import redis.asyncio as aioredis
 
@@ -46,7 +50,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--shapes", default="8x1024,8x32", help="samples x response tokens of a group, comma-separated")
     parser.add_argument("--groups", type=int, default=400, help="groups per round")
     parser.add_argument("--batch", type=int, default=16, help="groups per read and ack (a training step's)")
-    parser.add_argument("--rounds", type=int, default=5, help="measured rounds per side")
+    parser.add_argument("--rounds", type=int, default=9, help="measured rounds per side")
     parser.add_argument("--appendonly", action="store_true", help="valkey with its append-only file (fsync always)")
     return parser.parse_args(argv)
 
@@ -115,30 +119,44 @@ async def raw_round(url: str, keys: RedisKeys, payloads: list[bytes], batch: int
     return seconds
 
 
-async def measure_shape(args: argparse.Namespace, url: str, num_samples: int, num_tokens: int) -> dict:
+def cpu_s(processes: tuple[psutil.Process, ...]) -> float:
+    return sum(sum(process.cpu_times()[:2]) for process in processes)
+
+
+async def measure_shape(args: argparse.Namespace, server: EmbeddedRedis, num_samples: int, num_tokens: int) -> dict:
     groups = make_groups(args.groups, num_samples, num_tokens)
     payloads = [encode(group) for group in groups]
-    trajectories = args.groups * num_samples
+    trajectories, url = args.groups * num_samples, server.url
     rates: dict[str, list[float]] = {"channel": [], "raw": []}
+    cpu_per_traj: dict[str, list[float]] = {"channel": [], "raw": []}
+    processes = psutil.Process(), psutil.Process(server.process.pid)
     cleaner = redis.Redis.from_url(url)
     for round_index in range(args.rounds + 1):  # round 0 warms both sides up and is not counted
         for side in ("channel", "raw"):
             keys = RedisKeys(f"queue-bench-{side}-{round_index}")
+            cpu_before = cpu_s(processes)
             if side == "channel":
                 seconds = await channel_round(url, keys, groups, args.batch)
             else:
                 seconds = await raw_round(url, keys, payloads, args.batch)
+            cpu = cpu_s(processes) - cpu_before
             cleaner.delete(keys.trajectories, keys.prompt_cursor)
             label = "warm-up" if round_index == 0 else f"round {round_index}"
-            print(f"{num_samples}x{num_tokens} {label:8s} {side:7s} {trajectories / seconds:10.0f} traj/s", flush=True)
+            rate, cpu_us = trajectories / seconds, 1e6 * cpu / trajectories
+            print(f"{num_samples}x{num_tokens} {label:8s} {side:7s} {rate:10.0f} traj/s {cpu_us:7.1f} CPU us/traj")
             if round_index:
-                rates[side].append(trajectories / seconds)
+                rates[side].append(rate)
+                cpu_per_traj[side].append(cpu_us)
     cleaner.close()
     channel, raw = statistics.median(rates["channel"]), statistics.median(rates["raw"])
+    channel_cpu, raw_cpu = statistics.median(cpu_per_traj["channel"]), statistics.median(cpu_per_traj["raw"])
     return {
         "channel_traj_s": round(channel, 1),
         "raw_traj_s": round(raw, 1),
         "ratio": round(channel / raw, 4),
+        "channel_cpu_us_per_traj": round(channel_cpu, 2),
+        "raw_cpu_us_per_traj": round(raw_cpu, 2),
+        "cpu_ratio": round(raw_cpu / channel_cpu, 4),
         "group_bytes": len(payloads[0]),
     }
 
@@ -148,7 +166,7 @@ async def main_async(args: argparse.Namespace) -> dict:
     with EmbeddedRedis(appendonly=args.appendonly) as server:
         for shape in args.shapes.split(","):
             num_samples, num_tokens = (int(part) for part in shape.split("x"))
-            results[shape] = await measure_shape(args, server.url, num_samples, num_tokens)
+            results[shape] = await measure_shape(args, server, num_samples, num_tokens)
     return {
         "shapes": results,
         "min_ratio": min(result["ratio"] for result in results.values()),

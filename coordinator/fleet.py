@@ -3,7 +3,8 @@
 Routing is least-loaded among the healthy servers a caller accepts (training: version >= the group's
 floor; eval: version == the pinned version). A failed call is retried on another server, and every
 retry is counted as a re-dispatch. The fleet view is the servers' own version reports in Redis (a
-server is on version v only after it reported v) plus gRPC health checks.
+server is on version v only after it reported v) plus gRPC health: pushed by each server on a Watch stream
+(``health_watch.py``), and checked by a periodic sweep where no stream vouches for a server.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import redis.asyncio as aioredis
 
 from channels.retry import UNREACHABLE
 from channels.version_board import AsyncVersionBoard
+from coordinator.health_watch import HealthWatches
 from coordinator.rollout_client import RolloutClient, RolloutFailed, SampleResult
 from protos.config import SamplingConfig
 from protos.redis_keys import RedisKeys
@@ -175,6 +177,7 @@ class FleetWatcher:
         self.keys = keys
         self.board = AsyncVersionBoard(client, keys)
         self.interval_s = interval_s
+        self.health_watches = HealthWatches(fleet)
 
     async def refresh(self) -> None:
         version, offset = await self.board.version_and_offset()
@@ -190,15 +193,17 @@ class FleetWatcher:
         self.fleet.notify_changed()
 
     async def check_health(self, proven_within_s: float = 0.0) -> None:
-        """Health-check the servers, except healthy ones whose call succeeded within the last ``proven_within_s``.
+        """Health-check the servers, except healthy ones that an open Watch stream reports SERVING or whose call
+        succeeded within the last ``proven_within_s``.
 
-        Such a call is as good a sign of life as the check, and skipping it keeps a large busy fleet's checks off the
-        coordinator's CPU (about 0.1 ms each). A server that stops serving meanwhile (draining) refuses the next call
-        with UNAVAILABLE, which marks it unhealthy at once (``RolloutClient._failure``) and re-dispatches the call.
+        Either is as good a sign of life as the check, which costs the coordinator about 0.1 ms of CPU a server. A
+        server that stops serving without its stream telling (none open) refuses the next call with UNAVAILABLE,
+        which marks it unhealthy at once (``RolloutClient._failure``) and re-dispatches the call.
         """
         now = time.monotonic()
         for client in list(self.fleet.clients):
-            if client.healthy and now - client.last_success_s < proven_within_s:
+            vouched = self.health_watches.watching(client) or now - client.last_success_s < proven_within_s
+            if client.healthy and vouched:
                 continue
             was_healthy = client.healthy
             if not await client.check_health() and was_healthy:
@@ -209,15 +214,19 @@ class FleetWatcher:
 
     async def run(self, stop: asyncio.Event) -> None:
         ticks = 0
-        while not stop.is_set():
-            try:
-                await self.refresh()
-            except UNREACHABLE as error:  # periodic: the next tick is the retry
-                logger.warning("fleet refresh skipped, Redis unreachable: %s", error)
-            if ticks % HEALTH_EVERY_TICKS == 0:
-                await self.check_health(proven_within_s=HEALTH_EVERY_TICKS * self.interval_s)
-            ticks += 1
-            try:
-                await asyncio.wait_for(stop.wait(), timeout=self.interval_s)
-            except TimeoutError:
-                pass
+        try:
+            while not stop.is_set():
+                try:
+                    await self.refresh()
+                except UNREACHABLE as error:  # periodic: the next tick is the retry
+                    logger.warning("fleet refresh skipped, Redis unreachable: %s", error)
+                if ticks % HEALTH_EVERY_TICKS == 0:
+                    self.health_watches.reconcile(stop)  # servers added or removed since
+                    await self.check_health(proven_within_s=HEALTH_EVERY_TICKS * self.interval_s)
+                ticks += 1
+                try:
+                    await asyncio.wait_for(stop.wait(), timeout=self.interval_s)
+                except TimeoutError:
+                    pass
+        finally:
+            await self.health_watches.close()

@@ -1,0 +1,104 @@
+"""Health Watch streams (coordinator/health_watch.py) against real stand-in rollout servers: a draining fleet is
+seen at once, a server that comes back on its address is healthy again, and a sweep skips watched servers."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from coordinator.fleet import Fleet, FleetWatcher
+from coordinator.redis_server import free_port
+from coordinator.rollout_client import RolloutClient
+from rollout_service import standin_fleet
+
+pytestmark = pytest.mark.integration
+
+
+async def wait_until(condition, timeout_s: float, what: str) -> float:
+    """Seconds until ``condition()`` held; fails after ``timeout_s`` naming ``what``."""
+    started = time.monotonic()
+    while not condition():
+        assert time.monotonic() - started < timeout_s, f"not within {timeout_s}s: {what}"
+        await asyncio.sleep(0.02)
+    return time.monotonic() - started
+
+
+def test_a_draining_fleet_is_seen_unhealthy_at_once_without_a_sweep(tmp_path):
+    spawned = standin_fleet.spawn(2, tmp_path / "fleet.log", "--grace-s", "3")
+    addresses = spawned.wait_serving(timeout_s=120)
+
+    async def scenario() -> float:
+        fleet = Fleet([RolloutClient(address) for address in addresses])
+        watcher = FleetWatcher(fleet, lambda version: None, client=None, keys=None)
+        stop = asyncio.Event()
+        watcher.health_watches.reconcile(stop)
+        try:
+            await wait_until(lambda: all(map(watcher.health_watches.watching, fleet.clients)), 10, "both watched")
+            spawned.process.send_signal(15)  # SIGTERM: NOT_SERVING, then a grace period of 3 s before it stops
+            return await wait_until(lambda: not any(c.healthy for c in fleet.clients), 10, "both unhealthy")
+        finally:
+            stop.set()
+            await watcher.health_watches.close()
+            await fleet.close()
+
+    try:
+        seconds = asyncio.run(scenario())
+    finally:
+        assert spawned.stop() == 0
+    assert seconds < 2.0, "the drain was seen by the sweep (every 2 s), not pushed by the servers"
+
+
+def test_a_server_back_on_its_address_is_healthy_again_through_its_stream(tmp_path):
+    port = free_port()
+    first = standin_fleet.spawn(1, tmp_path / "first.log", "--base-port", str(port), "--grace-s", "0")
+    address = first.wait_serving(timeout_s=120)[0]
+
+    async def scenario() -> None:
+        fleet = Fleet([RolloutClient(address)])
+        client = fleet.clients[0]
+        watcher = FleetWatcher(fleet, lambda version: None, client=None, keys=None)
+        stop = asyncio.Event()
+        watcher.health_watches.reconcile(stop)
+        try:
+            await wait_until(lambda: watcher.health_watches.watching(client), 10, "watched")
+            assert first.stop() == 0
+            await wait_until(lambda: not client.healthy, 10, "unhealthy once stopped")
+            second = standin_fleet.spawn(1, tmp_path / "second.log", "--base-port", str(port), "--grace-s", "0")
+            try:
+                await asyncio.to_thread(second.wait_serving, 120)
+                await wait_until(lambda: client.healthy and watcher.health_watches.watching(client), 10, "back")
+            finally:
+                assert second.stop() == 0
+        finally:
+            stop.set()
+            await watcher.health_watches.close()
+            await fleet.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_sweep_checks_the_unhealthy_even_when_watched_and_skips_the_rest(tmp_path):
+    spawned = standin_fleet.spawn(2, tmp_path / "fleet.log")
+    addresses = spawned.wait_serving(timeout_s=120)
+
+    async def scenario() -> list[bool]:
+        fleet = Fleet([RolloutClient(address) for address in addresses])
+        watcher = FleetWatcher(fleet, lambda version: None, client=None, keys=None)
+        stop = asyncio.Event()
+        watcher.health_watches.reconcile(stop)
+        try:
+            await wait_until(lambda: all(map(watcher.health_watches.watching, fleet.clients)), 10, "both watched")
+            fleet.clients[0].healthy = False  # as a failed call marks it: its stream has nothing new to say
+            await watcher.check_health()
+            return [client.healthy for client in fleet.clients]
+        finally:
+            stop.set()
+            await watcher.health_watches.close()
+            await fleet.close()
+
+    try:
+        assert asyncio.run(scenario()) == [True, True]  # the sweep found the first serving again
+    finally:
+        assert spawned.stop() == 0
