@@ -4,7 +4,9 @@ One long-lived Watch stream per routable server: the server sends its status onl
 fleet costs the coordinator nothing between changes (a health-check RPC per server every 2 s took about 15% of the
 coordinator's loop at 256 servers, benchmarks/fleet_scale.py), and a server that stops serving (draining) or goes
 away is seen at once rather than at the next sweep. A broken stream marks its server unhealthy and is opened again
-every ``retry_s``. ``FleetWatcher``'s sweep still checks the servers not watched and the unhealthy ones: a failed
+every ``retry_s``. A server that turns SERVING after being unhealthy is asked its policy version (ServerInfo) before
+it is routed to again: a restarted server serves its initial weights until it has caught up, which the fleet
+reports in Redis would only tell at the next refresh. ``FleetWatcher``'s sweep still checks the servers not watched and the unhealthy ones: a failed
 call marks a server unhealthy without its stream noticing, and the sweep is what finds it serving again.
 """
 
@@ -53,7 +55,10 @@ class HealthWatches:
         while not stop.is_set():
             try:
                 async for reply in client.health.Watch(health_pb2.HealthCheckRequest(service="")):
-                    self._update(client, reply.status == SERVING, "health watch")
+                    serving = reply.status == SERVING
+                    if serving and not client.healthy:
+                        await client.info()  # its version now, before any group is routed to it
+                    self._update(client, serving, "health watch")
                 why = "its health stream ended"
             except grpc.aio.AioRpcError as error:
                 why = f"health stream: {error.code().name}"

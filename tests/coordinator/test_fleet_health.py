@@ -50,7 +50,7 @@ def test_a_draining_fleet_is_seen_unhealthy_at_once_without_a_sweep(tmp_path):
     assert seconds < 2.0, "the drain was seen by the sweep (every 2 s), not pushed by the servers"
 
 
-def test_a_server_back_on_its_address_is_healthy_again_through_its_stream(tmp_path):
+def test_a_server_back_on_its_address_is_healthy_again_with_its_version_read_first(tmp_path):
     port = free_port()
     first = standin_fleet.spawn(1, tmp_path / "first.log", "--base-port", str(port), "--grace-s", "0")
     address = first.wait_serving(timeout_s=120)[0]
@@ -65,10 +65,12 @@ def test_a_server_back_on_its_address_is_healthy_again_through_its_stream(tmp_pa
             await wait_until(lambda: watcher.health_watches.watching(client), 10, "watched")
             assert first.stop() == 0
             await wait_until(lambda: not client.healthy, 10, "unhealthy once stopped")
+            client.policy_version = 7  # the version the coordinator last saw; the new process serves v0
             second = standin_fleet.spawn(1, tmp_path / "second.log", "--base-port", str(port), "--grace-s", "0")
             try:
                 await asyncio.to_thread(second.wait_serving, 120)
                 await wait_until(lambda: client.healthy and watcher.health_watches.watching(client), 10, "back")
+                assert client.policy_version == 0, "routable again before its version was read"
             finally:
                 assert second.stop() == 0
         finally:
