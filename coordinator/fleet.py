@@ -156,6 +156,7 @@ class Fleet:
 
 
 HEALTH_EVERY_TICKS = 10  # refresh ticks between two health sweeps
+FULL_READ_S = 1.0  # longest time between two reads of the fleet's version reports
 
 
 class FleetWatcher:
@@ -178,12 +179,21 @@ class FleetWatcher:
         self.board = AsyncVersionBoard(client, keys)
         self.interval_s = interval_s
         self.health_watches = HealthWatches(fleet)
+        self._reports_read: tuple[float, int] = (float("-inf"), -1)  # (monotonic time, trainer version) of last read
 
     async def refresh(self) -> None:
+        """The trainer's version and offset every tick; the fleet's reports when they can have changed: after a new
+        trainer version, while a server is behind it, and at least every ``FULL_READ_S`` (a restarted server is
+        asked its version as its health returns, ``health_watch.py``; an added one by ``Fleet.add``)."""
         version, offset = await self.board.version_and_offset()
         if self.on_version_offset is not None:  # first: the shift must be in place before the new version counts
             self.on_version_offset(offset)
         self.on_version(version)
+        read_at, read_version = self._reports_read
+        behind = any(client.policy_version < version for client in self.fleet.clients)
+        if not behind and read_version == version and time.monotonic() - read_at < FULL_READ_S:
+            return  # at 256 servers a read costs the coordinator about 1 ms (HGETALL parsed in Python)
+        self._reports_read = (time.monotonic(), version)
         reports = await self.board.fleet_reports()
         by_address = {report.address: report for report in reports.values()}
         for client in self.fleet.clients:

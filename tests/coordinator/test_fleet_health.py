@@ -7,10 +7,14 @@ import asyncio
 import time
 
 import pytest
+import redis
+import redis.asyncio as aioredis
 
 from coordinator.fleet import Fleet, FleetWatcher
 from coordinator.redis_server import free_port
 from coordinator.rollout_client import RolloutClient
+from protos.records import ReportStatus, VersionReport, encode
+from protos.redis_keys import RedisKeys
 from rollout_service import standin_fleet
 
 pytestmark = pytest.mark.integration
@@ -104,3 +108,42 @@ def test_a_sweep_checks_the_unhealthy_even_when_watched_and_skips_the_rest(tmp_p
         assert asyncio.run(scenario()) == [True, True]  # the sweep found the first serving again
     finally:
         assert spawned.stop() == 0
+
+
+def test_the_fleet_reports_are_read_only_when_they_can_have_changed(redis_url):
+    keys = RedisKeys("refresh-test")
+    sync_client = redis.Redis.from_url(redis_url)
+
+    def report(version: int) -> None:
+        for index in range(3):
+            record = VersionReport(f"s{index}", f"127.0.0.1:{41000 + index}", version, ReportStatus.OK, "", time.time())
+            sync_client.hset(keys.fleet, f"s{index}", encode(record))
+        sync_client.set(keys.policy_version, version)
+
+    def reads() -> int:
+        return sync_client.info("commandstats").get("cmdstat_hgetall", {}).get("calls", 0)
+
+    async def scenario() -> list[int]:
+        client = aioredis.Redis.from_url(redis_url)
+        fleet = Fleet([RolloutClient(f"127.0.0.1:{41000 + index}") for index in range(3)])
+        watcher = FleetWatcher(fleet, lambda version: None, client, keys)
+        counts = []
+        report(1)
+        sync_client.config_resetstat()
+        await watcher.refresh()  # a new trainer version: read
+        await watcher.refresh()  # nothing can have changed: not read
+        counts.append(reads())
+        sync_client.set(keys.policy_version, 2)
+        await watcher.refresh()  # a new version, every server behind it: read
+        await watcher.refresh()  # still behind: read again
+        counts.append(reads())
+        report(2)
+        await watcher.refresh()  # caught up (read: they were behind)
+        await watcher.refresh()  # not read
+        counts.append(reads())
+        counts.append([c.policy_version for c in fleet.clients])
+        await fleet.close()
+        await client.aclose()
+        return counts
+
+    assert asyncio.run(scenario()) == [1, 3, 4, [2, 2, 2]]
