@@ -19,10 +19,12 @@ Measured in a window after ``--warmup-trajectories`` (a trajectory is one sample
   as PromQL's histogram_quantile): ``dispatch`` = admission -> first request sent, waits for a server at the group's
   version floor included; ``routing`` = the same without that wait (the coordinator's own time);
 * queue push throughput: groups (and trajectories) pushed onto the trajectory stream per second;
-* the admin API's status latency (``fleetrl status``'s GetStatus RPC, polled every ``--status-interval-s``).
+* the admin API's status latency (``fleetrl status``'s GetStatus RPC, polled every ``--status-interval-s``);
+* after the window, the coordinator's CPU per second while paused and idle (status still polled): the fixed cost of a
+  fleet of that size, and ``work_cpu_s_per_1k_traj``, the window's CPU less that fixed cost for as many seconds.
 
 The last line printed is one JSON object: per-size figures, ``cpu_ratio_max_vs_min`` (CPU per trajectory at the
-largest size / at the smallest; goal <= 1.2) and ``routing_p99_ms_max`` (goal < 5 ms). ``--plot`` writes a PNG;
+largest size / at the smallest; goal <= 1.2), the same of the work alone, and ``routing_p99_ms_max`` (goal < 5 ms). ``--plot`` writes a PNG;
 ``--py-spy-dir`` records the coordinator during each window with py-spy (when installed) as collapsed stacks.
 """
 
@@ -184,6 +186,25 @@ async def watch_window(args, stub, coordinator, fleet, metrics_url: str, trainer
     return figures(args, start, end, status_s)
 
 
+async def idle_cpu_ms_per_s(args, stub, coordinator: subprocess.Popen, seconds: float = 3.0) -> float:
+    """The coordinator's CPU while it admits nothing (paused, its groups done; status still polled): what a fleet of
+    this size costs it per second whatever the throughput (fleet refresh, health, reports, the admin API)."""
+    from protos import admin_pb2 as admin_pb
+
+    await stub.Pause(admin_pb.PauseRequest(), timeout=30)
+    deadline = time.monotonic() + 120
+    while (await stub.GetStatus(admin_pb.GetStatusRequest(), timeout=30)).groups_in_flight:
+        if time.monotonic() > deadline:
+            raise TimeoutError("the paused coordinator still had groups in flight after 120 s")
+        await asyncio.sleep(0.1)
+    process = psutil.Process(coordinator.pid)
+    before, started = sum(process.cpu_times()[:2]), time.monotonic()
+    while time.monotonic() - started < seconds:
+        await stub.GetStatus(admin_pb.GetStatusRequest(), timeout=30)
+        await asyncio.sleep(args.status_interval_s)
+    return 1000 * (sum(process.cpu_times()[:2]) - before) / (time.monotonic() - started)
+
+
 def figures(args, start: Snapshot, end: Snapshot, status_s: list[float]) -> dict:
     groups = end.pushed - start.pushed
     trajectories, seconds = groups * args.group_size, end.time_s - start.time_s
@@ -255,7 +276,15 @@ async def measure_size(args, count: int, redis_url: str, workdir: Path, run_id: 
             if spy is not None:
                 spy.send_signal(signal.SIGINT)  # py-spy writes what it has on SIGINT
                 spy.wait(timeout=60)
-        return {"servers": count, **result}
+            idle_ms_per_s = await idle_cpu_ms_per_s(args, stub, coordinator)
+        # The window's CPU less what the coordinator spends idle in as many seconds: the work that trajectories cost.
+        idle_s_per_1k = idle_ms_per_s * result["window_s"] / result["trajectories"]
+        return {
+            "servers": count,
+            **result,
+            "idle_cpu_ms_per_s": round(idle_ms_per_s, 2),
+            "work_cpu_s_per_1k_traj": round(result["cpu_s_per_1k_traj"] - idle_s_per_1k, 4),
+        }
     finally:
         if coordinator is not None and coordinator.poll() is None:
             coordinator.terminate()
@@ -286,7 +315,10 @@ def plot(results: list[dict], path: str) -> None:
 
     sizes = [r["servers"] for r in results]
     panels = (
-        ("coordinator CPU s / 1k trajectories", [("cpu_s_per_1k_traj", "CPU s")]),
+        (
+            "coordinator CPU s / 1k trajectories",
+            [("cpu_s_per_1k_traj", "all"), ("work_cpu_s_per_1k_traj", "less its idle cost")],
+        ),
         (
             "admission -> dispatch latency (ms)",
             [(f"{w}_{q}_ms", f"{w} {q}") for w in ("routing", "dispatch") for q in ("p50", "p99")],
@@ -334,6 +366,8 @@ async def main_async(args: argparse.Namespace) -> dict:
         "sizes": sizes,
         "results": results,
         "cpu_ratio_max_vs_min": round(largest["cpu_s_per_1k_traj"] / smallest["cpu_s_per_1k_traj"], 3),
+        "work_cpu_ratio_max_vs_min": round(largest["work_cpu_s_per_1k_traj"] / smallest["work_cpu_s_per_1k_traj"], 3),
+        "idle_cpu_ms_per_s": {r["servers"]: r["idle_cpu_ms_per_s"] for r in results},
         "routing_p99_ms_max": max(r["routing_p99_ms"] for r in results),
         "dispatch_p99_ms_max": max(r["dispatch_p99_ms"] for r in results),
         "status_p99_ms_at_max": largest["status_p99_ms"],

@@ -58,6 +58,7 @@ def test_fleet_scale_measures_every_size_and_plots_them(tmp_path):
         assert all(result[name] > 0 for name in FIGURES), result
         assert result["routing_p50_ms"] <= result["routing_p99_ms"] <= result["dispatch_p99_ms"]
         assert result["status_calls"] > 0
+        assert result["idle_cpu_ms_per_s"] > 0 and 0 < result["work_cpu_s_per_1k_traj"] <= result["cpu_s_per_1k_traj"]
     ratio = summary["results"][1]["cpu_s_per_1k_traj"] / summary["results"][0]["cpu_s_per_1k_traj"]
     assert summary["cpu_ratio_max_vs_min"] == pytest.approx(ratio, rel=0.01)
     assert summary["routing_p99_ms_max"] == max(r["routing_p99_ms"] for r in summary["results"])
