@@ -334,7 +334,10 @@ def plot(results: list[dict], path: str) -> None:
         axis.set_xticks(sizes, [str(s) for s in sizes])
         axis.set_xlabel("rollout servers (stand-ins)")
         axis.set_title(title)
-        axis.set_ylim(bottom=0)
+        if title.endswith("(ms)"):  # waits for a server at a new version are 100x the routing time
+            axis.set_yscale("log")
+        else:
+            axis.set_ylim(bottom=0)
         axis.grid(alpha=0.3)
         axis.legend(fontsize=8)
     figure.suptitle("fleetrl coordinator vs fleet size (benchmarks/fleet_scale.py)")
