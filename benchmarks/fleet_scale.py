@@ -109,8 +109,9 @@ class LightTrainer(threading.Thread):
 
 def coordinator_config(args: argparse.Namespace, redis_url: str, run_id: str) -> tuple[dict, int, int]:
     admin_port, metrics_port = free_port(), free_port()
-    total = args.warmup_trajectories + args.trajectories
-    steps = math.ceil(total / args.group_size / args.groups_per_step) + 4  # keeps producing past the window
+    # Twice the window and its warm-up: it keeps producing past the window, which may open late (status polls).
+    total = 2 * (args.warmup_trajectories + args.trajectories)
+    steps = math.ceil(total / args.group_size / args.groups_per_step) + 4
     config = {
         "run_id": run_id,
         "redis_url": redis_url,
@@ -165,7 +166,7 @@ async def watch_window(args, stub, coordinator, fleet, metrics_url: str, trainer
 
     start = end = None
     status_s: list[float] = []
-    target = args.warmup_trajectories + args.trajectories
+    target = args.warmup_trajectories + args.trajectories  # then counted from the window's opening
     deadline = time.monotonic() + args.timeout_s
     processes = psutil.Process(coordinator.pid), psutil.Process(fleet.process.pid)
     while end is None:
@@ -180,6 +181,7 @@ async def watch_window(args, stub, coordinator, fleet, metrics_url: str, trainer
         pushed = reply.groups_pushed * args.group_size
         if start is None and pushed >= args.warmup_trajectories:
             start = await asyncio.to_thread(Snapshot, *processes, reply.groups_pushed, metrics_url)
+            target = pushed + args.trajectories
         elif start is not None and pushed >= target:
             end = await asyncio.to_thread(Snapshot, *processes, reply.groups_pushed, metrics_url)
         await asyncio.sleep(args.status_interval_s)

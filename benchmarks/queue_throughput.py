@@ -86,7 +86,7 @@ async def channel_round(url: str, keys: RedisKeys, groups: list[TrajectoryGroup]
         await writer.push(group, PromptCursor("bench", group.group_id, {"draws": group.admission_index}))
     received = 0
     while received < len(groups):
-        entries = reader.read(batch, timeout_s=10.0)
+        entries = reader.read(min(batch, len(groups) - received), timeout_s=10.0)  # it waits to fill what it asks
         if not entries:
             raise TimeoutError(f"channel side: {received} of {len(groups)} groups read")
         reader.ack([entry_id for entry_id, _ in entries])
@@ -120,8 +120,9 @@ async def raw_round(url: str, keys: RedisKeys, payloads: list[bytes], batch: int
     return seconds
 
 
-def cpu_s(processes: tuple[psutil.Process, ...]) -> float:
-    return sum(sum(process.cpu_times()[:2]) for process in processes)
+def cpu_s(server: psutil.Process) -> float:
+    """CPU seconds of this process (fine-grained) and of valkey (clock ticks, 10 ms)."""
+    return time.process_time() + sum(server.cpu_times()[:2])
 
 
 async def measure_shape(args: argparse.Namespace, server: EmbeddedRedis, num_samples: int, num_tokens: int) -> dict:
@@ -130,17 +131,17 @@ async def measure_shape(args: argparse.Namespace, server: EmbeddedRedis, num_sam
     trajectories, url = args.groups * num_samples, server.url
     rates: dict[str, list[float]] = {"channel": [], "raw": []}
     cpu_per_traj: dict[str, list[float]] = {"channel": [], "raw": []}
-    processes = psutil.Process(), psutil.Process(server.process.pid)
+    server_process = psutil.Process(server.process.pid)
     cleaner = redis.Redis.from_url(url)
     for round_index in range(args.rounds + 1):  # round 0 warms both sides up and is not counted
         for side in ("channel", "raw"):
             keys = RedisKeys(f"queue-bench-{side}-{round_index}")
-            cpu_before = cpu_s(processes)
+            cpu_before = cpu_s(server_process)
             if side == "channel":
                 seconds = await channel_round(url, keys, groups, args.batch)
             else:
                 seconds = await raw_round(url, keys, payloads, args.batch)
-            cpu = cpu_s(processes) - cpu_before
+            cpu = cpu_s(server_process) - cpu_before
             cleaner.delete(keys.trajectories, keys.prompt_cursor)
             label = "warm-up" if round_index == 0 else f"round {round_index}"
             rate, cpu_us = trajectories / seconds, 1e6 * cpu / trajectories
@@ -158,7 +159,7 @@ async def measure_shape(args: argparse.Namespace, server: EmbeddedRedis, num_sam
         "best_ratio": round(max(rates["channel"]) / max(rates["raw"]), 4),
         "channel_cpu_us_per_traj": round(channel_cpu, 2),
         "raw_cpu_us_per_traj": round(raw_cpu, 2),
-        "cpu_ratio": round(raw_cpu / channel_cpu, 4),
+        "cpu_ratio": round(raw_cpu / channel_cpu, 4) if channel_cpu else None,  # None: too short to measure
         "group_bytes": len(payloads[0]),
     }
 

@@ -54,7 +54,7 @@ def test_fleet_scale_measures_every_size_and_plots_them(tmp_path):
     )
     assert summary["sizes"] == [2, 8] and [r["servers"] for r in summary["results"]] == [2, 8]
     for result in summary["results"]:
-        assert result["trajectories"] >= 480 - 8 * 4 * 2  # the window opens and closes on status polls
+        assert result["trajectories"] >= 480  # counted from where the window opened
         assert all(result[name] > 0 for name in FIGURES), result
         assert result["routing_p50_ms"] <= result["routing_p99_ms"] <= result["dispatch_p99_ms"]
         assert result["status_calls"] > 0
@@ -70,6 +70,7 @@ def test_queue_throughput_compares_the_channel_with_raw_commands_on_each_shape()
     assert set(summary["shapes"]) == {"2x64", "4x16"}
     for shape in summary["shapes"].values():
         assert shape["channel_traj_s"] > 0 and shape["raw_traj_s"] > 0
-        assert shape["ratio"] == pytest.approx(shape["channel_traj_s"] / shape["raw_traj_s"], rel=0.01)
+        assert shape["ratio"] == pytest.approx(shape["channel_traj_s"] / shape["raw_traj_s"], rel=0.01, abs=1e-3)
+        assert shape["ratio"] > 0.05, "a side waited on a read timeout"
         assert shape["group_bytes"] > 0
     assert summary["min_ratio"] == min(shape["ratio"] for shape in summary["shapes"].values())
