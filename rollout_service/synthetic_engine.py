@@ -112,9 +112,9 @@ class SyntheticEngine:
     async def generate(self, request: SamplingRequest) -> AsyncIterator[SampleChunk]:
         """Stream every sample's chunks at the configured pace; aborted samples end with finish reason ``abort``."""
         request_id = request.request_id or uuid.uuid4().hex
+        await self._wait_admitted()
         if request_id in self._live:
             raise RequestRejected(f"request_id {request_id!r} is already running on {self.server_id}")
-        await self._wait_admitted()
         samples = [self._draw(request, index) for index in range(request.n)]
         self._live[request_id] = samples
         try:
