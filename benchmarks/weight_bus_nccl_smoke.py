@@ -28,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
+from protos.records import NcclGroup, NcclRound  # noqa: E402
 from weight_bus import nccl_group as ng  # noqa: E402
 from weight_bus.packing import WireCodec, pack, total_nbytes, verify  # noqa: E402
 
@@ -159,7 +160,7 @@ def step_publisher(results: dict) -> None:
         client, keys = redis.Redis.from_url(server.url), RedisKeys("smoke")
         publisher = NcclWeightPublisher(client, keys, config)
         uid = new_unique_id()  # a world-size-1 group: the broadcast path runs with no peer to receive
-        publisher.group = ng.NcclGroup(1, uid, [], time.time())
+        publisher.group = NcclGroup(1, uid, [], time.time())
         publisher.comm = NcclCommunicator(uid, 1, 0)
         publisher.comm.wait_ready(60, "world-1 init")
         tensors = synthetic_moe(4)
@@ -208,7 +209,7 @@ def step_subscriber_path(results: dict) -> None:
         sub = NcclWeightSubscriber(redis.Redis.from_url(server.url), RedisKeys("smoke"), config, "gpu-0")
         sub.comm = NcclCommunicator(new_unique_id(), 1, 0)
         sub.comm.wait_ready(60, "world-1 init")
-        record = ng.NcclRound(1, 1, [(3 << 20) + 4096, 5000], 1 << 20, time.time())
+        record = NcclRound(1, 1, [(3 << 20) + 4096, 5000], 1 << 20, time.time())
         sub.ring = DeviceRing(1 << 20, sub.device)
         sub._bounce = [host_buffer(1 << 20, sub.device) for _ in range(2)]
         sub.ring.buffers[0].fill_(0x11)

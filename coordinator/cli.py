@@ -44,7 +44,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 
 def _cmd_rollout(args: argparse.Namespace) -> int:
-    argv = [sys.executable, "-m", "rollout_service", "serve", *args.rest]
+    argv = [sys.executable, "-m", "rollout_service", *args.rest]  # rest starts with "serve" (main checked)
     os.execv(sys.executable, argv)
     return 0  # not reached
 

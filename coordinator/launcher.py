@@ -22,10 +22,11 @@ from pathlib import Path
 
 import redis
 
+from channels.metrics_stream import MetricsStreamReader
+from channels.version_board import VersionBoard
 from coordinator.demo_agents import demo_agent_commands, prepare_agents
 from coordinator.redis_server import EmbeddedRedis
 from protos.config import RunConfig
-from protos.records import decode_done, decode_metrics
 from protos.redis_keys import RedisKeys
 from protos.trainer_command import trainer_argv
 
@@ -228,36 +229,33 @@ class DemoLauncher:
     def monitor(self, redis_url: str) -> dict:
         """Print a line per training step until the trainer reports done; returns the summary."""
         client = redis.Redis.from_url(redis_url, socket_timeout=30)
+        metrics = MetricsStreamReader(client, self.keys)
         trainer_steps: list[dict] = []
         coordinator_last: dict = {}
-        cursors = {self.keys.metrics("trainer"): "0", self.keys.metrics("coordinator"): "0"}
+        cursors = {"trainer": "0", "coordinator": "0"}
         done = False
         while not done:
             self.check_children()
-            reply = client.xread(cursors, block=1000) or []
-            for stream, entries in reply:
-                stream = stream.decode()
-                for entry_id, fields in entries:
-                    cursors[stream] = entry_id.decode()
-                    if b"d" in fields:  # a RoleDone: the trainer finished
-                        done = done or decode_done(fields[b"d"]).role == "trainer"
+            for entry in metrics.follow(cursors, block_s=1.0):
+                if entry.done is not None:  # a RoleDone: the trainer finished
+                    done = done or entry.done.role == "trainer"
+                    continue
+                report = entry.report
+                if report.role == "coordinator":  # periodic figures, and eval rounds (eval/...)
+                    coordinator_last = {**coordinator_last, **report.values}
+                    self.rollout_rates.append(report.values.get("tokens_per_s", 0.0))
+                else:
+                    step = {"step": report.step, "policy_version": report.policy_version, **report.values}
+                    if trainer_steps and trainer_steps[-1]["step"] == report.step:
+                        trainer_steps[-1] = step  # a report retried after a lost reply landed twice
                         continue
-                    report = decode_metrics(fields[b"m"])
-                    if report.role == "coordinator":  # periodic figures, and eval rounds (eval/...)
-                        coordinator_last = {**coordinator_last, **report.values}
-                        self.rollout_rates.append(report.values.get("tokens_per_s", 0.0))
-                    else:
-                        step = {"step": report.step, "policy_version": report.policy_version, **report.values}
-                        if trainer_steps and trainer_steps[-1]["step"] == report.step:
-                            trainer_steps[-1] = step  # a report retried after a lost reply landed twice
-                            continue
-                        trainer_steps.append(step)
-                        self.print_step(step, coordinator_last, client)
+                    trainer_steps.append(step)
+                    self.print_step(step, coordinator_last, client)
         self.wait_for_fleet(client, trainer_steps[-1]["policy_version"] if trainer_steps else 0)
-        coordinator_last.update(self.wait_for_coordinator(client, cursors[self.keys.metrics("coordinator")]))
+        coordinator_last.update(self.wait_for_coordinator(metrics, cursors["coordinator"]))
         return self.summary(client, trainer_steps, coordinator_last)
 
-    def wait_for_coordinator(self, client: redis.Redis, cursor: str, timeout_s: float = 120.0) -> dict:
+    def wait_for_coordinator(self, metrics: MetricsStreamReader, cursor: str, timeout_s: float = 120.0) -> dict:
         """The coordinator exits after its last eval round; returns the figures it reported meanwhile."""
         coordinator = self.children["coordinator"]
         values: dict = {}
@@ -267,9 +265,9 @@ class DemoLauncher:
         if coordinator.poll() is None:
             logger.warning("the coordinator did not exit within %.0fs after the trainer finished", timeout_s)
         self.check_children()
-        for _entry_id, fields in client.xrange(self.keys.metrics("coordinator"), min=f"({cursor}"):
-            if b"m" in fields:
-                values.update(decode_metrics(fields[b"m"]).values)
+        for entry in metrics.after("coordinator", cursor):
+            if entry.report is not None:
+                values.update(entry.report.values)
         return values
 
     def print_step(self, step: dict, coordinator: dict, client: redis.Redis) -> None:
@@ -285,15 +283,13 @@ class DemoLauncher:
         )
 
     def speed_summary(self, client: redis.Redis, steps: list[dict]) -> dict:
-        from protos.records import decode_report
-
-        reports = [decode_report(v) for v in client.hgetall(self.keys.fleet).values()]
+        reports = list(VersionBoard(client, self.keys).fleet_reports().values())
         return _speed_figures(steps, self.rollout_rates, reports)
 
     def fleet_versions(self, client: redis.Redis) -> dict[str, int]:
-        from protos.records import decode_report
-
-        return {k.decode(): decode_report(v).policy_version for k, v in client.hgetall(self.keys.fleet).items()}
+        return {
+            server: report.policy_version for server, report in VersionBoard(client, self.keys).fleet_reports().items()
+        }
 
     def wait_for_fleet(self, client: redis.Redis, version: int, timeout_s: float = 30.0) -> None:
         deadline = time.monotonic() + timeout_s

@@ -15,7 +15,6 @@ import pydantic
 import yaml
 
 from protos.config import RunConfig
-from protos.config.loading import RENAMED
 
 SETTABLE = (
     "max_staleness",
@@ -67,7 +66,6 @@ def _get(node: Any, parts: list[str]) -> Any:
 def resolve_key(key: str) -> str:
     """``key`` as written by a user -> its dotted path from the root of the run config."""
     key = key.strip()
-    key = RENAMED.get(key, RENAMED.get(f"coordinator.{key}", key))  # deprecated spellings of top-level keys
     return key if key in TOP_LEVEL else f"coordinator.{key.removeprefix('coordinator.')}"
 
 
@@ -82,7 +80,9 @@ def apply_setting(run_config: RunConfig, key: str, raw_value: str) -> tuple[str,
     """
     key = resolve_key(key)
     if key not in KNOWN:
-        raise UnknownSetting(f"unknown key {key}; keys settable at run time: {', '.join(SETTABLE)}")
+        name = key.rsplit(".", 1)[-1]
+        hint = f" ({name} is a top-level key: write {name}=...)" if name in TOP_LEVEL else ""
+        raise UnknownSetting(f"unknown key {key}{hint}; keys settable at run time: {', '.join(SETTABLE)}")
     if key.removeprefix("coordinator.") not in SETTABLE:
         raise FixedSetting(f"{key} is fixed at start and cannot change at run time; settable: {', '.join(SETTABLE)}")
     try:

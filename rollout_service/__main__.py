@@ -9,6 +9,7 @@ import logging
 import signal
 import sys
 from pathlib import Path
+from typing import NoReturn
 
 from protos.config import RolloutConfig, WeightBusConfig, flag_overrides, load_run_config
 from protos.redis_keys import RedisKeys
@@ -54,11 +55,25 @@ async def watch_engine(engine, stop: asyncio.Event, interval_s: float = 1.0) -> 
 
 def load_config(args: argparse.Namespace):
     """The resolved run config: the file, then the flags (config aliases), then the dotted overrides."""
+    from protos.config import describe_config_error
+
     flags = {"model_path": args.model, "redis_url": args.redis_url, "run_id": args.run_id, "rollout.host": args.host}
-    run_config = load_run_config(args.config, [*flag_overrides(flags), *args.overrides])
-    if not run_config.model_path and run_config.rollout.engine == "vllm":
-        raise SystemExit("rollout server: model_path must be set (the config key, or --model)")
+    try:
+        run_config = load_run_config(args.config, [*flag_overrides(flags), *args.overrides])
+    except ValueError as error:
+        _user_error(f"invalid config: {describe_config_error(error)}")
+    if run_config.rollout.engine == "vllm":  # the synthetic stand-in needs no model
+        if not run_config.model_path:
+            _user_error("model_path must be set (the config key, or --model)")
+        if not Path(run_config.model_path).is_dir():
+            _user_error(f"model_path {run_config.model_path} is not a directory (an HF checkpoint directory)")
     return run_config
+
+
+def _user_error(message: str) -> NoReturn:
+    """A user's mistake: one line on stderr, exit 2, no traceback."""
+    print(f"fleetrl rollout serve: {message}", file=sys.stderr)
+    raise SystemExit(2)
 
 
 def make_engine(run_config, server_id: str):
@@ -121,6 +136,7 @@ def start_following(follower, rollout_config: RolloutConfig, stop: asyncio.Event
 
 
 async def run(args: argparse.Namespace) -> None:
+    from rollout_service.metrics import start_reporting
     from rollout_service.server import RolloutServicer, drain_and_stop, start_grpc_server
 
     run_config = load_config(args)
@@ -135,11 +151,11 @@ async def run(args: argparse.Namespace) -> None:
     await engine.start()
     # 2) connect the weight bus (Redis rendezvous) if asked, and catch up to the latest version
     follower = make_follower(run_config, engine, f"{host}:{args.port}")
-    # 3) serve gRPC (health turns SERVING only now), then announce the address and follow new versions
+    # 3) serve gRPC (health turns SERVING only now), then announce the address, follow new versions and report
     servicer = RolloutServicer(engine, follower)
     server, port, health_servicer = await start_grpc_server(servicer, host, args.port)
     await announce(args, engine, follower, host, port)
-    follow_tasks = start_following(follower, rollout_config, stop)
+    follow_tasks = start_following(follower, rollout_config, stop) + start_reporting(servicer, follower, stop)
     # 4) wait for a stop signal; a dead follower task or a dead engine stops the server with an error
     waiter = asyncio.create_task(stop.wait())
     watchdog = asyncio.create_task(watch_engine(engine, stop), name="engine-watchdog")

@@ -25,6 +25,7 @@ class GenerationEngine(Protocol):
     vocab_size: int
     routed_experts_available: bool
     held_by_operator: bool  # paused through the API: a weight update must not resume it
+    last_load_s: float  # seconds the last commit spent loading weights (reported; 0 where none are loaded)
     # False: a commit labels the version without loading bytes, so the weight follower fetches none
     loads_weight_bytes: bool
 

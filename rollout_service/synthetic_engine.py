@@ -78,6 +78,7 @@ class SyntheticEngine:
         self.vocab_size = self.settings.vocab_size
         self.routed_experts_available = self.settings.moe_layers > 0
         self.held_by_operator = False
+        self.last_load_s = 0.0  # no weights are ever loaded
         self._admitting = asyncio.Event()  # cleared by any pause: new requests wait
         self._running = asyncio.Event()  # cleared by pause(keep|abort) and commits: no token is emitted
         self._admitting.set()

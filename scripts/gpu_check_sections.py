@@ -25,13 +25,7 @@ from gpu_check_helpers import (
 
 
 async def section_engine(result: Result) -> None:
-    import redis
-
-    from coordinator.redis_server import EmbeddedRedis
-    from protos.config import WeightBusConfig
-    from protos.redis_keys import RedisKeys
     from rollout_service.engine import RolloutEngine
-    from trainer_service.batch import build_batch
 
     model = check_model()
     engine = RolloutEngine(model, engine_config(), server_id="gpu-check")
@@ -42,70 +36,62 @@ async def section_engine(result: Result) -> None:
     result["fleetrl_spans_and_chunks"] = engine.features.fallback
     result["cuda_graphs"] = not engine.engine_kwargs(False)["enforce_eager"]
     result["routed_experts_available"] = engine.routed_experts_available
-    groups = await generate_groups(engine, echo_prompts(32), 8, 32)
-    sample = groups[0].samples[0]
-    routes = sample.routed_experts
-    result["routes"] = {
-        "shape": list(routes.shape) if routes else None,
-        "dtype": routes.dtype if routes else None,
-        "expected_shape": [4 + 32 - 1, 12, 4],
-    }
-    result["spans"] = [[s.version, s.start, s.end] for s in sample.version_spans]
-    result["route_agreement"] = None if DRY else route_agreement(model, groups)
-    result["decode_tok_s_bf16"] = round(await decode_tok_s(engine), 1)
-    backend, trainer = megatron_trainer(model)
-    values = trainer.step(list(groups))  # the mismatch figures are of pi_old = the weights the engine serves
-    result["r3"] = {
-        k: values.get(k)
-        for k in (
-            "on_policy_abs_logprob_diff_r3",
-            "on_policy_abs_logprob_diff_natural",
-            "on_policy_tokens",
-            "r3_replayed",
-            "mean_abs_logprob_diff",
-        )
-    }
+    try:
+        groups = await generate_groups(engine, echo_prompts(32), 8, 32)
+        sample = groups[0].samples[0]
+        routes = sample.routed_experts
+        result["routes"] = {
+            "shape": list(routes.shape) if routes else None,
+            "dtype": routes.dtype if routes else None,
+            "expected_shape": [4 + 32 - 1, 12, 4],
+        }
+        result["spans"] = [[s.version, s.start, s.end] for s in sample.version_spans]
+        result["route_agreement"] = None if DRY else route_agreement(model, groups)
+        result["decode_tok_s_bf16"] = round(await decode_tok_s(engine), 1)
+        backend, trainer = megatron_trainer(model)
+        values = trainer.step(list(groups))  # the mismatch figures are of pi_old = the weights the engine serves
+        result["r3"] = {key: values.get(key) for key in R3_FIGURES}
+        await _updates_over_each_transport(engine, backend, groups, result)
+    finally:
+        engine.shutdown()
+
+
+R3_FIGURES = (
+    "on_policy_abs_logprob_diff_r3",
+    "on_policy_abs_logprob_diff_natural",
+    "on_policy_tokens",
+    "r3_replayed",
+    "mean_abs_logprob_diff",
+)
+# Versions 1, 2, 3 go out over these, each after a training step so that every transport carries new weights.
+UPDATE_TRANSPORTS = (
+    ("update_tcp", {"transport": "tcp"}),
+    ("update_ipc", {"transport": "ipc"}),
+    ("update_tcp_mxfp8", {"transport": "tcp", "codec": "mxfp8"}),
+)
+
+
+async def _updates_over_each_transport(engine, backend, groups, result: Result) -> None:
+    import redis
+
+    from coordinator.redis_server import EmbeddedRedis
+    from protos.config import WeightBusConfig
+    from protos.redis_keys import RedisKeys
+    from trainer_service.batch import build_batch
+
     redis_server = EmbeddedRedis().start()
     try:
         keys = RedisKeys("gpu-check")
         redis.Redis.from_url(redis_server.url).flushall()
-        await update_engine(
-            engine,
-            backend,
-            1,
-            WeightBusConfig(transport="tcp", bucket_mib=256),
-            keys,
-            redis_server.url,
-            result,
-            "update_tcp",
-        )
-        backend.train_step(build_batch(list(groups)))  # new weights for each transport
-        await update_engine(
-            engine,
-            backend,
-            2,
-            WeightBusConfig(transport="ipc", bucket_mib=256),
-            keys,
-            redis_server.url,
-            result,
-            "update_ipc",
-        )
-        backend.train_step(build_batch(list(groups)))
-        await update_engine(
-            engine,
-            backend,
-            3,
-            WeightBusConfig(transport="tcp", bucket_mib=256, codec="mxfp8"),
-            keys,
-            redis_server.url,
-            result,
-            "update_tcp_mxfp8",
-        )
+        for version, (name, bus) in enumerate(UPDATE_TRANSPORTS, start=1):
+            if version > 1:
+                backend.train_step(build_batch(list(groups)))  # new weights for each transport
+            bus_config = WeightBusConfig(bucket_mib=256, **bus)
+            await update_engine(engine, backend, version, bus_config, keys, redis_server.url, result, name)
         after = await generate_groups(engine, echo_prompts(8, seed=3), 4, 16)
         result["spans_after_updates"] = [[s.version, s.start, s.end] for s in after[0].samples[0].version_spans]
     finally:
         redis_server.stop()
-        engine.shutdown()
 
 
 async def section_mxfp8(result: Result) -> None:

@@ -168,7 +168,7 @@ def checkpoint_step(config, checkpoints, side, trainer, step: int) -> float:
 def record_version_offset(side, policy_version: int, step: int) -> None:
     """Set the run's ``version_offset`` to ``policy_version - step`` (RedisKeys.version_offset), the coordinator's key to
     which version trains which slot. A SET of the value: repeating it (a restart before the publish) changes nothing."""
-    side.client.set(side.keys.version_offset, policy_version - step)
+    side.board.set_version_offset(policy_version - step)
 
 
 def catch_up_published(side, trainer, publish_current, restored, step: int) -> None:
@@ -192,16 +192,15 @@ def catch_up_published(side, trainer, publish_current, restored, step: int) -> N
             ranks.world_size(),
         )
     if published > trainer.policy_version:
-        if (
-            side
-        ):  # before the publish: the coordinator must not see the new version without the offset that goes with it
+        # before the publish: the coordinator must not see the new version without the offset that goes with it
+        if side:
             record_version_offset(side, published + 1, step)
         trainer.policy_version = published + 1
         publish_current()
     elif side:
         record_version_offset(side, trainer.policy_version, step)
     if side:
-        side.client.setnx(side.keys.policy_version, trainer.policy_version)
+        side.board.init_version(trainer.policy_version)
         metrics.POLICY_VERSION.set(trainer.policy_version)
 
 

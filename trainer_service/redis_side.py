@@ -10,10 +10,7 @@ import logging
 import threading
 import time
 
-import msgspec
-
-from protos.records import ControlKind, RoleDone, decode_control
-from protos.redis_keys import as_text
+from protos.records import RoleDone
 
 logger = logging.getLogger("trainer_service")
 
@@ -50,6 +47,8 @@ class RedisSide:
     def __init__(self, redis_url: str, config, trainer, stop: threading.Event):
         import redis
 
+        from channels.control_stream import ControlStreamReader
+        from channels.metrics_stream import MetricsStreamWriter
         from channels.trajectory_stream import TrajectoryStreamReader
         from channels.version_board import VersionBoard
         from protos.redis_keys import RedisKeys
@@ -59,16 +58,17 @@ class RedisSide:
         self.trainer = trainer
         self.stop = stop
         if config.trainer.metrics_port:
-            from prometheus_client import start_http_server
+            from trainer_service import metrics
 
-            start_http_server(config.trainer.metrics_port)
+            metrics.serve(config.trainer.metrics_port)
         self.client = redis.Redis.from_url(redis_url, socket_timeout=30)
         self.keys = RedisKeys(config.run_id)
         self.board = VersionBoard(self.client, self.keys)
+        self.metrics = MetricsStreamWriter(self.client, self.keys)
         self.queue = TrajectoryStreamReader(self.client, self.keys, trim=config.trainer.trim_acknowledged)
         self.reclaimed = self.queue.reclaim_pending()
         self.publisher = WeightPublisher(self.client, self.keys, config.weight_bus)
-        self.control = ControlReader(self.client, self.keys, trainer, publish=None)
+        self.control = ControlStreamReader(self.client, self.keys)
         self.unacked: list[str] = []  # entries consumed since the last checkpoint
 
     def published_version(self) -> int:
@@ -78,7 +78,8 @@ class RedisSide:
         """The next step's new groups; ``relay(sync, settings)`` gets the operator commands read meanwhile."""
 
         def poll_control() -> None:
-            relay(*self.control.read())
+            batch = self.control.read()
+            relay(batch.sync, batch.settings)
 
         poll_control()
         tcfg = self.config.trainer
@@ -112,11 +113,11 @@ class RedisSide:
             weight_versions_published=float(self.publisher.num_published),
         )
         values.update({f"staleness_groups/{k}": float(c) for k, c in trainer.totals.staleness_counts.items()})
-        metrics.record_step(values, trainer.last_staleness)
+        metrics.record_step(values, trainer.last_staleness, trainer.max_staleness)
         metrics.QUEUE_DEPTH.set(values["queue_depth"])
         metrics.POLICY_VERSION.set(trainer.policy_version)
-        report = MetricsReport("trainer", step, trainer.policy_version, time.time(), values)
-        send_report(self.client, self.keys, report)
+        # retried for 30 s, then dropped (logged): a lost report costs a dashboard point, an exit a model reload
+        self.metrics.post(MetricsReport("trainer", step, trainer.policy_version, time.time(), values), timeout_s=30.0)
         logger.info(
             "step %d policy_version=%d reward=%.3f staleness_max=%d loss=%.4f step_s=%.2f",
             step,
@@ -128,36 +129,11 @@ class RedisSide:
         )
 
     def finish(self, linger_s: float, stop: threading.Event) -> None:
-        from channels.retry import UNREACHABLE
-
+        # a lost marker (dropped after 30 s, logged) costs the launcher its wait for it, an exit a model reload
         done = RoleDone("trainer", self.trainer.totals.steps, self.trainer.policy_version, time.time())
-        try:
-            self.board.post_done(done, timeout_s=30.0)
-        except UNREACHABLE as error:  # a lost marker costs the launcher its wait for it, an exit a model reload
-            logger.error("metrics end-of-run marker dropped, Redis unreachable for 30s: %s", error)
+        self.metrics.post_done(done, timeout_s=30.0)
         stop.wait(linger_s)  # keep serving the last versions so slow rollout servers can fetch them
         self.publisher.close()
-
-
-def send_report(client, keys, report, timeout_s: float = 30.0) -> None:
-    """XADD a trainer MetricsReport (field ``m``), retried while Redis is unreachable; after ``timeout_s`` it is
-    dropped (logged): a lost report costs a dashboard point, an exit a model reload.
-
-    XADD is not idempotent: after a reply lost in transit a report can land twice (readers keep a step's last one).
-    """
-    from channels.retry import UNREACHABLE, retry_sync
-    from protos.records import encode
-
-    what = f"report of step {report.step}"
-    payload = encode(report)
-    try:
-        retry_sync(
-            lambda: client.xadd(keys.metrics("trainer"), {"m": payload}, maxlen=100000, approximate=True),
-            f"metrics {what}",
-            timeout_s,
-        )
-    except UNREACHABLE as error:
-        logger.error("metrics %s dropped, Redis unreachable for %.0fs: %s", what, timeout_s, error)
 
 
 def apply_commands(trainer, publish, sync: bool, settings: list[tuple[str, str]]) -> None:
@@ -185,53 +161,3 @@ def _apply_setting(trainer, key: str, raw: str) -> None:
         logger.error("control: ignoring set %s=%r: %s", key, raw, error)
         return
     logger.info("control: %s set to %r (policy_version=%d)", key, value, trainer.policy_version)
-
-
-class ControlReader:
-    """Reads the run's control stream (coordinator/control.py writes it): ``sync`` and ``set`` commands.
-
-    Rank 0 reads between steps and about once a second while a step waits for groups, so an operator's command
-    is seen even while the queue is empty (a paused coordinator, an eval round); ``ranks.OrderFeed`` hands the
-    commands to every rank, which act on them at that point (a ``sync`` is a collective export). ``poll`` reads
-    and acts in one go (one process).
-    """
-
-    def __init__(self, client, keys, trainer, publish):
-        self.client = client
-        self.keys = keys
-        self.trainer = trainer
-        self.publish = publish  # () -> None: re-publish the current weights under the current version
-        self.last_id = "0-0"
-        last = client.xrevrange(keys.control, count=1)
-        if last:  # start after what is already there: old commands were meant for an earlier trainer
-            self.last_id = last[0][0]
-
-    def read(self) -> tuple[bool, list[tuple[str, str]]]:
-        """The commands written since the last read: (any ``sync``, the ``set`` (key, JSON value) pairs).
-
-        Redis unreachable: none for now (they stay in the stream and come with a later read).
-        """
-        from channels.retry import UNREACHABLE
-
-        try:
-            entries = self.client.xread({self.keys.control: self.last_id}, count=100) or []
-        except UNREACHABLE as error:  # polled about once a second: the next poll is the retry
-            logger.warning("control commands not read, Redis unreachable: %s", error)
-            return False, []
-        sync, settings = False, []
-        for _stream, items in entries:
-            for entry_id, fields in items:
-                self.last_id = entry_id
-                try:
-                    command = decode_control(fields.get(b"c", b""))
-                except (msgspec.DecodeError, msgspec.ValidationError) as error:  # not ours to stop on
-                    logger.error("control: skipping undecodable entry %s: %s", as_text(entry_id), error)
-                    continue
-                if command.kind is ControlKind.SYNC:
-                    sync = True
-                elif command.kind is ControlKind.SET:
-                    settings.append((command.key, command.value_json))
-        return sync, settings
-
-    def poll(self) -> None:
-        apply_commands(self.trainer, self.publish, *self.read())

@@ -29,8 +29,9 @@ import numpy as np
 import redis
 import torch
 
+from channels.nccl_board import NcclBoard
 from channels.version_board import VersionBoard
-from protos.records import WeightManifest
+from protos.records import NcclGroup, NcclMember, NcclRound, WeightManifest
 from protos.redis_keys import RedisKeys
 from weight_bus import nccl_group as ng
 from weight_bus import packing
@@ -64,14 +65,14 @@ class NcclWeightPublisher:
     ):
         self.client, self.keys, self.config = client, keys, config
         self.comm_factory, self.unique_id_factory = comm_factory, unique_id_factory
-        self.nkeys = ng.NcclKeys(keys)
+        self.nccl_board = NcclBoard(client, keys)
         # tcp hold (late receivers), snapshots, announce; its host buffers are pinned, made here
         self.fallback = WeightSender(client, keys, config, transport="nccl", recycle=False)
         self.tcp = self.fallback.tcp
         self.codec = self.fallback.codec
         self.device = device or torch.device("cuda", torch.cuda.current_device())
         self.ring = DeviceRing(self.fallback.bytes_per_bucket, self.device)
-        self.group: ng.NcclGroup | None = ng.read_group(client, self.nkeys)  # generations stay monotonic
+        self.group: NcclGroup | None = self.nccl_board.read_group()  # generations stay monotonic
         self.comm: NcclCommunicator | None = None
 
     def publish(self, version: int, named_tensors) -> PublishStats:
@@ -101,8 +102,8 @@ class NcclWeightPublisher:
         if packer is None and comm is None:
             return None  # a retry with nobody left to send to
         if comm is not None and group is not None:
-            record = ng.NcclRound(group.generation, version, sizes, self.ring.nbytes, time.time())
-            ng.write_round(self.client, self.nkeys, record)
+            record = NcclRound(group.generation, version, sizes, self.ring.nbytes, time.time())
+            self.nccl_board.write_round(record)
         host_flat = FlatHost(host)
         failure: list[BroadcastFailed] = []
 
@@ -147,7 +148,7 @@ class NcclWeightPublisher:
             raise BroadcastFailed(outcome, f"chunk {chunk.offset}+{chunk.nbytes} of generation {self.group.generation}")
 
     def _ensure_group(self) -> None:
-        beats = ng.read_heartbeats(self.client, self.nkeys)
+        beats = self.nccl_board.read_heartbeats()
         alive = ng.alive_members(beats, time.time(), self.config.heartbeat_timeout_s)
         connected = self.comm is not None and self.comm.alive
         if not ng.needs_new_group(self.group, alive) and (connected or not alive):
@@ -156,7 +157,7 @@ class NcclWeightPublisher:
 
     def _rebuild_after(self, failure: BroadcastFailed) -> None:
         keep, drop = ng.members_to_keep(
-            self.group, ng.read_heartbeats(self.client, self.nkeys), time.time(), self.config.heartbeat_timeout_s
+            self.group, self.nccl_board.read_heartbeats(), time.time(), self.config.heartbeat_timeout_s
         )
         logger.warning("%s; rebuilding the group without %s", failure, drop or "nobody (no stale heartbeat)")
         self._form_group(keep)
@@ -168,7 +169,7 @@ class NcclWeightPublisher:
                 self.comm.abort()
                 self.comm = None
             self.group = ng.next_group(self.group, members, self.unique_id_factory() if members else b"", time.time())
-            ng.write_group(self.client, self.nkeys, self.group)
+            self.nccl_board.write_group(self.group)
             if not members:
                 return
             comm = self.comm_factory(self.group.unique_id, self.group.world_size, 0)
@@ -177,7 +178,7 @@ class NcclWeightPublisher:
                 self.comm = comm
                 return
             except (TimeoutError, RuntimeError) as error:
-                beats = ng.read_heartbeats(self.client, self.nkeys)
+                beats = self.nccl_board.read_heartbeats()
                 members = [m for m in members if m in beats and beats[m].generation == self.group.generation]
                 logger.warning("weight bus (nccl): %s; retrying with %s", error, members)
 
@@ -208,7 +209,7 @@ class NcclWeightSubscriber:
     ):
         self.client, self.keys, self.config, self.member_id = client, keys, config, member_id
         self.comm_factory = comm_factory
-        self.nkeys = ng.NcclKeys(keys)
+        self.nccl_board = NcclBoard(client, keys)
         self.board = VersionBoard(client, keys)
         self.device = device or torch.device("cuda", torch.cuda.current_device())
         self.generation = 0
@@ -226,8 +227,8 @@ class NcclWeightSubscriber:
     def _beat(self) -> None:
         if self._receiving:  # the receive loop runs, with its own deadlines: it takes part in broadcasts
             self._progress_s = time.time()
-        member = ng.NcclMember(self.member_id, self.generation, self.version, time.time(), self._progress_s)
-        ng.heartbeat(self.client, self.nkeys, member)
+        member = NcclMember(self.member_id, self.generation, self.version, time.time(), self._progress_s)
+        self.nccl_board.heartbeat(member)
 
     def _beat_loop(self) -> None:
         while not self._stop.wait(ng.HEARTBEAT_S):
@@ -254,7 +255,7 @@ class NcclWeightSubscriber:
     def _receive(self, min_version: int, buffer_for, timeout_s: float) -> WeightManifest:
         deadline, received, view = time.monotonic() + timeout_s, None, None
         while time.monotonic() < deadline:
-            group = ng.read_group(self.client, self.nkeys)
+            group = self.nccl_board.read_group()
             if group is not None and group.generation > self.generation and group.rank_of(self.member_id):
                 self._join(group)
                 received = None  # a rebuilt group re-broadcasts the version
@@ -266,7 +267,7 @@ class NcclWeightSubscriber:
                     self.version = manifest.version
                     return manifest
             else:
-                record = ng.read_round(self.client, self.nkeys)
+                record = self.nccl_board.read_round()
                 if (
                     self.comm is not None
                     and record is not None
@@ -282,7 +283,7 @@ class NcclWeightSubscriber:
             f"weight bus (nccl): {self.member_id} got no version newer than v{min_version} in {timeout_s:.1f}s"
         )
 
-    def _join(self, group: ng.NcclGroup) -> None:
+    def _join(self, group: NcclGroup) -> None:
         if self.comm is not None:
             self.comm.abort()
             self.comm = None
@@ -296,10 +297,10 @@ class NcclWeightSubscriber:
             logger.warning("weight bus (nccl): %s could not join: %s", self.member_id, error)
 
     def _generations(self) -> tuple[int, int]:
-        group = ng.read_group(self.client, self.nkeys)
+        group = self.nccl_board.read_group()
         return self.generation, group.generation if group is not None else 0
 
-    def _receive_round(self, record: ng.NcclRound, view: memoryview) -> ng.Outcome:
+    def _receive_round(self, record: NcclRound, view: memoryview) -> ng.Outcome:
         total = sum(record.bucket_nbytes)
         if view.nbytes < total:
             raise ValueError(f"receive buffer holds {view.nbytes} bytes, v{record.version} needs {total}")
@@ -348,6 +349,6 @@ class NcclWeightSubscriber:
     def close(self) -> None:
         self._stop.set()
         self._beater.join(timeout=5)
-        ng.leave(self.client, self.nkeys, self.member_id)
+        self.nccl_board.leave(self.member_id)
         if self.comm is not None:
             self.comm.abort()

@@ -1,4 +1,5 @@
-"""The pure side of the NCCL weight broadcast: Redis records, broadcast plans, timeout and rebuild rules.
+"""The pure side of the NCCL weight broadcast: broadcast plans, timeout and rebuild rules (the Redis records they
+follow are channels/nccl_board.py's).
 
 No cupy and no CUDA here, so all of it runs and is tested on CPU; ``weight_bus.nccl`` holds the thin
 GPU layer that follows these decisions.
@@ -23,41 +24,11 @@ import enum
 import time
 from dataclasses import dataclass
 
-import redis
-
-from protos.records import (
-    NcclGroup,
-    NcclMember,
-    NcclRound,
-    decode_nccl_group,
-    decode_nccl_member,
-    decode_nccl_round,
-    encode,
-)
-from protos.redis_keys import RedisKeys
+from protos.records import NcclGroup, NcclMember
 
 HEARTBEAT_S = 1.0
 NCCL_SUCCESS = 0
 NCCL_IN_PROGRESS = 7  # ncclInProgress: a non-blocking call or init still running
-
-
-@dataclass(frozen=True)
-class NcclKeys:
-    """Redis keys of the NCCL broadcast of one run (named in protos/redis_keys.py)."""
-
-    keys: RedisKeys
-
-    @property
-    def group(self) -> str:
-        return self.keys.nccl_group
-
-    @property
-    def round(self) -> str:
-        return self.keys.nccl_round
-
-    @property
-    def members(self) -> str:
-        return self.keys.nccl_members
 
 
 # ------------------------------------------------------------------------------------------------
@@ -141,41 +112,6 @@ def watch_outcome(
     if now >= deadline:
         return Outcome.TIMED_OUT
     return Outcome.WAIT
-
-
-# ------------------------------------------------------------------------------------------------
-# Redis records
-
-
-def write_group(client: redis.Redis, nkeys: NcclKeys, group: NcclGroup) -> None:
-    client.set(nkeys.group, encode(group))
-
-
-def read_group(client: redis.Redis, nkeys: NcclKeys) -> NcclGroup | None:
-    raw = client.get(nkeys.group)
-    return decode_nccl_group(raw) if raw is not None else None
-
-
-def write_round(client: redis.Redis, nkeys: NcclKeys, record: NcclRound) -> None:
-    client.set(nkeys.round, encode(record))
-
-
-def read_round(client: redis.Redis, nkeys: NcclKeys) -> NcclRound | None:
-    raw = client.get(nkeys.round)
-    return decode_nccl_round(raw) if raw is not None else None
-
-
-def heartbeat(client: redis.Redis, nkeys: NcclKeys, member: NcclMember) -> None:
-    client.hset(nkeys.members, member.member_id, encode(member))
-
-
-def leave(client: redis.Redis, nkeys: NcclKeys, member_id: str) -> None:
-    client.hdel(nkeys.members, member_id)
-
-
-def read_heartbeats(client: redis.Redis, nkeys: NcclKeys) -> dict[str, NcclMember]:
-    raw = client.hgetall(nkeys.members)
-    return {(k.decode() if isinstance(k, bytes) else k): decode_nccl_member(v) for k, v in raw.items()}
 
 
 def wait_for(read, accept, timeout_s: float, what: str, poll_s: float = 0.05):

@@ -14,42 +14,6 @@ from protos.config.run import RunConfig
 logger = logging.getLogger(__name__)
 
 
-# Deprecated spellings of keys that moved to the top of the tree (several roles read them), mapped at load.
-RENAMED = {
-    "trainer.num_steps": "num_steps",
-    "coordinator.groups_per_step": "groups_per_step",
-    "coordinator.max_staleness": "max_staleness",
-    "coordinator.sampling.temperature": "temperature",
-}
-
-
-def move_renamed_keys(data: dict[str, Any], where: str) -> dict[str, Any]:
-    """``data`` (one file's keys) with each deprecated key of ``RENAMED`` moved to its new place, one warning each.
-
-    Raises:
-        ValueError: the old and the new key are both set, to different values.
-    """
-    for old, new in RENAMED.items():
-        *sections, name = old.split(".")
-        node: Any = data
-        for part in sections:
-            node = node.get(part) if isinstance(node, dict) else None
-        if not isinstance(node, dict) or name not in node:
-            continue
-        value = node.pop(name)
-        if new in data and data[new] != value:
-            raise ValueError(
-                f"{where}: {old} (deprecated) = {value!r} and {new} = {data[new]!r} are both set; keep only {new}"
-            )
-        data[new] = value
-        _warn_renamed(old, new, where)
-    return data
-
-
-def _warn_renamed(old: str, new: str, where: str) -> None:
-    logger.warning("%s: config key %s is deprecated and will be removed: write %s (top level)", where, old, new)
-
-
 def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
     """Apply ``a.b.c=value`` overrides to a nested dict, each value parsed by the type of the field it sets.
 
@@ -61,9 +25,6 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
         key, sep, raw = item.partition("=")
         if not sep or not key:
             raise ValueError(f"override {item!r} is not KEY=VALUE (e.g. trainer.lr=1e-6)")
-        if key in RENAMED:
-            _warn_renamed(key, RENAMED[key], "override")
-            key = RENAMED[key]
         node = data
         parts = key.split(".")
         for part in parts[:-1]:
@@ -165,7 +126,6 @@ def read_config_file(path: Path, _chain: tuple[Path, ...] = ()) -> dict[str, Any
     if not isinstance(loaded, dict):
         raise ValueError(f"config file {path} must hold a mapping at the top level")
     base = loaded.pop(BASE_KEY, None)
-    loaded = move_renamed_keys(loaded, f"config file {path}")
     if base is None:
         return loaded
     if not isinstance(base, str):

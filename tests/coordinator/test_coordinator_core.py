@@ -216,8 +216,9 @@ def test_eval_versions_every_interval_steps_and_at_start():
 
 
 def test_a_restarted_coordinator_finds_the_eval_rounds_reported_before(redis_server):
+    from channels.metrics_stream import AsyncMetricsStreamWriter
     from coordinator.metrics import reported_eval_versions
-    from protos.records import MetricsReport, encode
+    from protos.records import MetricsReport
 
     keys = RedisKeys("eval-reports")
 
@@ -229,8 +230,8 @@ def test_a_restarted_coordinator_finds_the_eval_rounds_reported_before(redis_ser
             (5, {"eval/aime/pass@1": 0.5, "eval/version": 5.0}),
             (6, {"groups_pushed": 20.0}),
         ):
-            await client.xadd(
-                keys.metrics("coordinator"), {"m": encode(MetricsReport("coordinator", 0, version, 0.0, values))}
+            assert await AsyncMetricsStreamWriter(client, keys).post(
+                MetricsReport("coordinator", 0, version, 0.0, values)
             )
         found = await reported_eval_versions(client, keys)
         await client.aclose()
@@ -293,7 +294,9 @@ def test_set_changes_the_live_config_after_validating_the_whole_run_config():
     assert apply_setting(run, "max_staleness", "2") == ("max_staleness", 1, 2)  # top-level keys as they are
     assert apply_setting(run, "temperature", "0.8")[2] == pytest.approx(0.8)
     assert apply_setting(run, "sampling.top_p", "0.9") == ("coordinator.sampling.top_p", 1.0, 0.9)  # the section's
-    assert apply_setting(run, "coordinator.sampling.temperature", "0.7")[0] == "temperature"  # deprecated spelling
+    with pytest.raises(UnknownSetting, match=r"coordinator.sampling.temperature \(temperature is a top-level key"):
+        apply_setting(run, "coordinator.sampling.temperature", "0.7")
+    assert apply_setting(run, "temperature", "0.7")[0] == "temperature"
     assert run.max_staleness == 2 and run.temperature == pytest.approx(0.7) and live.sampling.top_p == 0.9
     assert run.coordinator is live and run.training_sampling().temperature == pytest.approx(0.7)
     with pytest.raises(UnknownSetting, match="unknown key coordinator.max_stalenes;.*settable.*max_staleness"):

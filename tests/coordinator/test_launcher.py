@@ -57,3 +57,25 @@ def test_demo_user_errors_print_one_line_and_exit_2(args, needle):
     done = subprocess.run([sys.executable, "-m", "coordinator.cli", "demo", *args], capture_output=True, text=True)
     assert done.returncode == 2
     assert needle in done.stderr and "Traceback" not in done.stderr and len(done.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["rollout"], "usage: fleetrl rollout serve --model PATH"),
+        (["rollout", "serve", "--model", "no/such/dir"], "model_path no/such/dir is not a directory"),
+        (["rollout", "serve"], "model_path must be set"),
+        (
+            ["rollout", "serve", "--model", ".", "rollout.max_num_seq=4"],
+            "rollout.max_num_seq: Extra inputs are not permitted",
+        ),
+        (["rollout", "serve", "--model", ".", "--config", "missing.yaml"], "missing.yaml does not exist"),
+    ],
+)
+def test_rollout_serve_user_errors_print_one_line_and_exit_2(args, needle):
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "coordinator.cli", *args], capture_output=True, text=True)
+    assert done.returncode == 2
+    assert needle in done.stderr and "Traceback" not in done.stderr and len(done.stderr.strip().splitlines()) == 1

@@ -258,22 +258,16 @@ def test_keys_several_roles_read_live_once_at_the_top_and_dotted_overrides_set_t
     assert not {"groups_per_step", "max_staleness"} & set(CoordinatorConfig.model_fields)
 
 
-def test_deprecated_spellings_of_moved_keys_map_to_the_top_with_one_warning_each(tmp_path, caplog):
+def test_a_moved_key_in_its_old_section_of_a_file_is_refused_naming_the_top_level_key(tmp_path):
+    from protos.config import describe_config_error
+
     path = tmp_path / "old.yaml"
-    path.write_text(
-        "trainer: {num_steps: 7}\ncoordinator: {groups_per_step: 3, max_staleness: 2, sampling: {temperature: 0.5}}\n"
-    )
-    with caplog.at_level("WARNING", logger="protos.config.loading"):
-        config = load_run_config(path, ["coordinator.max_staleness=0"])  # an old override still wins over the file
-    assert (config.num_steps, config.groups_per_step, config.max_staleness, config.temperature) == (7, 3, 0, 0.5)
-    lines = [r.getMessage() for r in caplog.records]
-    assert len(lines) == 5 and all("deprecated" in line and "\n" not in line for line in lines)
-    assert any(
-        "coordinator.sampling.temperature is deprecated" in line and "write temperature" in line for line in lines
-    )
-    path.write_text("max_staleness: 1\ncoordinator: {max_staleness: 2}\n")
-    with pytest.raises(ValueError, match="coordinator.max_staleness .deprecated. = 2 and max_staleness = 1"):
+    path.write_text("coordinator: {groups_per_step: 3, sampling: {temperature: 0.5}}\n")
+    with pytest.raises(pydantic.ValidationError) as caught:
         load_run_config(path)
+    line = describe_config_error(caught.value)
+    assert "coordinator.groups_per_step: Extra inputs are not permitted (groups_per_step is a top-level key" in line
+    assert "coordinator.sampling.temperature: Extra inputs are not permitted (temperature is a top-level key" in line
 
 
 def test_a_moved_key_written_inside_a_section_is_a_one_line_error_saying_where_it_lives():

@@ -293,11 +293,11 @@ def test_recipes_are_found():
 
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: str(p.relative_to(RECIPE_DIR)))
-def test_recipe_validates_against_the_run_config_schema_without_deprecated_keys(recipe, caplog):
+def test_recipe_validates_against_the_run_config_schema_without_warnings(recipe, caplog):
     with caplog.at_level(logging.WARNING, logger="protos.config.loading"):
         config = load_run_config(recipe)
     assert config.run_id and config.num_steps > 0
-    assert not caplog.records, [r.getMessage() for r in caplog.records]  # recipes use the current spelling
+    assert not caplog.records, [r.getMessage() for r in caplog.records]
 
 
 def _flat(values: dict, prefix: str = "") -> dict[str, object]:

@@ -56,14 +56,16 @@ class ServerProcess:
 
 
 def spawn_rollout_server(model: str, log_path: Path, *args: str, env: dict[str, str] | None = None) -> ServerProcess:
-    """``python -m rollout_service serve --model MODEL --port 0 ARGS`` in its own session (not waited for)."""
+    """``fleetrl rollout serve --model MODEL --port 0 ARGS`` (the CLI, as a user starts it) in its own session (not
+    waited for)."""
     address_file = log_path.with_suffix(".address")  # ServerProcess.address_file
     address_file.unlink(missing_ok=True)
     process = subprocess.Popen(
         [
             sys.executable,
             "-m",
-            "rollout_service",
+            "coordinator.cli",
+            "rollout",
             "serve",
             "--model",
             str(model),

@@ -1,5 +1,5 @@
-"""The CPU-testable part of the NCCL weight bus: broadcast plans, chunk packing, group records in a real
-Redis, membership and rebuild decisions, the watch rule. The GPU layer (nccl_comm, the broadcasts) needs
+"""The CPU-testable part of the NCCL weight bus: broadcast plans, chunk packing, membership and rebuild decisions,
+the watch rule (the group records in Redis: tests/channels/test_nccl_board.py). The GPU layer (nccl_comm, the broadcasts) needs
 one GPU per rank and is not run here."""
 
 from __future__ import annotations
@@ -9,10 +9,9 @@ import sys
 import time
 
 import pytest
-import redis
 import torch
 
-from protos.redis_keys import RedisKeys
+from protos.records import NcclMember
 from weight_bus import nccl_group as ng
 from weight_bus.nccl_device import ChunkPacker, FlatHost
 from weight_bus.packing import WireCodec, encoded_metas, pack, plan_layout
@@ -22,9 +21,9 @@ pytestmark = pytest.mark.unit
 NOW = 1_000.0
 
 
-def _beat(member: str, generation: int = 1, age_s: float = 0.0, progress_age_s: float | None = None) -> ng.NcclMember:
+def _beat(member: str, generation: int = 1, age_s: float = 0.0, progress_age_s: float | None = None) -> NcclMember:
     progress_age_s = age_s if progress_age_s is None else progress_age_s
-    return ng.NcclMember(member, generation, 3, NOW - age_s, NOW - progress_age_s)
+    return NcclMember(member, generation, 3, NOW - age_s, NOW - progress_age_s)
 
 
 def test_plan_chunks_splits_buckets_larger_than_a_device_buffer():
@@ -109,26 +108,6 @@ def test_after_a_failed_broadcast_the_stale_member_is_dropped_and_survivors_kept
 )
 def test_watch_outcome(done, error, now, generation, current, expected):
     assert ng.watch_outcome(done, error, now, 5.0, generation, current) is expected
-
-
-def test_records_round_trip_through_redis_and_heartbeats_expire(redis_url):
-    client = redis.Redis.from_url(redis_url)
-    nkeys = ng.NcclKeys(RedisKeys("nccl"))
-    assert ng.read_group(client, nkeys) is None and ng.read_round(client, nkeys) is None
-    group = ng.next_group(None, ["rollout-0", "rollout-1"], bytes(range(128)), time.time())
-    ng.write_group(client, nkeys, group)
-    assert ng.read_group(client, nkeys) == group
-    record = ng.NcclRound(group.generation, 5, [4096, 64], 1 << 20, time.time())
-    ng.write_round(client, nkeys, record)
-    assert ng.read_round(client, nkeys) == record
-    ng.heartbeat(client, nkeys, ng.NcclMember("rollout-0", 1, 4, time.time(), time.time()))
-    ng.heartbeat(client, nkeys, ng.NcclMember("rollout-1", 1, 4, time.time() - 60, time.time() - 60))
-    beats = ng.read_heartbeats(client, nkeys)
-    assert sorted(beats) == ["rollout-0", "rollout-1"]
-    assert ng.alive_members(beats, time.time(), 10.0) == ["rollout-0"]
-    ng.leave(client, nkeys, "rollout-0")
-    assert list(ng.read_heartbeats(client, nkeys)) == ["rollout-1"]
-    assert nkeys.group == "fleetrl:nccl:weights:nccl:group"
 
 
 def test_wait_for_times_out_naming_what_it_waited_for():
