@@ -47,7 +47,7 @@ def parse_args() -> argparse.Namespace:
         "--stream-interval",
         type=int,
         default=16,
-        help="tokens per streamed chunk, per request on both sides (the coordinator asks 16)",
+        help="tokens per streamed chunk, per request on both sides (the coordinator asks max_tokens)",
     )
     parser.add_argument("--model", default="", help="checkpoint; default: a random tiny MoE built in a temp dir")
     parser.add_argument(

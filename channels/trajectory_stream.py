@@ -39,6 +39,39 @@ return entry_id
 """
 
 
+# The trainer's ack in one server-side step: XACK of ARGV[3..] (in chunks: Lua's unpack has a stack limit), then, with
+# ARGV[2] == '1', the trim: the group's last delivered id and its oldest pending id, XTRIM MINID below the older of the
+# two. XACK and XTRIM are idempotent, so a lost reply is retried whole. As four round trips (XACK, XINFO GROUPS,
+# XPENDING, XTRIM) they cost a fast step more than the reads (benchmarks/queue_throughput.py). Lua sees XINFO as flat
+# field/value arrays (RESP2). Returns {acknowledged, trimmed}.
+_ACK_AND_TRIM = """
+local function id_parts(id)
+  local ms, seq = string.match(id, '^(%d+)-(%d+)$')
+  return tonumber(ms), tonumber(seq)
+end
+local function older(a, b)
+  local a_ms, a_seq = id_parts(a)
+  local b_ms, b_seq = id_parts(b)
+  return a_ms < b_ms or (a_ms == b_ms and a_seq < b_seq)
+end
+local acked = 0
+for first = 3, #ARGV, 1000 do
+  acked = acked + redis.call('XACK', KEYS[1], ARGV[1], unpack(ARGV, first, math.min(first + 999, #ARGV)))
+end
+if ARGV[2] ~= '1' then return {acked, 0} end
+local keep_from = nil
+for _, group in ipairs(redis.call('XINFO', 'GROUPS', KEYS[1])) do
+  local fields = {}
+  for i = 1, #group, 2 do fields[group[i]] = group[i + 1] end
+  if fields['name'] == ARGV[1] then keep_from = fields['last-delivered-id'] end
+end
+if keep_from == nil or keep_from == '0-0' then return {acked, 0} end
+local pending = redis.call('XPENDING', KEYS[1], ARGV[1])
+if tonumber(pending[1]) > 0 and older(pending[2], keep_from) then keep_from = pending[2] end
+return {acked, redis.call('XTRIM', KEYS[1], 'MINID', keep_from)}
+"""
+
+
 class TrajectoryStreamWriter:
     """The coordinator's end of the stream: pushes whole groups, each with the prompt cursor after it."""
 
@@ -112,6 +145,7 @@ class TrajectoryStreamReader:
         self._in_hand: set[str] = set()  # read by this consumer, not yet acknowledged
         self._orphans_possible = False  # a read broke: entries may be pending here that never reached us
         self._last_depth = 0
+        self._ack_and_trim = client.register_script(_ACK_AND_TRIM)  # EVALSHA, re-loaded if Redis lost it
         try:
             client.xgroup_create(keys.trajectories, keys.trainer_group, id="0", mkstream=True)
         except redis.ResponseError as error:
@@ -205,39 +239,31 @@ class TrajectoryStreamReader:
             self.num_dead_letters += 1
 
     def ack(self, entry_ids: list[str], timeout_s: float = 60.0) -> None:
-        """Acknowledge entries whose step is committed, then drop what no consumer can need any more.
+        """Acknowledge entries whose step is committed and (``trim``) drop what no consumer can need any more, in one
+        round trip.
 
-        XACK is idempotent, so a broken connection is retried for ``timeout_s`` (a trainer that exits instead
+        Both are idempotent, so a broken connection is retried for ``timeout_s`` (a trainer that exits instead
         reloads its model to get back here); then the error propagates.
         """
         if not entry_ids:
             return
-        retry_sync(
-            lambda: self.client.xack(self.keys.trajectories, self.keys.trainer_group, *entry_ids),
-            f"acknowledging {len(entry_ids)} entries",
-            timeout_s,
-        )
-        self._in_hand.difference_update(entry_ids)
+        stream, group = self.keys.trajectories, self.keys.trainer_group
         if self.trim:
-            try:
-                self.trim_acknowledged()
-            except UNREACHABLE as error:  # only space: the next ack trims them too
-                logger.warning("trimming acknowledged entries failed: %s", error)
+            call = lambda: self._ack_and_trim(keys=[stream], args=[group, "1", *entry_ids])  # noqa: E731
+        else:
+            call = lambda: self.client.xack(stream, group, *entry_ids)  # noqa: E731
+        retry_sync(call, f"acknowledging {len(entry_ids)} entries", timeout_s)
+        self._in_hand.difference_update(entry_ids)
 
     def trim_acknowledged(self) -> int:
         """Delete stream entries older than both the oldest pending entry and the group's last delivery.
 
         Those are acknowledged: keeping them only grows Redis by one group per entry for the whole run. Entries
-        not yet delivered are never trimmed, so the group's lag (the queue depth) stays exact.
+        not yet delivered are never trimmed, so the group's lag (the queue depth) stays exact. ``ack`` does it in the
+        same step; returns the entries deleted.
         """
-        group = self.keys.trainer_group_info(self.client.xinfo_groups(self.keys.trajectories))
-        keep_from = as_text(group["last-delivered-id"]) if group else None
-        if keep_from is None or keep_from == "0-0":
-            return 0
-        pending = self.client.xpending(self.keys.trajectories, self.keys.trainer_group)
-        if pending["pending"]:
-            keep_from = min(keep_from, as_text(pending["min"]), key=_stream_id_key)
-        return int(self.client.xtrim(self.keys.trajectories, minid=keep_from, approximate=False))
+        _, trimmed = self._ack_and_trim(keys=[self.keys.trajectories], args=[self.keys.trainer_group, "1"])
+        return int(trimmed)
 
     def depth(self) -> int:
         """Entries on the stream not yet delivered to the trainers' group (the queue's backlog); the last value read
@@ -249,8 +275,3 @@ class TrajectoryStreamReader:
             return self._last_depth
         self._last_depth = int(group.get("lag") or 0) if group else 0
         return self._last_depth
-
-
-def _stream_id_key(entry_id: str) -> tuple[int, int]:
-    millis, _, sequence = entry_id.partition("-")
-    return int(millis), int(sequence or 0)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import logging
 import signal
 import sys
@@ -300,6 +301,9 @@ async def run(args: argparse.Namespace) -> None:
     # 3) serve operators and watch the fleet: admin API, /metrics, metrics reports (supervised below)
     operators = await start_operators(config, pipeline, client, keys, fleet, runners, stop, discovery)
     agents = await start_agent_door(config, pipeline, fleet, stop, operators) if config.agent.enabled else None
+    # What startup built (modules, the fleet's clients, configs) lives for the whole run: frozen, it is left out of
+    # the collector's full passes, which otherwise stalled the loop for 0.1-0.5 s at a time (benchmarks/fleet_scale.py).
+    gc.freeze()
     producers: set[asyncio.Task] = set()
     eval_task: asyncio.Task | None = None
     # 4) loop: supervise; start a due eval round; admit while the staleness bound (and eval hold) allows

@@ -15,7 +15,7 @@ import time
 import redis.asyncio as aioredis
 from aiohttp import web
 from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from channels.metrics_stream import AsyncMetricsStreamReader, AsyncMetricsStreamWriter
@@ -140,6 +140,7 @@ class CoordinatorCollector:
         for name, (value, doc) in gauges.items():
             yield GaugeMetricFamily(name, doc, value=value)
         yield from queue_bound_gauges(scheduler)
+        yield from latency_histograms(scheduler)
         accuracy = GaugeMetricFamily("coordinator_eval_accuracy", "Latest eval mean accuracy.", labels=["dataset"])
         if reporter.evals is not None:
             for key, value in reporter.evals.latest.items():
@@ -154,6 +155,24 @@ def queue_bound_gauges(scheduler: Scheduler):
     yield GaugeMetricFamily(
         "coordinator_groups_per_step", "Groups per training step B in force.", value=scheduler.run.groups_per_step
     )
+
+
+def latency_histograms(scheduler: Scheduler):
+    """Admission -> dispatch of each group (``Scheduler.dispatch_latency`` and ``routing_latency``)."""
+    latencies = {
+        "coordinator_dispatch_latency_s": (
+            scheduler.dispatch_latency,
+            "Seconds from a group's admission to its first request sent to a server (waits for a server at its "
+            "version floor included).",
+        ),
+        "coordinator_routing_latency_s": (
+            scheduler.routing_latency,
+            "The same without the wait for a server at the group's version floor: the coordinator's routing time.",
+        ),
+    }
+    for name, (histogram, doc) in latencies.items():
+        buckets = [("+Inf" if bound == float("inf") else repr(bound), count) for bound, count in histogram.cumulative()]
+        yield HistogramMetricFamily(name, doc, buckets=buckets, sum_value=histogram.sum_s)
 
 
 async def start_metrics_server(reporter: MetricsReporter, host: str, port: int) -> tuple[web.AppRunner, int]:

@@ -6,6 +6,7 @@ raises ``RolloutFailed`` so the scheduler can re-dispatch the whole group elsewh
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import grpc
@@ -35,9 +36,6 @@ class SampleResult:
     routed_experts: np.ndarray | None = None
 
 
-STREAM_INTERVAL = 16  # tokens per streamed chunk (rollout.proto SamplingParams.stream_interval)
-
-
 class RolloutClient:
     """One server at ``address`` ("host:port"); ``inflight`` counts this client's open calls."""
 
@@ -49,6 +47,7 @@ class RolloutClient:
         self.inflight = 0
         self.requests = 0  # Generate calls sent
         self.failures = 0  # of which failed
+        self.last_success_s = float("-inf")  # monotonic time the last call completed (FleetWatcher skips checks)
         self.healthy = True
         self.policy_version = 0
         self.server_id = ""
@@ -79,8 +78,11 @@ class RolloutClient:
                 temperature=sampling.temperature,
                 top_p=sampling.top_p,
                 top_k=sampling.top_k,
-                # Whole samples are what the coordinator needs: chunks of 16 tokens save CPU on both ends.
-                stream_interval=STREAM_INTERVAL,
+                # Whole samples are what the coordinator needs: after the first token (always sent at once) the rest of
+                # a sample comes in one message. Against chunks of 16 this halved the client's CPU per call, and more
+                # at 256 servers, where each connection carries a call or two and gRPC batches no reads
+                # (docs/benchmarks.md, fleet scale).
+                stream_interval=sampling.max_tokens,
             ),
         )
         samples = [SampleResult() for _ in range(n)]
@@ -106,6 +108,7 @@ class RolloutClient:
         if finished != n:
             self.failures += 1
             raise RolloutFailed(f"{self.address}: stream ended with {finished} of {n} samples finished")
+        self.last_success_s = time.monotonic()
         return samples
 
     async def stream_one(
@@ -145,6 +148,7 @@ class RolloutClient:
             raise self._failure(error) from error
         finally:
             self.inflight -= 1
+        self.last_success_s = time.monotonic()
 
     def _failure(self, error: grpc.aio.AioRpcError) -> RolloutFailed | RolloutRejected:
         """A failed Generate call, counted: INVALID_ARGUMENT is the request's fault, anything else the server's."""

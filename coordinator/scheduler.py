@@ -35,6 +35,7 @@ import numpy as np
 
 from channels.trajectory_stream import TrajectoryStreamWriter
 from coordinator.fleet import Fleet
+from coordinator.latency import LatencyHistogram
 from coordinator.rewards import RewardResult
 from coordinator.rollout_client import RolloutClient, SampleResult
 from coordinator.tasks import Task, TaskPrompt
@@ -112,6 +113,11 @@ class Scheduler:
         # records that its group is on the stream (coordinator/agent_sessions.py), so a restart never pushes it twice
         self.on_external_pushed = None
         self._push_lock = asyncio.Lock()
+        # Admission -> first request sent, per group (draws of dynamic sampling included); and the part of it that
+        # was not spent waiting for a server at the group's version floor (the coordinator's own routing time).
+        self.dispatch_latency = LatencyHistogram()
+        self.routing_latency = LatencyHistogram()
+        self._admitted_s: dict[int, float] = {}  # slot -> monotonic admission time, until its first dispatch
 
     @property
     def clients(self) -> list[RolloutClient]:
@@ -159,7 +165,9 @@ class Scheduler:
         return self.state == RunState.RUNNING and self.stats.slots_admitted < self.admission_limit()
 
     def admit(self) -> tuple[int, TaskPrompt]:
-        return self._new_slot(), self.task.next_prompt()
+        slot = self._new_slot()
+        self._admitted_s[slot] = time.monotonic()
+        return slot, self.task.next_prompt()
 
     def admit_external(self) -> int | None:
         """A slot for a group an external agent generates (coordinator/agent_sessions.py), or None when none is
@@ -256,10 +264,11 @@ class Scheduler:
     async def produce_group(self, slot: int, prompt: TaskPrompt) -> None:
         """Generate, score and push the group of ``slot``; re-draws prompts of skipped groups."""
         admitted_at = self.trainer_version
+        drawn_s = self._admitted_s.pop(slot, time.monotonic())
         tries = 0
         while True:
             tries += 1
-            group, rewards = await self._generate_group(slot, prompt, admitted_at)
+            group, rewards = await self._generate_group(slot, prompt, admitted_at, drawn_s)
             uniform = max(rewards) - min(rewards) <= 1e-12
             if not (self.config.dynamic_sampling and uniform):
                 break
@@ -274,11 +283,16 @@ class Scheduler:
                 break
             self.stats.groups_skipped += 1
             self.stats.groups_admitted += 1
-            prompt = self.task.next_prompt()
+            prompt, drawn_s = self.task.next_prompt(), time.monotonic()
         await self.complete(slot, group)
 
+    def _observe_dispatch(self, drawn_s: float, waited_s: float) -> None:
+        latency_s = time.monotonic() - drawn_s
+        self.dispatch_latency.observe(latency_s)
+        self.routing_latency.observe(max(0.0, latency_s - waited_s))
+
     async def _generate_group(
-        self, slot: int, prompt: TaskPrompt, admitted_at: int
+        self, slot: int, prompt: TaskPrompt, admitted_at: int, drawn_s: float
     ) -> tuple[TrajectoryGroup, list[float]]:
         floor = self.version_floor(slot)
         sampling = self.run.training_sampling()  # this request's settings; a live change applies to later ones
@@ -291,6 +305,7 @@ class Scheduler:
             request_id=f"g{slot}-{uuid.uuid4().hex[:6]}",
             timeout_s=self.config.request_timeout_s,
             max_attempts=self.config.max_attempts,
+            on_dispatch=lambda waited_s: self._observe_dispatch(drawn_s, waited_s),
         )
         scores = await self.task.score(prompt, [r.token_ids for r in results])
         group = self._build_group(slot, prompt, results, scores, client, admitted_at, sampling.temperature)

@@ -1,4 +1,5 @@
-"""``python -m rollout_service serve``: one rollout server (vLLM engine + gRPC + weight follower)."""
+"""``python -m rollout_service serve``: one rollout server (vLLM engine, or the synthetic stand-in, + gRPC + weight
+follower)."""
 
 from __future__ import annotations
 
@@ -61,10 +62,11 @@ def load_config(args: argparse.Namespace):
         run_config = load_run_config(args.config, [*flag_overrides(flags), *args.overrides])
     except ValueError as error:
         _user_error(f"invalid config: {describe_config_error(error)}")
-    if not run_config.model_path:
-        _user_error("model_path must be set (the config key, or --model)")
-    if not Path(run_config.model_path).is_dir():
-        _user_error(f"model_path {run_config.model_path} is not a directory (an HF checkpoint directory)")
+    if run_config.rollout.engine == "vllm":  # the synthetic stand-in needs no model
+        if not run_config.model_path:
+            _user_error("model_path must be set (the config key, or --model)")
+        if not Path(run_config.model_path).is_dir():
+            _user_error(f"model_path {run_config.model_path} is not a directory (an HF checkpoint directory)")
     return run_config
 
 
@@ -74,8 +76,23 @@ def _user_error(message: str) -> NoReturn:
     raise SystemExit(2)
 
 
-def make_follower(run_config, engine, address: str):
-    """The weight follower on the run's Redis rendezvous; None without ``redis_url`` (the weights stay)."""
+def make_engine(run_config, server_id: str):
+    """The engine ``rollout.engine`` names: vLLM on ``model_path``, or the synthetic stand-in (which imports no vLLM
+    and needs no model)."""
+    if run_config.rollout.engine == "synthetic":
+        from rollout_service.synthetic_engine import SyntheticEngine
+
+        return SyntheticEngine(run_config.model_path, run_config.rollout, server_id=server_id)
+    from rollout_service.engine import RolloutEngine
+
+    return RolloutEngine(run_config.model_path, run_config.rollout, server_id=server_id)
+
+
+def make_follower(run_config, engine, address: str, client=None):
+    """The weight follower on the run's Redis rendezvous; None without ``redis_url`` (the weights stay).
+
+    ``client``: an asyncio Redis client to share (the stand-in fleet's servers share one); None = its own.
+    """
     if not run_config.redis_url:
         return None
     import redis.asyncio as aioredis
@@ -83,16 +100,12 @@ def make_follower(run_config, engine, address: str):
     from rollout_service.weight_sync import WeightFollower
 
     bus_config: WeightBusConfig = run_config.weight_bus
-    client = aioredis.Redis.from_url(run_config.redis_url, socket_timeout=30)
+    client = client or aioredis.Redis.from_url(run_config.redis_url, socket_timeout=30)
     keys = RedisKeys(run_config.run_id)
-    return WeightFollower(
-        engine,
-        client,
-        keys,
-        bus_config,
-        address,
-        nccl_subscriber_factory=nccl_subscriber_factory(run_config.redis_url, keys, bus_config, engine.server_id),
-    )
+    broadcasts = None  # an engine that loads no bytes takes no part in NCCL broadcasts
+    if engine.loads_weight_bytes:
+        broadcasts = nccl_subscriber_factory(run_config.redis_url, keys, bus_config, engine.server_id)
+    return WeightFollower(engine, client, keys, bus_config, address, nccl_subscriber_factory=broadcasts)
 
 
 async def announce(args: argparse.Namespace, engine, follower, host: str, port: int) -> None:
@@ -123,7 +136,6 @@ def start_following(follower, rollout_config: RolloutConfig, stop: asyncio.Event
 
 
 async def run(args: argparse.Namespace) -> None:
-    from rollout_service.engine import RolloutEngine
     from rollout_service.heartbeat import deregister, start_heartbeat
     from rollout_service.metrics import start_reporting
     from rollout_service.server import RolloutServicer, drain_and_stop, start_grpc_server
@@ -135,8 +147,8 @@ async def run(args: argparse.Namespace) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
 
-    # 1) start the engine
-    engine = RolloutEngine(run_config.model_path, rollout_config, server_id=args.server_id)
+    # 1) start the engine (vLLM, or the synthetic stand-in)
+    engine = make_engine(run_config, args.server_id)
     await engine.start()
     # 2) connect the weight bus (Redis rendezvous) if asked, and catch up to the latest version
     follower = make_follower(run_config, engine, f"{host}:{args.port}")

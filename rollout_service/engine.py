@@ -101,6 +101,8 @@ def _version_label(label: str, initial_version: int) -> int:
 class RolloutEngine:
     """Owns one AsyncLLM; generation, pause/resume and committing new weights go through here."""
 
+    loads_weight_bytes = True  # a commit loads the staged (or IPC) bytes into the workers
+
     def __init__(self, model_path: str, config: RolloutConfig, server_id: str = ""):
         self.model_path = model_path
         self.config = config

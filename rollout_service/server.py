@@ -21,7 +21,8 @@ from protos import rollout_pb2 as pb
 from protos import rollout_pb2_grpc as pb_grpc
 from protos.records import FinishReason
 from rollout_service import metrics
-from rollout_service.engine import EngineUnavailable, RequestRejected, RolloutEngine, SampleChunk
+from rollout_service.engine import EngineUnavailable, RequestRejected, SampleChunk
+from rollout_service.engine_protocol import GenerationEngine
 from rollout_service.validation import validate_generate
 from rollout_service.weight_sync import UpdateConflict
 from weight_bus.packing import ChecksumError
@@ -68,9 +69,10 @@ def chunk_to_proto(chunk: SampleChunk) -> pb.GenerateResponse:
 
 
 class RolloutServicer(pb_grpc.RolloutServiceServicer):
-    """Thin adapter; ``follower`` (optional) performs UpdateWeights through the weight bus."""
+    """Thin adapter over a GenerationEngine (vLLM or the synthetic stand-in); ``follower`` (optional) performs
+    UpdateWeights through the weight bus."""
 
-    def __init__(self, engine: RolloutEngine, follower=None):
+    def __init__(self, engine: GenerationEngine, follower=None):
         self.engine = engine
         self.follower = follower
         self.inflight = 0

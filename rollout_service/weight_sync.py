@@ -24,7 +24,7 @@ from protos.config import WeightBusConfig
 from protos.records import ReportStatus, VersionReport, WeightManifest, encode
 from protos.redis_keys import RedisKeys
 from rollout_service import metrics
-from rollout_service.engine import RolloutEngine
+from rollout_service.engine_protocol import GenerationEngine
 from rollout_service.vllm_adapter import serves_mxfp8_checkpoint
 from weight_bus import packing, receiver, tcp
 from weight_bus.ipc import IpcUnavailable
@@ -59,7 +59,7 @@ class WeightFollower:
 
     def __init__(
         self,
-        engine: RolloutEngine,
+        engine: GenerationEngine,
         client: aioredis.Redis,
         keys: RedisKeys,
         config: WeightBusConfig,
@@ -176,6 +176,8 @@ class WeightFollower:
         """The version's CUDA IPC record when this engine can load it straight from the trainer's GPU, else None
         (the bytes then come over tcp). Single-GPU engines only: ranks on other GPUs could not open the buckets."""
         config = self.engine.config
+        if not self.engine.loads_weight_bytes:
+            return None
         if manifest.transport != "ipc" or config.tensor_parallel_size * config.pipeline_parallel_size != 1:
             return None
         record = await self.board.ipc_record(manifest.version)
@@ -195,6 +197,9 @@ class WeightFollower:
     async def _load_locked(self, pending: PendingUpdate) -> None:
         if pending.ipc_record is not None:  # the engine reads the trainer's device buckets at commit
             pending.loaded, pending.source, self.last_receive_s = True, "ipc", 0.0
+            return
+        if not self.engine.loads_weight_bytes:  # the synthetic stand-in only labels the version
+            pending.loaded, pending.source, self.last_receive_s = True, "synthetic", 0.0
             return
         started = time.monotonic()
         try:
@@ -361,7 +366,7 @@ class StagingFile:
             self._file.close()
 
 
-def _serves_mxfp8(engine: RolloutEngine) -> bool:
+def _serves_mxfp8(engine: GenerationEngine) -> bool:
     """Whether the engine serves an MXFP8 checkpoint (then it loads (q, scale) pairs, not bf16). An engine that
     quantizes online (rollout.quantization='mxfp8') loads high-precision weights and quantizes them itself."""
     llm = getattr(engine, "_llm", None)

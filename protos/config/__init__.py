@@ -24,7 +24,7 @@ from protos.config.loading import (
     parse_override_value,
     read_config_file,
 )
-from protos.config.rollout import RolloutConfig
+from protos.config.rollout import RolloutConfig, SyntheticEngineConfig
 from protos.config.run import RunConfig
 from protos.config.trainer import LoraConfig, MegatronConfig, TrainerConfig
 from protos.config.weight_bus import WeightBusConfig
@@ -42,6 +42,7 @@ __all__ = [
     "RolloutConfig",
     "RunConfig",
     "SamplingConfig",
+    "SyntheticEngineConfig",
     "TrainerConfig",
     "TrainingSamplingConfig",
     "WeightBusConfig",

@@ -9,6 +9,42 @@ from pydantic import Field, model_validator
 from protos.config.base import Strict
 
 
+class SyntheticEngineConfig(Strict):
+    """The stand-in engine (``rollout.engine=synthetic``): seeded random tokens at a set rate, weights as no-ops.
+
+    It serves the real gRPC API (validation, backpressure, version reports, weight announcements) without vLLM, so
+    one machine can host hundreds of servers for coordinator benchmarks and tests.
+    """
+
+    tokens_per_s: float = Field(
+        200.0, ge=0.0, description="Tokens per second of each sample (its decode speed); 0 = as fast as possible."
+    )
+    server_tokens_per_s: float = Field(
+        0.0,
+        ge=0.0,
+        description="Tokens per second of the whole server, shared by its requests (a saturated engine); 0 = no cap.",
+    )
+    first_token_s: float = Field(0.0, ge=0.0, description="Delay before each request's first token (prefill time).")
+    vocab_size: int = Field(64, gt=1, description="Token ids are drawn from [0, vocab_size); prompts are checked too.")
+    moe_layers: int = Field(
+        0,
+        ge=0,
+        description="Routed experts returned per token: [prompt + response - 1, moe_layers, moe_top_k]; 0 = none.",
+    )
+    moe_top_k: int = Field(2, gt=0, description="Experts per token of the synthetic routes.")
+    moe_num_experts: int = Field(8, gt=0, description="Expert ids of the synthetic routes are in [0, moe_num_experts).")
+    commit_s: float = Field(0.0, ge=0.0, description="Time a weight commit pauses generation (no bytes are loaded).")
+
+    @model_validator(mode="after")
+    def _top_k_fits(self) -> SyntheticEngineConfig:
+        if self.moe_layers and self.moe_top_k > self.moe_num_experts:
+            raise ValueError(
+                f"rollout.synthetic.moe_top_k ({self.moe_top_k}) must not exceed rollout.synthetic.moe_num_experts "
+                f"({self.moe_num_experts})"
+            )
+        return self
+
+
 class RolloutConfig(Strict):
     """One vLLM AsyncLLM engine behind gRPC (per server)."""
 
@@ -81,6 +117,14 @@ class RolloutConfig(Strict):
         gt=0,
         description="Seconds between the server's registrations in the run's fleet hash (address, version, load, "
         "capacity); the coordinator discovers servers from them (coordinator.discovery).",
+    )
+    engine: Literal["vllm", "synthetic"] = Field(
+        "vllm",
+        description="vllm: a vLLM AsyncLLM on model_path. synthetic: the stand-in engine of rollout.synthetic (no "
+        "model, no vLLM; seeded tokens at a set rate, weight updates label the version without loading bytes).",
+    )
+    synthetic: SyntheticEngineConfig = Field(
+        default_factory=SyntheticEngineConfig, description="The stand-in engine's settings (engine=synthetic)."
     )
 
     @model_validator(mode="after")

@@ -84,6 +84,21 @@ def test_ack_removes_entries_from_the_pending_list(redis_url, client):
     queue.ack([])  # no-op
 
 
+def test_one_ack_of_thousands_of_entries_acknowledges_and_trims_them_in_one_round_trip(redis_url, client):
+    queue = TrajectoryStreamReader(client, KEYS)
+    pipe = client.pipeline(transaction=False)
+    for index in range(2500):  # more ids than one Lua unpack takes: the step acknowledges them in chunks
+        pipe.xadd(KEYS.trajectories, {"g": b"x"}, id=f"{index + 1}-0")
+    pipe.execute()
+    entries = client.xreadgroup(KEYS.trainer_group, queue.consumer, {KEYS.trajectories: ">"}, count=3000)[0][1]
+    assert queue.trim_acknowledged() == 0  # all pending: nothing to trim (and the step is loaded in Redis now)
+    client.config_resetstat()
+    queue.ack([entry_id.decode() for entry_id, _ in entries])
+    calls = {name: stats["calls"] for name, stats in client.info("commandstats").items()}
+    assert calls.get("cmdstat_evalsha") == 1 and "cmdstat_xinfo|groups" in calls  # the trim ran inside the step
+    assert num_pending(client) == 0 and client.xlen(KEYS.trajectories) == 1  # the last delivered entry stays
+
+
 def test_acknowledged_entries_are_trimmed_but_pending_and_undelivered_ones_stay(redis_url, client):
     queue = TrajectoryStreamReader(client, KEYS)
     push_groups(redis_url, [make_group(i) for i in range(6)])
