@@ -14,15 +14,18 @@ from protos.config.coordinator import (
     TrainingSamplingConfig,
 )
 from protos.config.loading import (
+    ENV_ALIASES,
     apply_overrides,
     deep_merge,
     describe_config_error,
+    env_overrides,
     field_annotation,
     flag_overrides,
     load_run_config,
     parse_override_value,
     read_config_file,
 )
+from protos.config.logger import LoggerConfig
 from protos.config.rollout import RolloutConfig
 from protos.config.run import RunConfig
 from protos.config.trainer import LoraConfig, MegatronConfig, TrainerConfig
@@ -31,7 +34,9 @@ from protos.config.weight_bus import WeightBusConfig
 __all__ = [
     "AgentConfig",
     "CoordinatorConfig",
+    "ENV_ALIASES",
     "EvalConfig",
+    "LoggerConfig",
     "LoraConfig",
     "MegatronConfig",
     "OverlongConfig",
@@ -44,6 +49,7 @@ __all__ = [
     "apply_overrides",
     "deep_merge",
     "describe_config_error",
+    "env_overrides",
     "field_annotation",
     "flag_overrides",
     "load_run_config",

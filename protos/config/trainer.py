@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from protos.config.base import Strict
 
@@ -50,6 +50,32 @@ class MegatronConfig(Strict):
         description="Aux-loss-free balancing step on routers with an expert bias (Beam's e_score_correction_bias) "
         "per optimizer step; 0 keeps the checkpoint's bias, so rollout and trainer route alike.",
     )
+    recompute_granularity: Literal["none", "selective", "full"] = Field(
+        "none",
+        description="Activation recomputation (megatron-core's recompute_granularity): 'full' recomputes every "
+        "layer's activations in backward (the seed's full fine-tuning runs), 'selective' only attention's core. "
+        "Only 'none' is implemented by this trainer yet: the trainer refuses the others at start.",
+    )
+    optimizer_offload: bool = Field(
+        False,
+        description="Keep the fp32 main weights and Adam moments off the GPU (on host memory, or on "
+        "optimizer_state_disk_dir), streamed through the GPU for each step. Not implemented by this trainer yet: "
+        "the trainer refuses it at start.",
+    )
+    optimizer_state_disk_dir: str = Field(
+        "",
+        description="With optimizer_offload: a node-local disk directory (NVMe) holding the optimizer state; "
+        "'' = host memory (about 1.7 TB per node for Beam's full fine-tuning). Env alias OPTIMIZER_STATE_DISK_DIR.",
+    )
+
+    @model_validator(mode="after")
+    def _disk_dir_needs_offload(self) -> MegatronConfig:
+        if self.optimizer_state_disk_dir and not self.optimizer_offload:
+            raise ValueError(
+                "trainer.megatron.optimizer_state_disk_dir is set but trainer.megatron.optimizer_offload is false: "
+                "set optimizer_offload=true (the directory then holds the offloaded state) or clear the directory"
+            )
+        return self
 
 
 class LoraConfig(Strict):
@@ -71,9 +97,27 @@ class LoraConfig(Strict):
         description="Adapted modules (megatron-core names; see the class docstring for the HF ones).",
     )
 
+    normalize_moe_lora: bool = Field(
+        False,
+        description="The seed's normalize_moe_lora: every routed expert's adapter gets rank rank / top_k (8 for rank "
+        "64 and Beam's top-8) with the same alpha / rank scale, so a token's top_k expert adapters add up to one "
+        "rank-r update. Not implemented by this trainer yet (grouped expert LoRA): the trainer refuses it at start.",
+    )
+
     @property
     def enabled(self) -> bool:
         return self.rank > 0
+
+    @model_validator(mode="after")
+    def _normalizing_needs_adapters(self) -> LoraConfig:
+        if self.normalize_moe_lora and not self.enabled:
+            raise ValueError("trainer.lora.normalize_moe_lora needs trainer.lora.rank > 0 (LoRA on)")
+        if self.normalize_moe_lora and not {"linear_fc1", "linear_fc2"} & set(self.target_modules):
+            raise ValueError(
+                "trainer.lora.normalize_moe_lora sizes expert adapters: add linear_fc1 or linear_fc2 to "
+                "trainer.lora.target_modules, or set it false"
+            )
+        return self
 
 
 class TrainerConfig(Strict):
@@ -105,14 +149,20 @@ class TrainerConfig(Strict):
         True, description="Delete acknowledged entries from the trajectory stream (False keeps it as an audit log)."
     )
     ckpt_interval: int = Field(
-        1, gt=0, description="Steps between checkpoints; queue entries are acknowledged only at a checkpoint."
+        1,
+        ge=0,
+        description="Steps between checkpoints (and the last step); queue entries are acknowledged only at a "
+        "checkpoint. 0 turns saving off: the entries are then acknowledged after the last step (see "
+        "docs/trainer_service.md, 'Checkpoints off').",
     )
     keep_last_checkpoints: int = Field(2, gt=0, description="Checkpoints kept on disk (older ones are deleted).")
     ckpt_dir: str = Field(
         "", description="Checkpoint directory; '' = <out_dir>/checkpoints (runs/<run_id>/... without out_dir)."
     )
-    resume: str = Field(
-        "latest", description="'latest' (resume from the newest checkpoint if any), 'none', or a checkpoint path."
+    resume: Literal["latest", "none", "from_path"] = Field(
+        "latest",
+        description="'latest': resume from the newest checkpoint in the checkpoint directory, if any; 'none': start "
+        "from model_path; 'from_path': resume from trainer.resume_path. Env alias RESUME_MODE.",
     )
     metrics_port: int = Field(0, ge=0, description="Prometheus /metrics port of the trainer; 0 = off.")
     measure_replay_mismatch: bool = Field(
@@ -135,6 +185,30 @@ class TrainerConfig(Strict):
         description="Trainer nodes. The world size is num_nodes x num_processes; megatron's TP x PP x CP "
         "must divide it and what is left is data parallel. `fleetrl run` launches one node; deploy/ launches more.",
     )
+    resume_path: str = Field(
+        "", description="The checkpoint directory (step-NNNNNN) trainer.resume='from_path' resumes from."
+    )
+
+    @field_validator("resume", mode="before")
+    @classmethod
+    def _resume_is_a_mode(cls, value: object) -> object:
+        if isinstance(value, str) and value not in ("latest", "none", "from_path") and ("/" in value or "." in value):
+            raise ValueError(
+                f"trainer.resume={value!r} looks like a path: set trainer.resume=from_path and "
+                f"trainer.resume_path={value}"
+            )
+        return value
+
+    @model_validator(mode="after")
+    def _resume_path_fits_mode(self) -> TrainerConfig:
+        if self.resume == "from_path" and not self.resume_path:
+            raise ValueError("trainer.resume='from_path' needs trainer.resume_path=<checkpoint dir>")
+        if self.resume_path and self.resume != "from_path":
+            raise ValueError(
+                f"trainer.resume_path is set but trainer.resume={self.resume!r}: set trainer.resume=from_path "
+                "(or clear resume_path)"
+            )
+        return self
 
     @model_validator(mode="after")
     def _ranks_fit_backend(self) -> TrainerConfig:
