@@ -25,8 +25,9 @@ import redis
 from channels.version_board import VersionBoard
 from coordinator.demo_agents import demo_agent_commands, prepare_agents
 from coordinator.redis_server import EmbeddedRedis
+from coordinator.run_logger import RunLogger, read_reports
 from protos.config import RunConfig
-from protos.records import decode_done, decode_metrics
+from protos.records import RoleDone, decode_metrics
 from protos.redis_keys import RedisKeys
 from protos.trainer_command import trainer_argv
 
@@ -101,6 +102,9 @@ class DemoLauncher:
     def __init__(self, config: RunConfig, out_dir: Path):
         self.config = config
         self.out_dir = out_dir
+        if not config.out_dir:  # eval samples, exports and trainer checkpoints go under the run directory
+            config.out_dir = str(out_dir)
+        self.log_dir = config.log_path()
         self.keys = RedisKeys(config.run_id)
         self.children: dict[str, subprocess.Popen] = {}
         self.redis_server: EmbeddedRedis | None = None
@@ -109,7 +113,7 @@ class DemoLauncher:
 
     # process management --------------------------------------------------------------------
     def spawn(self, name: str, args: list[str], env: dict[str, str] | None = None) -> None:
-        log = open(self.out_dir / "logs" / f"{name}.log", "wb")
+        log = open(self.log_dir / f"{name}.log", "wb")
         self.children[name] = subprocess.Popen(
             [sys.executable, *args],
             stdout=log,
@@ -123,7 +127,7 @@ class DemoLauncher:
             # The coordinator (and the trainer) exit 0 once their work is done; a rollout server
             # must serve until the end, and any non-zero exit is a failure.
             if child.poll() is not None and (child.returncode != 0 or name.startswith("rollout")):
-                tail = (self.out_dir / "logs" / f"{name}.log").read_text(errors="replace")[-3000:]
+                tail = (self.log_dir / f"{name}.log").read_text(errors="replace")[-3000:]
                 raise RoleFailed(f"{name} exited with code {child.returncode}; last log lines:\n{tail}")
 
     def stop_all(self, grace_s: float = 10.0) -> None:
@@ -149,7 +153,7 @@ class DemoLauncher:
     def start(self) -> str:
         trainer_command(self.config)  # refuses a layout this launcher cannot start, before any child
         check_gpu_layout(self.config, _num_gpus())
-        (self.out_dir / "logs").mkdir(parents=True, exist_ok=True)
+        self.log_dir.mkdir(parents=True, exist_ok=True)
         redis_url = self.config.redis_url or os.environ.get("REDIS_URL", "")
         if not redis_url:
             self.redis_server = EmbeddedRedis().start()
@@ -157,8 +161,6 @@ class DemoLauncher:
         # One source of settings: the resolved config every child reads holds the model, Redis and run directory.
         self.config.model_path = self.config.model_path or str(tiny_model_dir(self.config.tiny_model))
         self.config.redis_url = redis_url
-        if not self.config.out_dir:  # eval samples and trainer checkpoints go under the run directory
-            self.config.out_dir = str(self.out_dir)
         agent_token = prepare_agents(self.config, self.out_dir) if self.config.agent.enabled else ""
         config_path = self.out_dir / "config.json"
         config_path.write_text(self.config.model_dump_json(indent=2))
@@ -221,45 +223,54 @@ class DemoLauncher:
             self.check_children()
             if time.monotonic() > deadline:
                 missing = [name for name, path in address_files.items() if not path.exists()]
-                logs = self.out_dir / "logs"
-                raise RoleFailed(f"{missing} not serving within {timeout_s:.0f}s (their logs are in {logs})")
+                raise RoleFailed(f"{missing} not serving within {timeout_s:.0f}s (their logs are in {self.log_dir})")
             time.sleep(0.2)
         return [path.read_text().strip() for path in address_files.values()]
 
     def monitor(self, redis_url: str) -> dict:
-        """Print a line per training step until the trainer reports done; returns the summary."""
+        """Print a line per training step until the trainer reports done (and hand every report to the run
+        logger); returns the summary."""
         client = redis.Redis.from_url(redis_url, socket_timeout=30)
+        run_logger = RunLogger(self.config)
         trainer_steps: list[dict] = []
         coordinator_last: dict = {}
         cursors = {self.keys.metrics("trainer"): "0", self.keys.metrics("coordinator"): "0"}
         done = False
-        while not done:
-            self.check_children()
-            reply = client.xread(cursors, block=1000) or []
-            for stream, entries in reply:
-                stream = stream.decode()
-                for entry_id, fields in entries:
-                    cursors[stream] = entry_id.decode()
-                    if b"d" in fields:  # a RoleDone: the trainer finished
-                        done = done or decode_done(fields[b"d"]).role == "trainer"
-                        continue
-                    report = decode_metrics(fields[b"m"])
-                    if report.role == "coordinator":  # periodic figures, and eval rounds (eval/...)
+        try:
+            while not done:
+                self.check_children()
+                for report in read_reports(client, cursors, block_ms=1000):
+                    if isinstance(report, RoleDone):  # the trainer finished
+                        done = done or report.role == "trainer"
+                    elif report.role == "coordinator":  # periodic figures, and eval rounds (eval/...)
                         coordinator_last = {**coordinator_last, **report.values}
                         self.rollout_rates.append(report.values.get("tokens_per_s", 0.0))
-                    else:
-                        step = {"step": report.step, "policy_version": report.policy_version, **report.values}
-                        if trainer_steps and trainer_steps[-1]["step"] == report.step:
-                            trainer_steps[-1] = step  # a report retried after a lost reply landed twice
-                            continue
-                        trainer_steps.append(step)
-                        self.print_step(step, coordinator_last, client)
-        self.wait_for_fleet(client, trainer_steps[-1]["policy_version"] if trainer_steps else 0)
-        coordinator_last.update(self.wait_for_coordinator(client, cursors[self.keys.metrics("coordinator")]))
+                        run_logger.log_coordinator(report)
+                    elif self.record_step(trainer_steps, report):
+                        self.print_step(trainer_steps[-1], coordinator_last, client)
+                        run_logger.log_step(
+                            report.step, report.policy_version, report.values, coordinator_last.get("tokens_per_s", 0.0)
+                        )
+            self.wait_for_fleet(client, trainer_steps[-1]["policy_version"] if trainer_steps else 0)
+            cursor = cursors[self.keys.metrics("coordinator")]
+            coordinator_last.update(self.wait_for_coordinator(client, cursor, run_logger))
+        finally:
+            run_logger.finish()
         return self.summary(client, trainer_steps, coordinator_last)
 
-    def wait_for_coordinator(self, client: redis.Redis, cursor: str, timeout_s: float = 120.0) -> dict:
-        """The coordinator exits after its last eval round; returns the figures it reported meanwhile."""
+    @staticmethod
+    def record_step(trainer_steps: list[dict], report) -> bool:
+        """Append a trainer step's figures; False for a report retried after a lost reply (it landed twice)."""
+        step = {"step": report.step, "policy_version": report.policy_version, **report.values}
+        if trainer_steps and trainer_steps[-1]["step"] == report.step:
+            trainer_steps[-1] = step
+            return False
+        trainer_steps.append(step)
+        return True
+
+    def wait_for_coordinator(self, client: redis.Redis, cursor: str, run_logger, timeout_s: float = 120.0) -> dict:
+        """The coordinator exits after its last eval round; returns the figures it reported meanwhile (its eval
+        rounds also go to the run logger)."""
         coordinator = self.children["coordinator"]
         values: dict = {}
         deadline = time.monotonic() + timeout_s
@@ -270,7 +281,9 @@ class DemoLauncher:
         self.check_children()
         for _entry_id, fields in client.xrange(self.keys.metrics("coordinator"), min=f"({cursor}"):
             if b"m" in fields:
-                values.update(decode_metrics(fields[b"m"]).values)
+                report = decode_metrics(fields[b"m"])
+                values.update(report.values)
+                run_logger.log_coordinator(report)
         return values
 
     def print_step(self, step: dict, coordinator: dict, client: redis.Redis) -> None:
@@ -325,6 +338,7 @@ class DemoLauncher:
             # ~0 at max_staleness 0 unless the weights the servers run differ from the trainer's.
             "max_abs_logprob_diff": max((s.get("mean_abs_logprob_diff", 0.0) for s in steps), default=0.0),
             "eval": {k: v for k, v in coordinator.items() if k.startswith("eval/")},
+            "export_path": str(self.config.export_path()),
             **self.speed_summary(client, steps),
             "rewards": rewards,
             "wall_s": time.monotonic() - self.started,
@@ -378,7 +392,7 @@ def run_demo(config: RunConfig, out_dir: Path) -> dict:
         cfg = config.coordinator
         admin = f"{cfg.admin_host}:{cfg.admin_port}" if cfg.admin_port else "(port in logs/coordinator.log)"
         print(
-            f"run dir {out_dir} | Redis {redis_url} | logs in {out_dir / 'logs'} | admin API {admin} "
+            f"run dir {out_dir} | Redis {redis_url} | logs in {launcher.log_dir} | admin API {admin} "
             "(fleetrl status --admin ADDR)",
             flush=True,
         )

@@ -153,6 +153,23 @@ class RunConfig(Strict):
             return path
         return os.path.join(self.expand_path(self.data_dir), path)
 
+    def with_dataset_paths(self) -> RunConfig:
+        """A copy whose dataset paths (task, eval datasets and the keys of eval labels) are as the coordinator opens
+        them, joined to ``data_dir``, which the copy no longer sets."""
+        if not self.data_dir:
+            return self
+        coordinator = self.coordinator
+        evals = coordinator.eval
+        task = coordinator.task if coordinator.task == "echo" else self.dataset_path(coordinator.task)
+        resolved_eval = evals.model_copy(
+            update={
+                "datasets": [self.dataset_path(path) for path in evals.datasets],
+                "labels": {self.dataset_path(path): label for path, label in evals.labels.items()},
+            }
+        )
+        resolved = coordinator.model_copy(update={"task": task, "eval": resolved_eval})
+        return self.model_copy(update={"coordinator": resolved, "data_dir": ""})
+
     def training_sampling(self) -> SamplingConfig:
         """The sampling of one training request: ``coordinator.sampling`` at the run's ``temperature`` (a fresh
         object: a live change applies to later requests)."""

@@ -1,0 +1,105 @@
+"""The run logger: a run's step and eval figures on the console or in a Weights & Biases run (``logger.backend``).
+
+It is fed from the run's metrics streams: ``read_reports`` tails the trainer's and the coordinator's MetricsReport
+streams (the one place that reads them for it, so it can move onto a typed channel), the launcher hands each
+report to ``RunLogger``. Names in the Weights & Biases run:
+
+- the guide's figures: ``reward`` (mean training reward of the step), ``loss``, ``staleness`` (max over the step's
+  groups), ``abs_logprob_diff`` (mean |trainer - rollout| logprob of the trained tokens, |dlogp|),
+  ``throughput/rollout_tokens_per_s`` (the coordinator's), ``throughput/train_tokens_per_s`` (trained response
+  tokens over the step's wall time);
+- every other trainer figure as ``trainer/<name>``;
+- eval rounds as the coordinator reports them: ``eval/<label>/acc``, ``eval/<label>/pass@<k>``, ... (AIME 2025 is
+  ``eval/aime-2025/*``; AIME 2024 under the guide's label ``eval/math_dapo/*``), logged at the trainer step of the
+  round's policy version.
+
+With ``WANDB_MODE=offline`` (no network) the run is written under ``logger.log_path`` and can be uploaded later
+with ``wandb sync``.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from protos.config import RunConfig
+from protos.records import MetricsReport, RoleDone, decode_done, decode_metrics
+
+logger = logging.getLogger(__name__)
+
+# trainer figure -> the guide's name for it
+GUIDE_NAMES = {
+    "reward_mean": "reward",
+    "loss": "loss",
+    "staleness_max": "staleness",
+    "mean_abs_logprob_diff": "abs_logprob_diff",
+}
+
+
+def read_reports(client, streams: dict[str, str], block_ms: int) -> list[MetricsReport | RoleDone]:
+    """The reports added to ``streams`` (stream key -> last entry id read, advanced in place) since the last read,
+    waiting up to ``block_ms`` for the first."""
+    reports: list[MetricsReport | RoleDone] = []
+    for stream, entries in client.xread(streams, block=block_ms) or []:
+        stream = stream.decode() if isinstance(stream, bytes) else stream
+        for entry_id, fields in entries:
+            streams[stream] = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
+            reports.append(decode_done(fields[b"d"]) if b"d" in fields else decode_metrics(fields[b"m"]))
+    return reports
+
+
+def step_metrics(values: dict[str, float], rollout_tokens_per_s: float) -> dict[str, float]:
+    """One trainer step's figures under their logged names (see the module doc)."""
+    logged = {f"trainer/{name}": value for name, value in values.items()}
+    logged.update({guide: values[name] for name, guide in GUIDE_NAMES.items() if name in values})
+    if values.get("step_s"):
+        logged["throughput/train_tokens_per_s"] = values.get("num_tokens", 0.0) / values["step_s"]
+    logged["throughput/rollout_tokens_per_s"] = rollout_tokens_per_s
+    return logged
+
+
+class RunLogger:
+    """Writes each step's and each eval round's figures to the configured backend (console lines are the
+    launcher's own; the wandb backend adds a Weights & Biases run).
+
+    Weights & Biases steps only go up, and an eval round's report can arrive after later steps': a round is logged
+    at its own trainer step (``eval/step``: its policy version minus the trainer's version - step offset) or the
+    last step logged, whichever is later."""
+
+    def __init__(self, config: RunConfig):
+        self.config = config
+        self.run = None
+        self.last_step = 0
+        self.version_offset: int | None = None  # policy version - trainer step (the latest trainer report's)
+        if config.logger.backend == "wandb":
+            import wandb
+
+            log_dir = config.log_path()
+            log_dir.mkdir(parents=True, exist_ok=True)
+            self.run = wandb.init(
+                project=config.logger.project_name,
+                name=config.run_id,
+                dir=str(log_dir),
+                config=config.model_dump(mode="json"),
+            )
+            logger.info(
+                "Weights & Biases run %s (project %s) in %s", config.run_id, config.logger.project_name, log_dir
+            )
+
+    def log_step(self, step: int, policy_version: int, values: dict[str, float], rollout_tokens_per_s: float) -> None:
+        self.version_offset = policy_version - step
+        self.last_step = max(self.last_step, step)
+        if self.run is not None:
+            self.run.log(step_metrics(values, rollout_tokens_per_s), step=self.last_step)
+
+    def log_coordinator(self, report: MetricsReport) -> None:
+        """An eval round's figures (``eval/...``); the coordinator's periodic figures are not logged here."""
+        evals = {k: v for k, v in report.values.items() if k.startswith("eval/") and k != "eval/version"}
+        if not evals or self.run is None:
+            return
+        eval_step = 0 if self.version_offset is None else max(0, report.policy_version - self.version_offset)
+        self.last_step = max(self.last_step, eval_step)
+        self.run.log({**evals, "eval/step": float(eval_step)}, step=self.last_step)
+
+    def finish(self) -> None:
+        if self.run is not None:
+            self.run.finish()
