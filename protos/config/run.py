@@ -117,7 +117,7 @@ class RunConfig(Strict):
             raise ValueError(
                 f"placement='colocated' puts the rollout replicas on the trainer's GPUs: rollout.num_servers x "
                 f"tensor_parallel_size x pipeline_parallel_size = {rollout_gpus} must equal trainer.num_nodes x "
-                f"num_processes = {trainer_gpus}"
+                f"trainer.num_processes = {trainer_gpus}"
             )
         if self.weight_bus.transport == "nccl":
             raise ValueError(
