@@ -10,8 +10,9 @@ report to ``RunLogger``. Names in the Weights & Biases run:
   tokens over the step's wall time);
 - every other trainer figure as ``trainer/<name>``;
 - eval rounds as the coordinator reports them: ``eval/<label>/acc``, ``eval/<label>/pass@<k>``, ... (AIME 2025 is
-  ``eval/aime-2025/*``; AIME 2024 under the guide's label ``eval/math_dapo/*``), logged at the trainer step of the
-  round's policy version.
+  ``eval/aime-2025/*``; AIME 2024 under the guide's label ``eval/math_dapo/*``), plotted against ``eval/step``, the
+  trainer step of the round's policy version. Training figures are plotted against ``step``: each report is a row
+  of its own (an eval round can arrive after later steps' reports, and Weights & Biases' own step only goes up).
 
 With ``WANDB_MODE=offline`` (no network) the run is written under ``logger.log_path`` and can be uploaded later
 with ``wandb sync``.
@@ -59,16 +60,11 @@ def step_metrics(values: dict[str, float], rollout_tokens_per_s: float) -> dict[
 
 class RunLogger:
     """Writes each step's and each eval round's figures to the configured backend (console lines are the
-    launcher's own; the wandb backend adds a Weights & Biases run).
-
-    Weights & Biases steps only go up, and an eval round's report can arrive after later steps': a round is logged
-    at its own trainer step (``eval/step``: its policy version minus the trainer's version - step offset) or the
-    last step logged, whichever is later."""
+    launcher's own; the wandb backend adds a Weights & Biases run)."""
 
     def __init__(self, config: RunConfig):
         self.config = config
         self.run = None
-        self.last_step = 0
         self.version_offset: int | None = None  # policy version - trainer step (the latest trainer report's)
         if config.logger.backend == "wandb":
             import wandb
@@ -81,24 +77,28 @@ class RunLogger:
                 dir=str(log_dir),
                 config=config.model_dump(mode="json"),
             )
+            for axis in ("step", "eval/step"):
+                self.run.define_metric(axis)
+            for pattern in (*GUIDE_NAMES.values(), "trainer/*", "throughput/*"):
+                self.run.define_metric(pattern, step_metric="step")
+            self.run.define_metric("eval/*", step_metric="eval/step")
             logger.info(
                 "Weights & Biases run %s (project %s) in %s", config.run_id, config.logger.project_name, log_dir
             )
 
     def log_step(self, step: int, policy_version: int, values: dict[str, float], rollout_tokens_per_s: float) -> None:
         self.version_offset = policy_version - step
-        self.last_step = max(self.last_step, step)
         if self.run is not None:
-            self.run.log(step_metrics(values, rollout_tokens_per_s), step=self.last_step)
+            self.run.log({"step": step, **step_metrics(values, rollout_tokens_per_s)})
 
     def log_coordinator(self, report: MetricsReport) -> None:
-        """An eval round's figures (``eval/...``); the coordinator's periodic figures are not logged here."""
+        """An eval round's figures (``eval/...``); the coordinator's periodic figures are not logged here. A round
+        before any trainer report is the one at the start (step 0)."""
         evals = {k: v for k, v in report.values.items() if k.startswith("eval/") and k != "eval/version"}
         if not evals or self.run is None:
             return
         eval_step = 0 if self.version_offset is None else max(0, report.policy_version - self.version_offset)
-        self.last_step = max(self.last_step, eval_step)
-        self.run.log({**evals, "eval/step": float(eval_step)}, step=self.last_step)
+        self.run.log({**evals, "eval/step": eval_step})
 
     def finish(self) -> None:
         if self.run is not None:
