@@ -1,0 +1,30 @@
+"""Config switches that the trainer implements later (expert adapters at rank / top_k, activation recompute,
+optimizer offload): valid in the config, refused by the trainer at start, never ignored."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pydantic
+import pytest
+
+from protos.config import load_run_config
+
+pytestmark = pytest.mark.unit
+
+LORA_16 = Path(__file__).resolve().parents[2] / "recipes" / "beam" / "dapo-lora-16.yaml"
+
+
+def test_switches_ahead_of_the_trainer_validate_here_and_are_refused_by_the_trainer():
+    from trainer_service.__main__ import refuse_unimplemented
+
+    full_ft = load_run_config(LORA_16.parent / "dapo-full-ft.yaml")
+    with pytest.raises(ValueError, match="recompute_granularity='full'.*optimizer_offload=true"):
+        refuse_unimplemented(full_ft.trainer)
+    with pytest.raises(ValueError, match="normalize_moe_lora"):
+        refuse_unimplemented(load_run_config(LORA_16).trainer)
+    refuse_unimplemented(load_run_config([LORA_16, LORA_16.parent / "toy.yaml"]).trainer)  # the toy turns them off
+    with pytest.raises(pydantic.ValidationError, match="optimizer_offload"):
+        load_run_config(overrides=["trainer.megatron.optimizer_state_disk_dir=/nvme"])
+    with pytest.raises(pydantic.ValidationError, match="normalize_moe_lora needs trainer.lora.rank"):
+        load_run_config(overrides=["trainer.lora.normalize_moe_lora=true"])
