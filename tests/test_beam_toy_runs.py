@@ -6,6 +6,7 @@ labels, checkpoints every step and exports the final policy as an HF checkpoint.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -29,6 +30,9 @@ def tiny_beam(tmp_path_factory) -> Path:
 @pytest.mark.parametrize("recipe", RUNS)
 def test_beam_run_at_toy_scale_trains_evaluates_checkpoints_and_exports(tmp_path, tiny_beam, recipe):
     out = tmp_path / "run"
+    # One run logs to an offline Weights & Biases run, set through the guide's variables (LOGGER, LOG_PATH).
+    wandb_env = {"LOGGER": "wandb", "LOG_PATH": str(tmp_path / "logs"), "WANDB_MODE": "offline", "WANDB_SILENT": "true"}
+    env = {**os.environ, **(wandb_env if recipe == "dapo-full-ft.yaml" else {})}
     result = subprocess.run(
         [
             sys.executable,
@@ -47,6 +51,7 @@ def test_beam_run_at_toy_scale_trains_evaluates_checkpoints_and_exports(tmp_path
         capture_output=True,
         text=True,
         timeout=880,
+        env=env,
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     config = json.loads((out / "config.json").read_text())
@@ -70,3 +75,6 @@ def test_beam_run_at_toy_scale_trains_evaluates_checkpoints_and_exports(tmp_path
         assert config["trainer"]["lr"] == 1e-6 and config["trainer"]["resume"] == "latest"
     if recipe == "dapo-mxfp8.yaml":
         assert config["weight_bus"]["codec"] == "mxfp8" and config["trainer"]["geo_mask"] == [0.99, 1.01]
+    if recipe == "dapo-full-ft.yaml":  # role logs and the offline run under LOG_PATH
+        assert (tmp_path / "logs" / "trainer.log").exists()
+        assert list((tmp_path / "logs").glob("wandb/offline-run-*/run-*.wandb"))
