@@ -273,9 +273,14 @@ def test_composed_recipe_says_what_the_full_recipe_said(name):
     assert not wrong, wrong  # key: (now, expected)
 
 
+# Deltas applied on top of other recipes (a second --config), not runs of their own.
+OVERLAYS = {"beam/toy.yaml"}
+
+
 def test_every_recipe_is_pinned_or_is_a_base_of_others():
     bases = {(path.parent / base).resolve() for path in RECIPES if (base := _base(path))}
-    unpinned = {p for p in RECIPES if str(p.relative_to(RECIPE_DIR)) not in EXPECTED} - bases
+    named = set(EXPECTED) | OVERLAYS
+    unpinned = {p for p in RECIPES if str(p.relative_to(RECIPE_DIR)) not in named} - bases
     assert not unpinned, f"add the recipe's values to EXPECTED: {sorted(map(str, unpinned))}"
 
 
@@ -293,3 +298,19 @@ def test_beam_recipes_are_one_base_plus_deltas():
 
 def _base(path: Path) -> str | None:
     return yaml.safe_load(path.read_text()).get("base")
+
+
+@pytest.mark.parametrize("run", ["dapo-lora-16.yaml", "dapo-lora-32.yaml", "dapo-full-ft.yaml", "dapo-mxfp8.yaml"])
+def test_the_toy_overlay_keeps_each_runs_own_switches_on_a_one_rank_layout(run):
+    full = load_run_config(RECIPE_DIR / "beam" / run)
+    toy = load_run_config([RECIPE_DIR / "beam" / run, RECIPE_DIR / "beam" / "toy.yaml"])
+    assert toy.trainer.num_nodes * toy.trainer.num_processes == 1 and toy.rollout.num_servers == 1
+    kept = ("lr", "mini_batches", "clip_low", "clip_high", "loss_agg", "geo_mask", "resume", "lora.rank", "lora.alpha")
+    for key in kept:
+        assert _flat(toy.trainer.model_dump())[key] == _flat(full.trainer.model_dump())[key], key
+    assert (toy.placement, toy.weight_bus.codec, toy.coordinator.eval.labels) == (
+        full.placement,
+        full.weight_bus.codec,
+        full.coordinator.eval.labels,
+    )
+    assert toy.coordinator.reasoning_effort == full.coordinator.reasoning_effort == "minimal"
