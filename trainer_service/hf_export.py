@@ -85,7 +85,7 @@ def base_tensors(model_path: str | Path, skip: set[str]) -> Iterator[tuple[str, 
         raise FileNotFoundError(f"{model_path}: no *.safetensors to complete the LoRA export from")
     for file in files:
         with safe_open(str(file), framework="pt") as handle:
-            for name in handle.keys():  # noqa: SIM118 - safe_open has keys(), no iteration
+            for name in handle.keys():  # safe_open handles have keys(), no __iter__
                 if name not in skip:
                     yield name, handle.get_tensor(name)
 
