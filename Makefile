@@ -28,6 +28,7 @@ demo: install
 test: install
 	# The dashboard test drives headless Chromium (a system package; no-op when present).
 	bash scripts/install_chromium.sh
+	bash scripts/install_prometheus.sh
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
 # ruff lint (pyflakes, isort, bugbear, pyupgrade) and format, then the import contracts; .ci/run runs it first.

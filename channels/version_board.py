@@ -7,7 +7,6 @@ Keys (names: protos/redis_keys.py; records: protos/records.py):
 * ``weights:<v>`` (``WeightManifest``) and ``weights:<v>:ipc`` (``CudaIpcVersion``): where version v's bytes are.
 * ``weights:announce`` (stream, field ``v``): one entry per publish; rollout servers and ``fleetrl sync`` follow it.
 * ``fleet`` (hash server id -> ``VersionReport``): the version each rollout server has put in force.
-* ``metrics:<role>`` field ``d`` (``RoleDone``): a role's end-of-run marker, after its last metrics report.
 
 ``VersionBoard`` takes a sync client (the trainer's rank 0, the weight bus's publishers and the nccl subscriber's
 threads); ``AsyncVersionBoard`` an asyncio one (coordinator, rollout servers, dashboard). Outages: writes that are
@@ -25,7 +24,6 @@ import redis.asyncio as aioredis
 from channels.retry import retry_sync
 from protos.records import (
     CudaIpcVersion,
-    RoleDone,
     VersionReport,
     WeightManifest,
     decode_manifest,
@@ -41,7 +39,6 @@ logger = logging.getLogger(__name__)
 # it must load.
 MANIFEST_TTL_S = 3600
 MAX_ANNOUNCEMENTS = 1000
-MAX_METRICS_ENTRIES = 100000
 
 
 class VersionBoard:
@@ -109,19 +106,6 @@ class VersionBoard:
     def fleet_reports(self) -> dict[str, VersionReport]:
         """``AsyncVersionBoard.fleet_reports`` for callers without an event loop (the demo launcher)."""
         return _decode_fleet(self.client.hgetall(self.keys.fleet), self.keys)
-
-    def post_done(self, done: RoleDone, timeout_s: float = 30.0) -> None:
-        """Append ``done`` (field ``d``) to its role's metrics stream, retried for ``timeout_s``.
-
-        XADD is not idempotent: after a reply lost in transit the marker can land twice (readers stop at the first).
-        """
-        retry_sync(
-            lambda: self.client.xadd(
-                self.keys.metrics(done.role), {"d": encode(done)}, maxlen=MAX_METRICS_ENTRIES, approximate=True
-            ),
-            f"the end-of-run marker of the {done.role}",
-            timeout_s,
-        )
 
 
 class AsyncVersionBoard:

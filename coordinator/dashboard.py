@@ -1,9 +1,12 @@
 """Live web dashboard of a run: ``DashboardState`` (the plain core) and a small aiohttp server around it.
 
-``DashboardState`` reads the run's metrics streams (``keys.metrics(role)``) and the fleet hash from Redis
-into bounded ring buffers and renders one JSON snapshot. The server serves that snapshot at
-``/api/state`` and a static page (``coordinator/dashboard_page/``) that polls it and draws its own charts,
-so the dashboard works with no internet access. The coordinator starts it with one call::
+``DashboardState`` reads the run's metrics streams (channels/metrics_stream.py: the trainer's, the coordinator's and
+every rollout server's reports) from their start, into a ``SeriesHistory`` per source that covers the whole run in
+bounded memory (coordinator/dashboard_history.py), and the fleet hash. It renders one JSON snapshot for a time window
+(the whole run unless asked for less), every series downsampled to at most ``max_chart_points`` points. The server
+serves that snapshot at ``/api/state?from=<unix s>&to=<unix s>`` and a static page (``coordinator/dashboard_page/``)
+that polls it, draws its own charts and has a range selector, so the dashboard works with no internet access. The
+coordinator starts it with one call::
 
     runner, port = await start_dashboard(client, keys, host, port)
     ...
@@ -15,110 +18,27 @@ from __future__ import annotations
 import asyncio
 import errno
 import logging
-import re
+import math
 import time
-from collections import deque
-from dataclasses import dataclass
 from importlib import resources
 
 import msgspec
 import redis.asyncio as aioredis
 from aiohttp import web
 
+from channels.metrics_stream import AsyncMetricsStreamReader
 from channels.retry import UNREACHABLE
 from channels.version_board import AsyncVersionBoard
-from protos.records import MetricsReport, VersionReport, decode_metrics
+from coordinator.dashboard_charts import CHARTS, Histories, charted_keys, render_chart, staleness_histogram
+from coordinator.dashboard_history import DEFAULT_CAPACITY, MAX_CHART_POINTS, SeriesHistory
+from protos.records import MetricsReport, VersionReport
 from protos.redis_keys import RedisKeys
 
 logger = logging.getLogger(__name__)
 
 ROLES = ("trainer", "coordinator", "rollout")
-EVAL_KEY = re.compile(r"^eval/(?P<dataset>.+)/acc$")
-# Cumulative count of groups trained at staleness k, if the trainer reports it ("staleness_groups/0": 12.0).
-STALENESS_COUNT_KEY = re.compile(r"^staleness_groups/(?P<steps>\d+)$")
-
-
-@dataclass(frozen=True)
-class SeriesRef:
-    """One line of a chart: ``values[key]`` of the reports of ``role``."""
-
-    role: str
-    key: str
-    label: str
-
-
-@dataclass(frozen=True)
-class ChartSpec:
-    """A chart of the page; a line whose series no role reports is drawn as "no data"."""
-
-    chart_id: str
-    title: str
-    unit: str
-    lines: tuple[SeriesRef, ...]
-
-
-CHARTS = (
-    ChartSpec(
-        "rollout_tokens",
-        "Rollout tokens/s",
-        "tok/s",
-        (
-            SeriesRef("coordinator", "tokens_per_s", "fleet (coordinator)"),
-            SeriesRef("rollout", "tokens_per_s", "rollout reports"),
-        ),
-    ),
-    ChartSpec(
-        "trainer_samples", "Trainer samples/s", "samples/s", (SeriesRef("trainer", "samples_per_s", "samples/s"),)
-    ),
-    ChartSpec("trainer_tokens", "Trainer tokens/s", "tok/s", (SeriesRef("trainer", "tokens_per_s", "loss tokens/s"),)),
-    ChartSpec(
-        "queue_depth",
-        "Queue depth",
-        "groups",
-        (
-            SeriesRef("trainer", "queue_depth", "at trainer step"),
-            SeriesRef("coordinator", "queue_depth", "coordinator"),
-        ),
-    ),
-    ChartSpec(
-        "staleness",
-        "Staleness",
-        "steps",
-        (SeriesRef("trainer", "staleness_max", "max"), SeriesRef("trainer", "staleness_mean", "mean")),
-    ),
-    ChartSpec("reward", "Reward", "", (SeriesRef("trainer", "reward_mean", "trained batch mean"),)),
-    ChartSpec("eval_acc", "Eval accuracy", "", ()),  # lines found at run time: eval/<dataset>/acc
-    ChartSpec(
-        "masked",
-        "Masked-sequence ratio",
-        "",
-        (
-            SeriesRef("trainer", "geo_mask_masked_ratio", "geo-mask sequences"),
-            SeriesRef("trainer", "icepop_masked_token_ratio", "icepop tokens"),
-        ),
-    ),
-    ChartSpec(
-        "abs_dlogp",
-        "Mean |\u0394logp| trainer vs rollout",
-        "nats",
-        (SeriesRef("trainer", "mean_abs_logprob_diff", "mean |\u0394logp|"),),
-    ),
-    ChartSpec(
-        "weight_update",
-        "Weight update duration",
-        "s",
-        (SeriesRef("trainer", "publish_s", "trainer publish"), SeriesRef("rollout", "weight_update_s", "rollout load")),
-    ),
-    ChartSpec("loss", "Loss", "", (SeriesRef("trainer", "loss", "loss"),)),
-)
-
-
-@dataclass(frozen=True)
-class MetricsPoint:
-    time_s: float
-    step: int
-    policy_version: int
-    values: dict[str, float]
+PAGE_SIZE = 5000  # entries per Redis read; a dashboard opened late catches up a few pages per refresh
+MAX_PAGES_PER_REFRESH = 10
 
 
 class DashboardPortTaken(OSError):
@@ -126,12 +46,13 @@ class DashboardPortTaken(OSError):
 
 
 class DashboardState:
-    """Ring buffers of every role's recent metrics reports plus the fleet view; renders snapshots.
+    """The whole run's reports per source plus the fleet view; renders snapshots of a time window.
 
     Args:
         client: Redis client of the run.
         keys: key names of the run.
-        max_points: reports kept per role (the ring-buffer bound).
+        capacity: slots each source's history keeps (dashboard_history.SeriesHistory).
+        max_chart_points: points per series in a snapshot, at most.
         min_refresh_s: several viewers polling at once share one Redis read per this interval.
     """
 
@@ -139,21 +60,23 @@ class DashboardState:
         self,
         client: aioredis.Redis,
         keys: RedisKeys,
-        max_points: int = 600,
+        capacity: int = DEFAULT_CAPACITY,
+        max_chart_points: int = MAX_CHART_POINTS,
         min_refresh_s: float = 0.5,
         roles: tuple[str, ...] = ROLES,
     ):
-        self.client = client
         self.keys = keys
+        self.reader = AsyncMetricsStreamReader(client, keys)
         self.board = AsyncVersionBoard(client, keys)
-        self.max_points = max_points
+        self.capacity = capacity
+        self.max_chart_points = max_chart_points
         self.min_refresh_s = min_refresh_s
         self.roles = roles
-        self.points: dict[str, deque[MetricsPoint]] = {role: deque(maxlen=max_points) for role in roles}
+        self.histories: Histories = {}
         self.done: dict[str, bool] = dict.fromkeys(roles, False)
         self.servers: dict[str, VersionReport] = {}
         self.trainer_version: int | None = None
-        self._cursors: dict[str, str] = {}
+        self._cursors: dict[str, str] = dict.fromkeys(roles, "0")
         self._last_refresh = float("-inf")
         self._lock = asyncio.Lock()
 
@@ -161,7 +84,15 @@ class DashboardState:
     async def refresh(self) -> None:
         """Read the reports added since the last refresh, the fleet hash and the trainer's version."""
         for role in self.roles:
-            await self._read_role(role)
+            for _ in range(MAX_PAGES_PER_REFRESH):
+                entries, self._cursors[role] = await self.reader.page(role, self._cursors[role], PAGE_SIZE)
+                for entry in entries:
+                    if entry.done is not None:  # the role's end-of-run marker carries no figures
+                        self.done[role] = True
+                    else:
+                        self.ingest(entry.report)
+                if len(entries) < PAGE_SIZE:
+                    break
         self.servers = await self.board.fleet_reports()
         self.trainer_version = await self.board.published_version()
         self._last_refresh = time.monotonic()
@@ -171,119 +102,62 @@ class DashboardState:
             if time.monotonic() - self._last_refresh >= self.min_refresh_s:
                 await self.refresh()
 
-    async def _read_role(self, role: str) -> None:
-        # Newest-first with a count of max_points: a long backlog (a dashboard opened late in a run)
-        # costs one bounded read, and the ring buffer would keep only those points anyway.
-        cursor = self._cursors.get(role)
-        oldest = "(" + cursor if cursor else "-"  # "(" makes the range exclusive of the cursor
-        entries = await self.client.xrevrange(self.keys.metrics(role), max="+", min=oldest, count=self.max_points)
-        for entry_id, fields in reversed(entries):
-            self._cursors[role] = entry_id.decode()
-            if b"d" in fields:  # a RoleDone: the role's end-of-run marker carries no figures
-                self.done[role] = True
-                continue
-            try:
-                report = decode_metrics(fields[b"m"])
-            except (KeyError, msgspec.DecodeError) as error:
-                logger.warning("dashboard: skipping undecodable entry %s of %s: %r", entry_id, role, error)
-                continue
-            self.ingest(role, report)
-
-    def ingest(self, role: str, report: MetricsReport) -> None:
-        """Append one report to the role's ring buffer (the trainer's with derived throughput)."""
+    def ingest(self, report: MetricsReport) -> None:
+        """Add one report to its source's history (the trainer's with derived throughput)."""
+        key = (report.role, report.source)
+        history = self.histories.get(key)
+        if history is None:
+            history = self.histories[key] = SeriesHistory(self.capacity, charted_keys(report.role))
         values = dict(report.values)
-        if role == "trainer":
-            self._derive_trainer_rates(report, values)
-        self.points[role].append(MetricsPoint(report.time_s, report.step, report.policy_version, values))
-
-    def _derive_trainer_rates(self, report: MetricsReport, values: dict[str, float]) -> None:
-        # Wall-clock throughput between consecutive reports (queue waits included, which is the point),
-        # so the first report seen has none.
-        buffer = self.points["trainer"]
-        previous = buffer[-1] if buffer else None
-        if previous is None or report.time_s <= previous.time_s:
-            return
-        elapsed_s = report.time_s - previous.time_s
-        if "samples_per_s" not in values and "samples_trained" in values:
-            before = previous.values.get("samples_trained", 0.0)
-            values["samples_per_s"] = (values["samples_trained"] - before) / elapsed_s
-        if "tokens_per_s" not in values and "num_tokens" in values:
-            values["tokens_per_s"] = values["num_tokens"] / elapsed_s
+        if report.role == "trainer":
+            _derive_trainer_rates(history, report.time_s, values)
+        values.setdefault("step", float(report.step))
+        values.setdefault("policy_version", float(report.policy_version))
+        history.append(report.time_s, values)
 
     # rendering -----------------------------------------------------------------------------
-    def snapshot(self, now_s: float | None = None) -> dict:
-        """Everything the page draws, as plain JSON-ready data; series are oldest first."""
+    def run_span(self) -> tuple[float, float]:
+        """(first report time, newest report time) over every source; NaNs before the first report."""
+        firsts = [h.first_time_s for h in self.histories.values() if len(h)]
+        lasts = [h.latest_time_s for h in self.histories.values() if len(h)]
+        return (min(firsts), max(lasts)) if firsts else (math.nan, math.nan)
+
+    def snapshot(self, now_s: float | None = None, from_s: float | None = None, to_s: float | None = None) -> dict:
+        """Everything the page draws over [from_s, to_s] (default: the whole run), as JSON-ready data."""
         now_s = time.time() if now_s is None else now_s
+        run_from, run_to = self.run_span()
+        window_from = run_from if from_s is None else from_s
+        window_to = max(now_s, run_to if not math.isnan(run_to) else now_s) if to_s is None else to_s
+        charts = [render_chart(spec, self.histories, window_from, window_to, self.max_chart_points) for spec in CHARTS]
         return {
             "run_id": self.keys.run_id,
             "now_s": now_s,
             "trainer_version": self.trainer_version,
-            "max_points": self.max_points,
+            "max_chart_points": self.max_chart_points,
+            "window": {"from_s": window_from, "to_s": window_to, "run_from_s": run_from, "run_to_s": run_to},
             "roles": {role: self._role_summary(role, now_s) for role in self.roles},
-            "charts": [self._render_chart(spec) for spec in CHARTS],
-            "staleness_hist": self._staleness_histogram(),
+            "charts": charts,
+            "staleness_hist": staleness_histogram(self.histories.get(("trainer", ""))),
             "servers": [self._server_row(report, now_s) for _, report in sorted(self.servers.items())],
         }
 
-    def series(self, role: str, key: str) -> list[list[float]]:
-        """``[[time_s, value], ...]`` of ``key`` over the role's buffer, oldest first."""
-        return [[p.time_s, p.values[key]] for p in self.points.get(role, ()) if key in p.values]
-
-    def _render_chart(self, spec: ChartSpec) -> dict:
-        refs = self._eval_refs() if spec.chart_id == "eval_acc" else spec.lines
-        lines = []
-        for ref in refs:
-            points = self.series(ref.role, ref.key)
-            lines.append(
-                {
-                    "series": f"{ref.role}/{ref.key}",
-                    "label": ref.label,
-                    "points": points,
-                    "latest": points[-1][1] if points else None,
-                }
-            )
-        return {"id": spec.chart_id, "title": spec.title, "unit": spec.unit, "lines": lines}
-
-    def _eval_refs(self) -> list[SeriesRef]:
-        found: dict[tuple[str, str], SeriesRef] = {}
-        for role, buffer in self.points.items():
-            for point in buffer:
-                for key in point.values:
-                    match = EVAL_KEY.match(key)
-                    if match and (role, key) not in found:
-                        found[(role, key)] = SeriesRef(role, key, match["dataset"])
-        return sorted(found.values(), key=lambda ref: (ref.label, ref.role))
-
-    def _staleness_histogram(self) -> dict:
-        trainer = self.points.get("trainer")
-        if not trainer:
-            return {"source": "", "bins": []}
-        counts = {int(m["steps"]): v for k, v in trainer[-1].values.items() if (m := STALENESS_COUNT_KEY.match(k))}
-        source = "groups trained at each staleness (whole run)"
-        if not counts:  # the trainer reports no per-group counts: show how often each per-step max occurred
-            source = f"steps by their max staleness (last {len(trainer)} steps)"
-            for point in trainer:
-                if "staleness_max" in point.values:
-                    steps = int(point.values["staleness_max"])
-                    counts[steps] = counts.get(steps, 0) + 1
-        return {"source": source, "bins": [[steps, counts[steps]] for steps in sorted(counts)]}
-
     def _role_summary(self, role: str, now_s: float) -> dict | None:
-        buffer = self.points[role]
-        if not buffer:
+        histories = [h for (r, _), h in self.histories.items() if r == role and h.num_reports]
+        if not histories:
             return {"num_points": 0, "done": self.done[role]} if self.done[role] else None
-        last = buffer[-1]
+        newest = max(histories, key=lambda h: h.latest_time_s)
         return {
-            "num_points": len(buffer),
-            "step": last.step,
-            "policy_version": last.policy_version,
-            "age_s": now_s - last.time_s,
+            "num_points": sum(h.num_reports for h in histories),
+            "num_sources": len(histories),
+            "step": int(newest.latest["step"]),
+            "policy_version": int(newest.latest["policy_version"]),
+            "age_s": now_s - newest.latest_time_s,
             "done": self.done[role],
         }
 
     def _server_row(self, report: VersionReport, now_s: float) -> dict:
         lag = None if self.trainer_version is None else self.trainer_version - report.policy_version
-        return {
+        row = {
             "server_id": report.server_id,
             "address": report.address,
             "policy_version": report.policy_version,
@@ -291,7 +165,25 @@ class DashboardState:
             "status": report.status.name,
             "message": report.message,
             "age_s": now_s - report.time_s,
+            "update_s": report.update_s,
+            "paused_s": report.paused_s,
         }
+        history = self.histories.get(("rollout", report.server_id))
+        if history is not None and history.num_reports:  # the server's own periodic figures
+            row["live"] = {"age_s": now_s - history.latest_time_s, **history.latest}
+        return row
+
+
+def _derive_trainer_rates(history: SeriesHistory, time_s: float, values: dict[str, float]) -> None:
+    # Wall-clock throughput between consecutive reports (queue waits included, which is the point),
+    # so the first report seen has none.
+    if not history.num_reports or time_s <= history.latest_time_s:
+        return
+    elapsed_s, previous = time_s - history.latest_time_s, history.latest
+    if "samples_per_s" not in values and "samples_trained" in values:
+        values["samples_per_s"] = (values["samples_trained"] - previous.get("samples_trained", 0.0)) / elapsed_s
+    if "tokens_per_s" not in values and "num_tokens" in values:
+        values["tokens_per_s"] = values["num_tokens"] / elapsed_s
 
 
 # HTTP adapter ------------------------------------------------------------------------------------
@@ -318,8 +210,26 @@ def _static_handler(body: bytes, content_type: str):
     return handler
 
 
+def _window(request: web.Request) -> tuple[float | None, float | None]:
+    """The ``from``/``to`` query parameters (unix seconds; absent: the run's start, now)."""
+    bounds = []
+    for name in ("from", "to"):
+        raw = request.query.get(name, "")
+        try:
+            value = float(raw) if raw else None
+        except ValueError:
+            raise web.HTTPBadRequest(text=f"query parameter {name}={raw!r} is not a number of unix seconds") from None
+        if value is not None and not math.isfinite(value):
+            raise web.HTTPBadRequest(text=f"query parameter {name}={raw!r} is not finite")
+        bounds.append(value)
+    if None not in bounds and bounds[0] >= bounds[1]:
+        raise web.HTTPBadRequest(text=f"query parameters from={bounds[0]} and to={bounds[1]}: from must be before to")
+    return bounds[0], bounds[1]
+
+
 async def _state_handler(request: web.Request) -> web.Response:
     state = request.app[STATE_KEY]
+    from_s, to_s = _window(request)
     try:
         await state.refresh_if_due()
     except UNREACHABLE as error:
@@ -329,20 +239,20 @@ async def _state_handler(request: web.Request) -> web.Response:
         return web.Response(body=body, status=503, content_type="application/json")
     # msgspec writes NaN/inf as null, which JSON.parse accepts and the charts skip.
     return web.Response(
-        body=msgspec.json.encode(state.snapshot()),
+        body=msgspec.json.encode(state.snapshot(from_s=from_s, to_s=to_s)),
         content_type="application/json",
         headers={"Cache-Control": "no-store"},
     )
 
 
 async def start_dashboard(
-    client: aioredis.Redis, keys: RedisKeys, host: str = "127.0.0.1", port: int = 0, max_points: int = 600
+    client: aioredis.Redis, keys: RedisKeys, host: str = "127.0.0.1", port: int = 0, capacity: int = DEFAULT_CAPACITY
 ) -> tuple[web.AppRunner, int]:
     """Serve the dashboard on ``host:port`` (0 picks a free port); returns the runner and the bound port.
 
     Stop it with ``await runner.cleanup()``. Raises ``DashboardPortTaken`` if the port is in use.
     """
-    runner = web.AppRunner(build_app(DashboardState(client, keys, max_points)), access_log=None)
+    runner = web.AppRunner(build_app(DashboardState(client, keys, capacity)), access_log=None)
     await runner.setup()
     try:
         await web.TCPSite(runner, host, port).start()

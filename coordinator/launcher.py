@@ -22,12 +22,13 @@ from pathlib import Path
 
 import redis
 
+from channels.metrics_stream import MetricsStreamReader
 from channels.version_board import VersionBoard
 from coordinator.demo_agents import demo_agent_commands, prepare_agents
 from coordinator.redis_server import EmbeddedRedis
 from coordinator.run_logger import RunLogger, read_reports
 from protos.config import RunConfig
-from protos.records import RoleDone, decode_metrics
+from protos.records import RoleDone
 from protos.redis_keys import RedisKeys
 from protos.trainer_command import trainer_argv
 
@@ -231,15 +232,16 @@ class DemoLauncher:
         """Print a line per training step until the trainer reports done (and hand every report to the run
         logger); returns the summary."""
         client = redis.Redis.from_url(redis_url, socket_timeout=30)
+        metrics = MetricsStreamReader(client, self.keys)
         run_logger = RunLogger(self.config)
         trainer_steps: list[dict] = []
         coordinator_last: dict = {}
-        cursors = {self.keys.metrics("trainer"): "0", self.keys.metrics("coordinator"): "0"}
+        cursors = {"trainer": "0", "coordinator": "0"}
         done = False
         try:
             while not done:
                 self.check_children()
-                for report in read_reports(client, cursors, block_ms=1000):
+                for report in read_reports(metrics, cursors, block_s=1.0):
                     if isinstance(report, RoleDone):  # the trainer finished
                         done = done or report.role == "trainer"
                     elif report.role == "coordinator":  # periodic figures, and eval rounds (eval/...)
@@ -252,8 +254,7 @@ class DemoLauncher:
                             report.step, report.policy_version, report.values, coordinator_last.get("tokens_per_s", 0.0)
                         )
             self.wait_for_fleet(client, trainer_steps[-1]["policy_version"] if trainer_steps else 0)
-            cursor = cursors[self.keys.metrics("coordinator")]
-            coordinator_last.update(self.wait_for_coordinator(client, cursor, run_logger))
+            coordinator_last.update(self.wait_for_coordinator(metrics, cursors["coordinator"], run_logger))
         finally:
             run_logger.finish()
         return self.summary(client, trainer_steps, coordinator_last)
@@ -268,7 +269,9 @@ class DemoLauncher:
         trainer_steps.append(step)
         return True
 
-    def wait_for_coordinator(self, client: redis.Redis, cursor: str, run_logger, timeout_s: float = 120.0) -> dict:
+    def wait_for_coordinator(
+        self, metrics: MetricsStreamReader, cursor: str, run_logger: RunLogger, timeout_s: float = 120.0
+    ) -> dict:
         """The coordinator exits after its last eval round; returns the figures it reported meanwhile (its eval
         rounds also go to the run logger)."""
         coordinator = self.children["coordinator"]
@@ -279,11 +282,10 @@ class DemoLauncher:
         if coordinator.poll() is None:
             logger.warning("the coordinator did not exit within %.0fs after the trainer finished", timeout_s)
         self.check_children()
-        for _entry_id, fields in client.xrange(self.keys.metrics("coordinator"), min=f"({cursor}"):
-            if b"m" in fields:
-                report = decode_metrics(fields[b"m"])
-                values.update(report.values)
-                run_logger.log_coordinator(report)
+        for entry in metrics.after("coordinator", cursor):
+            if entry.report is not None:
+                values.update(entry.report.values)
+                run_logger.log_coordinator(entry.report)
         return values
 
     def print_step(self, step: dict, coordinator: dict, client: redis.Redis) -> None:

@@ -1,8 +1,9 @@
 """The coordinator's figures: periodic MetricsReports on Redis and Prometheus ``/metrics``.
 
 ``MetricsReporter`` writes one ``MetricsReport("coordinator", ...)`` a second onto the run's metrics
-stream (the dashboard and the demo read it) and one per eval round (``eval/<dataset>/acc`` ...). The
-Prometheus names are the ones ``deploy/grafana/fleetrl-dashboard.json`` queries.
+stream (channels/metrics_stream.py; the dashboard and the demo read it) and one per eval round
+(``eval/<dataset>/acc`` ...). The Prometheus names are the ones ``deploy/grafana/fleetrl-dashboard.json``
+and the alert rules (``deploy/prometheus/alerts.yml``) query.
 """
 
 from __future__ import annotations
@@ -17,16 +18,15 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from channels.metrics_stream import AsyncMetricsStreamReader, AsyncMetricsStreamWriter
 from channels.retry import UNREACHABLE
 from channels.trajectory_stream import TrajectoryStreamWriter
 from coordinator.evaluation import EvalRunner
 from coordinator.scheduler import Scheduler
-from protos.records import MetricsReport, decode_metrics, encode
+from protos.records import MetricsReport
 from protos.redis_keys import RedisKeys
 
 logger = logging.getLogger(__name__)
-
-MAX_REPORTS = 10000
 
 
 class MetricsReporter:
@@ -45,6 +45,7 @@ class MetricsReporter:
         self.queue = queue
         self.client = client
         self.keys = keys
+        self.stream = AsyncMetricsStreamWriter(client, keys)
         self.started = time.monotonic()
         self.tokens_per_s = 0.0
         self.groups_per_s = 0.0
@@ -77,21 +78,19 @@ class MetricsReporter:
             values["eval_samples_discarded"] = self.evals.samples_discarded
         return {k: float(v) for k, v in values.items()}
 
-    async def _xadd(self, report: MetricsReport) -> None:
-        await self.client.xadd(
-            self.keys.metrics("coordinator"), {"m": encode(report)}, maxlen=MAX_REPORTS, approximate=True
-        )
-
-    async def report(self) -> None:
+    async def report(self) -> bool:
+        """One periodic report; while Redis is unreachable it is skipped (logged): the next one is the retry."""
         stats = self.scheduler.stats
         report = MetricsReport(
             "coordinator", stats.groups_pushed, self.scheduler.trainer_version, time.time(), self.values()
         )
-        await self._xadd(report)
+        return await self.stream.post(report)
 
-    async def report_eval(self, version: int, values: dict[str, float]) -> None:
+    async def report_eval(self, version: int, values: dict[str, float]) -> bool:
+        """The figures of an eval round (an XADD, not retried: not idempotent; the round's figures are logged)."""
         step = version - self.scheduler.version_offset  # the trainer's steps at that version (the run's, not ours)
-        await self._xadd(MetricsReport("coordinator", step, version, time.time(), {**values, "eval/version": version}))
+        values = {**values, "eval/version": version}
+        return await self.stream.post(MetricsReport("coordinator", step, version, time.time(), values))
 
     async def run(self, stop: asyncio.Event, interval_s: float = 1.0) -> None:
         last_tokens, last_groups, last_time = 0, 0, time.monotonic()
@@ -107,11 +106,9 @@ class MetricsReporter:
             last_tokens, last_groups, last_time = stats.tokens_generated, stats.groups_pushed, now
             try:
                 self.queue_depth = await self.queue.depth()
-                await self.report()
-            except UNREACHABLE as error:  # periodic: the next report is the retry
-                logger.warning(
-                    "metrics report to %s skipped, Redis unreachable: %s", self.keys.metrics("coordinator"), error
-                )
+            except UNREACHABLE as error:  # periodic: the next report reads it again
+                logger.warning("queue depth not read, Redis unreachable: %s", error)
+            await self.report()
             if stop.is_set():  # one last report after the stop so the totals are final
                 return
 
@@ -142,12 +139,21 @@ class CoordinatorCollector:
         }
         for name, (value, doc) in gauges.items():
             yield GaugeMetricFamily(name, doc, value=value)
+        yield from queue_bound_gauges(scheduler)
         accuracy = GaugeMetricFamily("coordinator_eval_accuracy", "Latest eval mean accuracy.", labels=["dataset"])
         if reporter.evals is not None:
             for key, value in reporter.evals.latest.items():
                 if key.startswith("eval/") and key.endswith("/acc"):
                     accuracy.add_metric([key[len("eval/") : -len("/acc")]], value)
         yield accuracy
+
+
+def queue_bound_gauges(scheduler: Scheduler):
+    """What the alert rules (deploy/prometheus/alerts.yml) compare the queue depth with: under admission control at
+    most (k + 1) * B groups wait for a trainer on version v, so a queue far above that grows without bound."""
+    yield GaugeMetricFamily(
+        "coordinator_groups_per_step", "Groups per training step B in force.", value=scheduler.run.groups_per_step
+    )
 
 
 async def start_metrics_server(reporter: MetricsReporter, host: str, port: int) -> tuple[web.AppRunner, int]:
@@ -172,6 +178,6 @@ async def start_metrics_server(reporter: MetricsReporter, host: str, port: int) 
 
 async def reported_eval_versions(client, keys: RedisKeys, count: int = 10000) -> set[int]:
     """Versions an eval round was reported for on this run (the newest ``count`` coordinator reports)."""
-    entries = await client.xrevrange(keys.metrics("coordinator"), count=count)
-    reports = (decode_metrics(fields[b"m"]) for _, fields in entries if b"m" in fields)
+    entries = await AsyncMetricsStreamReader(client, keys).newest("coordinator", count)
+    reports = (entry.report for entry in entries if entry.report is not None)
     return {int(report.values["eval/version"]) for report in reports if "eval/version" in report.values}

@@ -1,8 +1,7 @@
 """The run logger: a run's step and eval figures on the console or in a Weights & Biases run (``logger.backend``).
 
-It is fed from the run's metrics streams: ``read_reports`` tails the trainer's and the coordinator's MetricsReport
-streams (the one place that reads them for it, so it can move onto a typed channel), the launcher hands each
-report to ``RunLogger``. Names in the Weights & Biases run:
+It is fed from the run's metrics streams: ``read_reports`` follows the trainer's and the coordinator's streams through
+the typed metrics channel (``channels.metrics_stream``), the launcher hands each report to ``RunLogger``. Names in the Weights & Biases run:
 
 - the guide's figures: ``reward`` (mean training reward of the step), ``loss``, ``staleness`` (max over the step's
   groups), ``abs_logprob_diff`` (mean |trainer - rollout| logprob of the trained tokens, |dlogp|),
@@ -23,7 +22,7 @@ from __future__ import annotations
 import logging
 
 from protos.config import RunConfig
-from protos.records import MetricsReport, RoleDone, decode_done, decode_metrics
+from protos.records import MetricsReport, RoleDone
 
 logger = logging.getLogger(__name__)
 
@@ -36,16 +35,10 @@ GUIDE_NAMES = {
 }
 
 
-def read_reports(client, streams: dict[str, str], block_ms: int) -> list[MetricsReport | RoleDone]:
-    """The reports added to ``streams`` (stream key -> last entry id read, advanced in place) since the last read,
-    waiting up to ``block_ms`` for the first."""
-    reports: list[MetricsReport | RoleDone] = []
-    for stream, entries in client.xread(streams, block=block_ms) or []:
-        stream = stream.decode() if isinstance(stream, bytes) else stream
-        for entry_id, fields in entries:
-            streams[stream] = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
-            reports.append(decode_done(fields[b"d"]) if b"d" in fields else decode_metrics(fields[b"m"]))
-    return reports
+def read_reports(reader, cursors: dict[str, str], block_s: float) -> list[MetricsReport | RoleDone]:
+    """The reports and end markers added to the roles' streams since ``cursors`` (role -> last entry id read,
+    advanced in place), waiting up to ``block_s`` for the first; ``reader`` is a ``MetricsStreamReader``."""
+    return [entry.done or entry.report for entry in reader.follow(cursors, block_s=block_s)]
 
 
 def step_metrics(values: dict[str, float], rollout_tokens_per_s: float) -> dict[str, float]:

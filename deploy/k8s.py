@@ -32,6 +32,8 @@ class RenderOptions:
     workdir: str = "/opt/fleetrl"
     backoff_limit: int = 3
     rollout_ready_timeout_s: int = 7200
+    kuberay: bool = False  # a RayCluster + RayJob (fleetrl up) instead of the plain rollout/trainer/coordinator
+    ray_version: str = "2.60.0"  # the Ray in the image (the RayCluster's rayVersion)
 
 
 @dataclass

@@ -6,6 +6,8 @@ The building blocks (labels, volumes, containers) are ``deploy.k8s``; what each 
 
 from __future__ import annotations
 
+import yaml
+
 from deploy import layout
 from deploy.commands import WAIT_FOR_ROLLOUT, coordinator_command, rollout_addresses, rollout_command, trainer_command
 from deploy.k8s import (
@@ -30,16 +32,18 @@ from protos.config import RunConfig
 
 
 def config_map(config: RunConfig) -> Manifest:
+    recipe = yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False, width=120)
     obj = {
         "apiVersion": "v1",
         "kind": "ConfigMap",
         "metadata": metadata(config, CONFIG_MAP_NAME, "config"),
-        "data": {"config.json": config.model_dump_json(indent=2)},
+        "data": {"config.json": config.model_dump_json(indent=2), "recipe.yaml": recipe},
     }
     return Manifest(
         "00-config.yaml",
         [
-            "The resolved run config (JSON): every role reads it as --config " + CONFIG_PATH + ".",
+            "The resolved run config (JSON): every role reads it as --config " + CONFIG_PATH + ";",
+            "recipe.yaml holds the same as YAML (what `fleetrl up` takes, e.g. from the RayJob).",
             "Rendered from the recipe, the command-line overrides and the cluster settings (fixed ports, 0.0.0.0",
             "admin/dashboard interfaces, Redis Service URL, out_dir on the shared run volume).",
         ],

@@ -2,7 +2,8 @@
 
 Writes plain Kubernetes YAML for one run (``kubectl apply -f DIR``): the resolved config as a ConfigMap, Redis
 (unless the config sets ``redis_url``), the rollout servers, the trainer and the coordinator, then prints the pods
-and GPUs per role. The config goes through ``protos.config.load_run_config`` like everywhere else, so overrides and
+and GPUs per role. With ``--kuberay`` it writes a KubeRay RayCluster and a RayJob (``fleetrl up``) in place of the
+three role workloads (deploy/kuberay.py). ``python -m deploy.validate DIR`` checks the result against the schemas. The config goes through ``protos.config.load_run_config`` like everywhere else, so overrides and
 validation errors are the same as for ``fleetrl demo``.
 """
 
@@ -15,7 +16,7 @@ from pathlib import Path
 
 import yaml
 
-from deploy import colocated, layout, manifests
+from deploy import colocated, kuberay, layout, manifests
 from deploy.k8s import Manifest, RenderOptions
 from protos.config import RunConfig, load_run_config
 
@@ -50,6 +51,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         help="the image's working directory; relative dataset paths resolve against it",
     )
     parser.add_argument(
+        "--kuberay",
+        action="store_true",
+        help="render a KubeRay RayCluster and a RayJob running `fleetrl up` instead of the plain role workloads",
+    )
+    parser.add_argument("--ray-version", default=RenderOptions.ray_version, help="the image's Ray (rayVersion)")
+    parser.add_argument(
         "--backoff-limit",
         type=int,
         default=RenderOptions.backoff_limit,
@@ -74,12 +81,24 @@ def build(
 ) -> tuple[list[Manifest], list[layout.RolePods]]:
     """Every manifest of the run and the GPU pods per role; raises LayoutError for a layout that cannot run."""
     if config.placement == "colocated":
+        if options.kuberay:
+            raise layout.LayoutError(
+                "placement='colocated' renders node pods of its own; --kuberay renders disaggregated runs (add "
+                "placement=disaggregated, or drop --kuberay)"
+            )
         return build_colocated(config, options, render_redis)
-    trainer_pods = layout.trainer_pods(config, options.gpus_per_node)
-    rollout_pods = layout.rollout_pods(config, options.gpus_per_node, options.allow_multi_node_rollout)
     rendered = [manifests.config_map(config)]
     if render_redis:
         rendered.append(manifests.redis(config, options))
+    if options.kuberay:
+        groups = [
+            kuberay.rollout_group(config, options.gpus_per_node),
+            kuberay.trainer_group(config, options.gpus_per_node),
+        ]
+        rendered += [kuberay.ray_cluster(config, options, groups), kuberay.ray_job(config, options)]
+        return rendered, [layout.RolePods(g.role, g.num_pods, g.gpus_per_pod) for g in groups]
+    trainer_pods = layout.trainer_pods(config, options.gpus_per_node)
+    rollout_pods = layout.rollout_pods(config, options.gpus_per_node, options.allow_multi_node_rollout)
     rendered += [
         manifests.rollout(config, options, rollout_pods),
         manifests.trainer(config, options, trainer_pods),
@@ -139,7 +158,7 @@ def notes(config: RunConfig, options: RenderOptions) -> list[str]:
         lines.append(
             f"note: the coordinator reads {', '.join(datasets)}; no --data-pvc given, so the image must contain them"
         )
-    if layout.rollout_spans_nodes(config, options.gpus_per_node):
+    if layout.rollout_spans_nodes(config, options.gpus_per_node) and not options.kuberay:
         manifest = "30-node.yaml" if config.placement == "colocated" else "20-rollout.yaml"
         lines.append(
             f"note: rollout replicas span nodes (see {manifest}): they will not start until multi-node vLLM (Ray) "
@@ -162,6 +181,8 @@ def main(argv: list[str] | None = None) -> int:
         allow_multi_node_rollout=args.allow_multi_node_rollout,
         workdir=args.workdir,
         backoff_limit=args.backoff_limit,
+        kuberay=args.kuberay,
+        ray_version=args.ray_version,
     )
     try:
         config, render_redis = load_for_cluster(args.config, args.overrides)
@@ -171,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     for path in write(rendered, Path(args.out), args.config):
         print(f"wrote {path}")
-    cpu_roles = ["coordinator"] + (["redis"] if render_redis else [])
+    cpu_roles = ["ray head (coordinator)" if options.kuberay else "coordinator"] + (["redis"] if render_redis else [])
     print(f"run {config.run_id}: {layout.summary(pods, cpu_roles)}")
     for line in notes(config, options):
         print(line)

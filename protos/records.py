@@ -142,13 +142,15 @@ class VersionReport(msgspec.Struct, array_like=True, gc=False, frozen=True):
 
 
 class MetricsReport(msgspec.Struct, array_like=True, gc=False, frozen=True):
-    """Periodic figures of one role. Producer: any role -> coordinator dashboard, demo, CLI."""
+    """Periodic figures of one role, an entry of its metrics stream (channels/metrics_stream.py). Producer: any role
+    (trainer rank 0, coordinator, each rollout server) -> coordinator dashboard, demo launcher, CLI."""
 
     role: str
     step: int
     policy_version: int
     time_s: float
     values: dict[str, float]
+    source: str = ""  # added in v2: which instance of the role wrote it (a rollout server's id; "" = the only one)
 
 
 class NcclGroup(msgspec.Struct, array_like=True, gc=False, frozen=True):

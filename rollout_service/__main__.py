@@ -124,6 +124,7 @@ def start_following(follower, rollout_config: RolloutConfig, stop: asyncio.Event
 
 async def run(args: argparse.Namespace) -> None:
     from rollout_service.engine import RolloutEngine
+    from rollout_service.metrics import start_reporting
     from rollout_service.server import RolloutServicer, drain_and_stop, start_grpc_server
 
     run_config = load_config(args)
@@ -138,11 +139,11 @@ async def run(args: argparse.Namespace) -> None:
     await engine.start()
     # 2) connect the weight bus (Redis rendezvous) if asked, and catch up to the latest version
     follower = make_follower(run_config, engine, f"{host}:{args.port}")
-    # 3) serve gRPC (health turns SERVING only now), then announce the address and follow new versions
+    # 3) serve gRPC (health turns SERVING only now), then announce the address, follow new versions and report
     servicer = RolloutServicer(engine, follower)
     server, port, health_servicer = await start_grpc_server(servicer, host, args.port)
     await announce(args, engine, follower, host, port)
-    follow_tasks = start_following(follower, rollout_config, stop)
+    follow_tasks = start_following(follower, rollout_config, stop) + start_reporting(servicer, follower, stop)
     # 4) wait for a stop signal; a dead follower task or a dead engine stops the server with an error
     waiter = asyncio.create_task(stop.wait())
     watchdog = asyncio.create_task(watch_engine(engine, stop), name="engine-watchdog")

@@ -112,6 +112,7 @@ class RolloutEngine:
         self._load_tracker = None
         self._update_lock = asyncio.Lock()
         self.held_by_operator = False  # paused through the API: a weight update must not resume it
+        self.last_load_s = 0.0  # seconds the last commit spent loading weights into the engine
         self.features: vllm_adapter.VllmFeatures | None = None
         self._spans = VersionSpanTracker()  # used where vLLM keeps no weight versions (0.26)
         self._committed = asyncio.Event()  # cleared while a commit runs: new requests wait (see generate)
@@ -347,6 +348,7 @@ class RolloutEngine:
             try:
                 await self._pause_engine("keep")
                 counts = await self._count_tokens_before_commit()
+                load_started = time.monotonic()
                 if ipc_record is None:
                     await self.llm.collective_rpc("fleetrl_load_staged_weights", args=(staging_path, manifest_bytes))
                 else:
@@ -355,6 +357,7 @@ class RolloutEngine:
                     )
                     if any(count < 0 for count in loaded):
                         raise IpcUnavailable(f"v{version}: a worker could not open the IPC buckets")
+                self.last_load_s = time.monotonic() - load_started  # the load alone, inside the pause (reports)
                 if self.features.engine_weight_versions or self.cross_check_spans:
                     await self.llm.update_weight_version(str(version))
                 if not self.features.engine_weight_versions:

@@ -1,16 +1,49 @@
-"""Prometheus metrics of a rollout server, named ``rollout_<thing>_<unit>`` (``rollout/`` in docs)."""
+"""A rollout server's figures: Prometheus metrics named ``rollout_<thing>_<unit>`` (``rollout/`` in docs; the Grafana
+dashboard and deploy/prometheus/alerts.yml read them), and ``RolloutReporter``, which writes the same figures every
+``REPORT_INTERVAL_S`` onto the run's ``rollout`` metrics stream (channels/metrics_stream.py) for the dashboard.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
 
 from prometheus_client import Counter, Gauge, Histogram
+
+from channels.metrics_stream import AsyncMetricsStreamWriter
+from protos.records import MetricsReport
+
+REPORT_INTERVAL_S = 2.0
+# Up to 10 minutes: a large model's update takes longer than the default buckets' top (10 s), and the alert on slow
+# updates needs buckets above its threshold.
+DURATION_BUCKETS_S = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+REJECT_REASONS = ("invalid", "busy", "draining")
 
 TOKENS = Counter("rollout_generated_tokens", "Tokens generated (rate() gives tokens/s)")
 RUNNING = Gauge("rollout_requests_running", "Generate calls in flight")
 WAITING = Gauge("rollout_requests_waiting", "Requests queued in the engine scheduler (last engine step)")
 KV_CACHE_USAGE = Gauge("rollout_kv_cache_usage_ratio", "Fraction of the KV cache in use (last engine step)")
-REJECTED = Counter("rollout_requests_rejected", "Generate calls rejected", ["reason"])  # invalid | busy | draining
+REJECTED = Counter("rollout_requests_rejected", "Generate calls rejected", ["reason"])
 TTFT = Histogram("rollout_time_to_first_token_s", "Seconds from request to first token")
 POLICY_VERSION = Gauge("rollout_policy_version", "Policy version in force")
-UPDATE_SECONDS = Histogram("rollout_weight_update_s", "Seconds to receive and commit a version")
-UPDATE_PAUSE_SECONDS = Histogram("rollout_weight_update_pause_s", "Seconds generation was paused for a commit")
+UPDATE_SECONDS = Histogram(
+    "rollout_weight_update_s", "Seconds to receive and commit a version", buckets=DURATION_BUCKETS_S
+)
+UPDATE_PAUSE_SECONDS = Histogram(
+    "rollout_weight_update_pause_s", "Seconds generation was paused for a commit", buckets=DURATION_BUCKETS_S
+)
+UPDATE_FAILURES = Counter("rollout_weight_update_failures", "Versions not put in force (the server stayed on its own)")
+for _reason in REJECT_REASONS:  # every series exists from the start: rate() and alerts see 0, not "no data"
+    REJECTED.labels(_reason)
+
+_tokens_generated = 0  # the same count as TOKENS, readable without prometheus_client internals
+
+
+def count_tokens(num_tokens: int) -> None:
+    """Tokens sent to a caller (the servicer's Generate)."""
+    global _tokens_generated
+    _tokens_generated += num_tokens
+    TOKENS.inc(num_tokens)
 
 
 def track_engine(engine) -> None:
@@ -18,3 +51,74 @@ def track_engine(engine) -> None:
     WAITING.set_function(lambda: engine.load()[1])
     KV_CACHE_USAGE.set_function(lambda: engine.load()[2])
     POLICY_VERSION.set_function(lambda: engine.policy_version)
+
+
+class RolloutReporter:
+    """One ``MetricsReport("rollout", source=<server id>)`` every interval: throughput since the last report, load,
+    KV cache, the version in force and what the last weight update cost. Its ``step`` counts the server's reports.
+
+    Args:
+        engine: the server's RolloutEngine (load, version, server id, last load time).
+        servicer: the gRPC servicer (Generate calls in flight).
+        follower: the WeightFollower (durations of the last update), or None.
+        stream: the run's metrics stream writer.
+    """
+
+    def __init__(self, engine, servicer, follower, stream: AsyncMetricsStreamWriter):
+        self.engine = engine
+        self.servicer = servicer
+        self.follower = follower
+        self.stream = stream
+        self.num_reports = 0
+        self._last = (time.monotonic(), _tokens_generated)
+
+    def values(self) -> dict[str, float]:
+        now, tokens = time.monotonic(), _tokens_generated
+        (last_time, last_tokens), self._last = self._last, (now, tokens)
+        running, waiting, kv_cache = self.engine.load()
+        values = {
+            "tokens_per_s": (tokens - last_tokens) / max(1e-6, now - last_time),
+            "tokens_generated": float(tokens),
+            "generate_calls": float(self.servicer.inflight),
+            "requests_running": float(running),
+            "requests_waiting": float(waiting),
+            "kv_cache_usage": float(kv_cache),
+            "policy_version": float(self.engine.policy_version),
+        }
+        follower = self.follower
+        if follower is not None and follower.last_update_s:  # none before the first update
+            values.update(
+                weight_update_s=follower.last_update_s,
+                weight_receive_s=follower.last_receive_s,
+                weight_load_s=self.engine.last_load_s,
+                weight_paused_s=follower.last_paused_s,
+            )
+        return values
+
+    async def report(self) -> bool:
+        """One periodic report; while Redis is unreachable it is skipped (logged): the next one is the retry."""
+        values = self.values()
+        self.num_reports += 1
+        report = MetricsReport(
+            "rollout", self.num_reports, self.engine.policy_version, time.time(), values, self.engine.server_id
+        )
+        return await self.stream.post(report)
+
+    async def run(self, stop: asyncio.Event, interval_s: float = REPORT_INTERVAL_S) -> None:
+        """Report every ``interval_s`` until ``stop``, and once more then (the final figures)."""
+        while not stop.is_set():
+            try:
+                await asyncio.wait_for(stop.wait(), timeout=interval_s)
+            except TimeoutError:
+                pass
+            await self.report()
+
+
+def start_reporting(servicer, follower, stop: asyncio.Event) -> list[asyncio.Task]:
+    """The reporter's task on the follower's Redis (the run's); none without one (no ``redis_url``)."""
+    if follower is None:
+        return []
+    reporter = RolloutReporter(
+        servicer.engine, servicer, follower, AsyncMetricsStreamWriter(follower.client, follower.keys)
+    )
+    return [asyncio.create_task(reporter.run(stop), name="metrics-reporter")]

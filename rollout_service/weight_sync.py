@@ -76,6 +76,7 @@ class WeightFollower:
         self.address = address
         self.last_update_s = 0.0  # receive + commit of the last version (reported with the version)
         self.last_paused_s = 0.0
+        self.last_receive_s = 0.0  # receive + verify of the last version's bytes into staging (0 for ipc)
         self.last_source = ""  # where the last committed version came from: ipc | publisher | snapshot | nccl
         self.pending: PendingUpdate | None = None
         receiver.check_receive_mode(config.receive_mode, _serves_mxfp8(engine), _cuda_available())
@@ -182,10 +183,12 @@ class WeightFollower:
 
     async def _load_locked(self, pending: PendingUpdate) -> None:
         if pending.ipc_record is not None:  # the engine reads the trainer's device buckets at commit
-            pending.loaded, pending.source = True, "ipc"
+            pending.loaded, pending.source, self.last_receive_s = True, "ipc", 0.0
             return
+        started = time.monotonic()
         try:
             pending.source = await asyncio.to_thread(self._receive, pending.manifest, pending.path)
+            self.last_receive_s = time.monotonic() - started
         except BaseException:
             self._drop_pending()  # a half-received version is never committed
             raise
@@ -305,6 +308,7 @@ class WeightFollower:
             await self.update_to(version)
         except (LookupError, OSError, ValueError, UpdateConflict, tcp.WeightUnavailableError) as error:
             # Stay on the old version and say so; the next announcement retries.
+            metrics.UPDATE_FAILURES.inc()
             logger.warning("server %s stays on v%d: %s", self.engine.server_id, self.engine.policy_version, error)
             await self.report(ReportStatus.STALE, str(error))
 

@@ -48,6 +48,7 @@ class RedisSide:
         import redis
 
         from channels.control_stream import ControlStreamReader
+        from channels.metrics_stream import MetricsStreamWriter
         from channels.trajectory_stream import TrajectoryStreamReader
         from channels.version_board import VersionBoard
         from protos.redis_keys import RedisKeys
@@ -57,12 +58,13 @@ class RedisSide:
         self.trainer = trainer
         self.stop = stop
         if config.trainer.metrics_port:
-            from prometheus_client import start_http_server
+            from trainer_service import metrics
 
-            start_http_server(config.trainer.metrics_port)
+            metrics.serve(config.trainer.metrics_port)
         self.client = redis.Redis.from_url(redis_url, socket_timeout=30)
         self.keys = RedisKeys(config.run_id)
         self.board = VersionBoard(self.client, self.keys)
+        self.metrics = MetricsStreamWriter(self.client, self.keys)
         self.queue = TrajectoryStreamReader(self.client, self.keys, trim=config.trainer.trim_acknowledged)
         self.reclaimed = self.queue.reclaim_pending()
         self.publisher = WeightPublisher(self.client, self.keys, config.weight_bus)
@@ -111,11 +113,11 @@ class RedisSide:
             weight_versions_published=float(self.publisher.num_published),
         )
         values.update({f"staleness_groups/{k}": float(c) for k, c in trainer.totals.staleness_counts.items()})
-        metrics.record_step(values, trainer.last_staleness)
+        metrics.record_step(values, trainer.last_staleness, trainer.max_staleness)
         metrics.QUEUE_DEPTH.set(values["queue_depth"])
         metrics.POLICY_VERSION.set(trainer.policy_version)
-        report = MetricsReport("trainer", step, trainer.policy_version, time.time(), values)
-        send_report(self.client, self.keys, report)
+        # retried for 30 s, then dropped (logged): a lost report costs a dashboard point, an exit a model reload
+        self.metrics.post(MetricsReport("trainer", step, trainer.policy_version, time.time(), values), timeout_s=30.0)
         logger.info(
             "step %d policy_version=%d reward=%.3f staleness_max=%d loss=%.4f step_s=%.2f",
             step,
@@ -127,36 +129,11 @@ class RedisSide:
         )
 
     def finish(self, linger_s: float, stop: threading.Event) -> None:
-        from channels.retry import UNREACHABLE
-
+        # a lost marker (dropped after 30 s, logged) costs the launcher its wait for it, an exit a model reload
         done = RoleDone("trainer", self.trainer.totals.steps, self.trainer.policy_version, time.time())
-        try:
-            self.board.post_done(done, timeout_s=30.0)
-        except UNREACHABLE as error:  # a lost marker costs the launcher its wait for it, an exit a model reload
-            logger.error("metrics end-of-run marker dropped, Redis unreachable for 30s: %s", error)
+        self.metrics.post_done(done, timeout_s=30.0)
         stop.wait(linger_s)  # keep serving the last versions so slow rollout servers can fetch them
         self.publisher.close()
-
-
-def send_report(client, keys, report, timeout_s: float = 30.0) -> None:
-    """XADD a trainer MetricsReport (field ``m``), retried while Redis is unreachable; after ``timeout_s`` it is
-    dropped (logged): a lost report costs a dashboard point, an exit a model reload.
-
-    XADD is not idempotent: after a reply lost in transit a report can land twice (readers keep a step's last one).
-    """
-    from channels.retry import UNREACHABLE, retry_sync
-    from protos.records import encode
-
-    what = f"report of step {report.step}"
-    payload = encode(report)
-    try:
-        retry_sync(
-            lambda: client.xadd(keys.metrics("trainer"), {"m": payload}, maxlen=100000, approximate=True),
-            f"metrics {what}",
-            timeout_s,
-        )
-    except UNREACHABLE as error:
-        logger.error("metrics %s dropped, Redis unreachable for %.0fs: %s", what, timeout_s, error)
 
 
 def apply_commands(trainer, publish, sync: bool, settings: list[tuple[str, str]]) -> None:

@@ -1,5 +1,5 @@
 """The version board against the real embedded Redis: the version pointer and offset, manifests and their expiry,
-announcements, IPC records, the fleet's version reports and the end-of-run marker."""
+announcements, IPC records and the fleet's version reports."""
 
 from __future__ import annotations
 
@@ -16,10 +16,8 @@ from protos.records import (
     CudaIpcBucket,
     CudaIpcVersion,
     ReportStatus,
-    RoleDone,
     VersionReport,
     WeightManifest,
-    decode_done,
     decode_ipc_version,
 )
 from protos.redis_keys import RedisKeys
@@ -177,11 +175,3 @@ def test_report_version_and_fleet_reports_round_trip(redis_url, client):
     assert zero.status is ReportStatus.STALE and zero.message == "fetch timed out"
     assert (one.policy_version, one.status, one.message) == (2, ReportStatus.OK, "")
     assert abs(one.time_s - time.time()) < 60
-
-
-def test_the_end_of_run_marker_ends_its_roles_metrics_stream(client):
-    keys = RedisKeys("done")
-    done = RoleDone("trainer", 12, 13, 100.0)
-    VersionBoard(client, keys).post_done(done)
-    ((_entry_id, fields),) = client.xrange(keys.metrics("trainer"))
-    assert list(fields) == [b"d"] and decode_done(fields[b"d"]) == done

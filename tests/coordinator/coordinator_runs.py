@@ -18,8 +18,9 @@ import pytest
 import redis
 import yaml
 
+from channels.metrics_stream import MetricsStreamReader
 from coordinator.redis_server import free_port
-from protos.records import decode_group, decode_metrics
+from protos.records import decode_group
 from protos.redis_keys import RedisKeys
 from tests.rollout_service.server_process import ServerProcess, spawn_rollout_server
 
@@ -232,8 +233,8 @@ def pushed_groups(redis_url: str) -> list:
 
 
 def coordinator_reports(redis_url: str) -> list:
-    entries = redis.Redis.from_url(redis_url).xrange(KEYS.metrics("coordinator"))
-    return [decode_metrics(fields[b"m"]) for _, fields in entries if b"m" in fields]
+    entries = MetricsStreamReader(redis.Redis.from_url(redis_url), KEYS).after("coordinator", "0")
+    return [entry.report for entry in entries if entry.report is not None]
 
 
 def assert_every_slot_once_within_the_bound(groups: list, num_slots: int, start_version: int, b: int, k: int) -> None:

@@ -216,8 +216,9 @@ def test_eval_versions_every_interval_steps_and_at_start():
 
 
 def test_a_restarted_coordinator_finds_the_eval_rounds_reported_before(redis_server):
+    from channels.metrics_stream import AsyncMetricsStreamWriter
     from coordinator.metrics import reported_eval_versions
-    from protos.records import MetricsReport, encode
+    from protos.records import MetricsReport
 
     keys = RedisKeys("eval-reports")
 
@@ -229,8 +230,8 @@ def test_a_restarted_coordinator_finds_the_eval_rounds_reported_before(redis_ser
             (5, {"eval/aime/pass@1": 0.5, "eval/version": 5.0}),
             (6, {"groups_pushed": 20.0}),
         ):
-            await client.xadd(
-                keys.metrics("coordinator"), {"m": encode(MetricsReport("coordinator", 0, version, 0.0, values))}
+            assert await AsyncMetricsStreamWriter(client, keys).post(
+                MetricsReport("coordinator", 0, version, 0.0, values)
             )
         found = await reported_eval_versions(client, keys)
         await client.aclose()

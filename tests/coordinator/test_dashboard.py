@@ -1,17 +1,17 @@
-"""Tests for coordinator.dashboard: the /api/state snapshot over real Redis, and the page in headless Chromium."""
+"""Tests for coordinator.dashboard: the /api/state snapshot over real Redis (whole run, windows, the rollout servers'
+live figures), and the page in headless Chromium (live rollout series, the range selector, a drag to zoom)."""
 
 from __future__ import annotations
 
 import asyncio
+import math
 import os
-import shutil
-import signal
+import random
 import socket
 import struct
 import time
 import zlib
 from contextlib import asynccontextmanager
-from html.parser import HTMLParser
 from pathlib import Path
 
 import aiohttp
@@ -20,30 +20,21 @@ import pytest
 import redis
 import redis.asyncio as aioredis
 
+from channels.metrics_stream import AsyncMetricsStreamWriter, MetricsStreamWriter
 from channels.version_board import AsyncVersionBoard
 from coordinator.dashboard import DashboardPortTaken, start_dashboard
-from protos.records import MetricsReport, ReportStatus, RoleDone, VersionReport, encode
+from protos.records import MetricsReport, ReportStatus, RoleDone, VersionReport
 from protos.redis_keys import RedisKeys
+from tests.coordinator.browser import Browser
 
 pytestmark = pytest.mark.integration
 
 KEYS = RedisKeys("dash-test")
-CHROMIUM_FLAGS = [
-    "--headless",
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-quic",
-    "--no-first-run",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-]
 
 
 def write_metrics(client: redis.Redis, role: str, step: int, time_s: float, values: dict[str, float]) -> None:
-    """Append a report exactly as the roles do (trainer_service/__main__.py, coordinator/__main__.py)."""
-    report = MetricsReport(role, step, step, time_s, values)
-    client.xadd(KEYS.metrics(role), {"m": encode(report)}, maxlen=100000, approximate=True)
+    """Append a report through the metrics channel, as the roles do."""
+    assert MetricsStreamWriter(client, KEYS).post(MetricsReport(role, step, step, time_s, values))
 
 
 def trainer_values(step: int) -> dict[str, float]:
@@ -85,9 +76,9 @@ async def write_run(redis_url: str, num_steps: int = 5, start_s: float | None = 
 
 
 @asynccontextmanager
-async def serving(redis_url: str, max_points: int = 600, port: int = 0):
+async def serving(redis_url: str, capacity: int = 4096, port: int = 0):
     client = aioredis.Redis.from_url(redis_url)
-    runner, bound_port = await start_dashboard(client, KEYS, "127.0.0.1", port, max_points=max_points)
+    runner, bound_port = await start_dashboard(client, KEYS, "127.0.0.1", port, capacity=capacity)
     try:
         yield f"http://127.0.0.1:{bound_port}"
     finally:
@@ -95,8 +86,8 @@ async def serving(redis_url: str, max_points: int = 600, port: int = 0):
         await client.aclose()
 
 
-async def get_state(base_url: str) -> dict:
-    async with aiohttp.ClientSession() as session, session.get(base_url + "/api/state") as response:
+async def get_state(base_url: str, query: str = "") -> dict:
+    async with aiohttp.ClientSession() as session, session.get(base_url + "/api/state" + query) as response:
         assert response.status == 200, await response.text()
         return msgspec.json.decode(await response.read())
 
@@ -124,16 +115,18 @@ def test_state_api_serves_every_role_in_order_with_fleet_and_derived_rates(redis
     assert [v for _, v in tokens["coordinator/tokens_per_s"]["points"]] == [1000.0, 2000.0, 3000.0, 4000.0, 5000.0]
     assert tokens["rollout/tokens_per_s"] == {
         "series": "rollout/tokens_per_s",
-        "label": "rollout reports",
+        "label": "rollout",
         "points": [],
         "latest": None,
     }  # no rollout reports: "no data"
+    assert state["charts"][0]["id"] == "reward"  # what an operator looks at first
+    assert state["window"]["from_s"] == state["window"]["run_from_s"] == start_s + 2  # the whole run
     # Throughput between consecutive trainer reports 2 s apart: 32 samples and 640 tokens per step.
     assert [v for _, v in chart_lines(state, "trainer_samples")["trainer/samples_per_s"]["points"]] == [16.0] * 4
     assert [v for _, v in chart_lines(state, "trainer_tokens")["trainer/tokens_per_s"]["points"]] == [320.0] * 4
     eval_lines = chart_lines(state, "eval_acc")
     assert list(eval_lines) == ["trainer/eval/gsm8k/acc"] and eval_lines["trainer/eval/gsm8k/acc"]["label"] == "gsm8k"
-    assert state["staleness_hist"]["bins"] == [[0, 2], [1, 3]]  # fallback: per-step max staleness
+    assert state["staleness_hist"]["bins"] == [[1, 1]]  # no counts reported: the last step's max
     assert [(s["server_id"], s["policy_version"], s["lag_versions"], s["status"]) for s in state["servers"]] == [
         ("rollout-0", 5, 0, "OK"),
         ("rollout-1", 3, 2, "STALE"),
@@ -142,28 +135,34 @@ def test_state_api_serves_every_role_in_order_with_fleet_and_derived_rates(redis
     assert state["roles"]["trainer"]["step"] == 5 and state["roles"]["rollout"] is None
 
 
-def test_ring_buffer_keeps_only_the_newest_points_and_reads_each_report_once(redis_url):
+def test_state_covers_the_whole_run_downsampled_and_a_window_on_request(redis_url):
     async def scenario():
         sync = redis.Redis.from_url(redis_url)
-        for step in range(1, 9):
-            write_metrics(sync, "trainer", step, 1000.0 + step, trainer_values(step))
-        async with serving(redis_url, max_points=5) as base_url:
-            first = await get_state(base_url)
-            for step in range(9, 12):
-                write_metrics(sync, "trainer", step, 1000.0 + step, trainer_values(step))
+        for step in range(1, 2001):  # a long run: 2000 steps, 10 s apart
+            write_metrics(sync, "trainer", step, 100000.0 + 10 * step, trainer_values(step))
+        async with serving(redis_url, capacity=256) as base_url:
+            whole = await get_state(base_url)
+            window = await get_state(base_url, "?from=119000&to=119500")
+            for step in range(2001, 2004):
+                write_metrics(sync, "trainer", step, 100000.0 + 10 * step, trainer_values(step))
             await asyncio.sleep(0.6)  # past the dashboard's shared-refresh interval
-            second = await get_state(base_url)
+            later = await get_state(base_url)
+            async with aiohttp.ClientSession() as session, session.get(base_url + "/api/state?from=5&to=4") as bad:
+                refused = (bad.status, await bad.text())
         sync.close()
-        return first, second
+        return whole, window, later, refused
 
-    first, second = asyncio.run(scenario())
-
-    def steps(state: dict) -> list[float]:
-        return [t - 1000.0 for t, _ in chart_lines(state, "loss")["trainer/loss"]["points"]]
-
-    assert steps(first) == [4.0, 5.0, 6.0, 7.0, 8.0]
-    assert steps(second) == [7.0, 8.0, 9.0, 10.0, 11.0]
-    assert second["roles"]["trainer"]["num_points"] == 5 and second["max_points"] == 5
+    whole, window, later, refused = asyncio.run(scenario())
+    loss = chart_lines(whole, "loss")["trainer/loss"]["points"]
+    assert len(loss) <= 500 and loss[0][0] == 100010.0 and loss[-1][0] == 120000.0  # first to last report
+    assert max(v for _, v in loss) == 1.0  # step 1's spike survives the merging and the downsampling
+    assert whole["roles"]["trainer"]["num_points"] == 2000 and whole["max_chart_points"] == 500
+    inside = chart_lines(window, "loss")["trainer/loss"]["points"]
+    assert inside and all(119000.0 <= t <= 119500.0 for t, _ in inside)
+    assert window["window"]["from_s"] == 119000.0 and window["window"]["to_s"] == 119500.0
+    assert chart_lines(later, "loss")["trainer/loss"]["latest"] == pytest.approx(1.0 / 2003)  # reports read once
+    assert later["roles"]["trainer"]["num_points"] == 2003
+    assert refused[0] == 400 and "from must be before to" in refused[1]
 
 
 def test_reported_staleness_counts_done_marker_and_bad_entries(redis_url):
@@ -173,7 +172,7 @@ def test_reported_staleness_counts_done_marker_and_bad_entries(redis_url):
         write_metrics(sync, "trainer", 1, 1000.0, values)
         sync.xadd(KEYS.metrics("trainer"), {"m": b"not msgpack"})  # skipped with a warning, not fatal
         sync.hset(KEYS.fleet, "broken", b"\x00garbage")
-        sync.xadd(KEYS.metrics("trainer"), {"d": encode(RoleDone("trainer", 1, 1, 1001.0))})
+        assert MetricsStreamWriter(sync, KEYS).post_done(RoleDone("trainer", 1, 1, 1001.0))
         sync.close()
         async with serving(redis_url) as base_url:
             return await get_state(base_url)
@@ -212,76 +211,49 @@ def test_state_api_answers_503_when_redis_is_unreachable():
     assert status == 503 and body["error"].startswith("Redis unreachable")
 
 
+# live rollout series -----------------------------------------------------------------------------
+def rollout_values(number: int, tokens_per_s: float) -> dict[str, float]:
+    return {
+        "tokens_per_s": tokens_per_s,
+        "requests_running": float(round(5 + 2 * math.sin(number / 40))),
+        "requests_waiting": 1.0,
+        "kv_cache_usage": 0.25 + 0.05 * math.sin(number / 60),
+        "policy_version": 5.0,
+        "weight_update_s": 0.75,
+        "weight_receive_s": 0.5,
+        "weight_load_s": 0.125,
+        "weight_paused_s": 0.25,
+    }
+
+
+async def report_rollout(client: aioredis.Redis, server_id: str, number: int, tokens_per_s: float) -> None:
+    """One rollout server report through the channel, as RolloutReporter writes it."""
+    report = MetricsReport("rollout", number, 5, time.time(), rollout_values(number, tokens_per_s), server_id)
+    assert await AsyncMetricsStreamWriter(client, KEYS).post(report)
+
+
+def test_rollout_reports_feed_one_series_per_server_and_the_server_table(redis_url):
+    async def scenario():
+        await write_run(redis_url)
+        client = aioredis.Redis.from_url(redis_url)
+        for number in range(3):
+            await report_rollout(client, "rollout-0", number, 100.0 * (number + 1))
+        await report_rollout(client, "rollout-1", 0, 50.0)
+        await client.aclose()
+        async with serving(redis_url) as base_url:
+            return await get_state(base_url)
+
+    state = asyncio.run(scenario())
+    tokens = chart_lines(state, "rollout_tokens")
+    assert [v for _, v in tokens["rollout/rollout-0/tokens_per_s"]["points"]] == [100.0, 200.0, 300.0]
+    assert tokens["rollout/rollout-1/tokens_per_s"]["label"] == "rollout-1"
+    assert chart_lines(state, "weight_update")["rollout/rollout-0/weight_update_s"]["latest"] == 0.75
+    row = next(r for r in state["servers"] if r["server_id"] == "rollout-0")
+    assert row["live"]["tokens_per_s"] == 300.0 and row["live"]["weight_receive_s"] == 0.5 and row["live"]["age_s"] < 60
+    assert state["roles"]["rollout"]["num_sources"] == 2 and state["roles"]["rollout"]["num_points"] == 4
+
+
 # headless Chromium -------------------------------------------------------------------------------
-class DomIndex(HTMLParser):
-    """Text of the legend value labels (by data-series) and of the server table rows (by data-server-id)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.latest: dict[str, str] = {}
-        self.rows: dict[str, list[str]] = {}
-        self.has_data: dict[str, str] = {}
-        self._series: str | None = None
-        self._row: str | None = None
-
-    def handle_starttag(self, tag, attrs):
-        attrs = dict(attrs)
-        if tag == "span" and "data-series" in attrs:
-            self._series = attrs["data-series"]
-        if tag == "tr":
-            self._row = attrs.get("data-server-id")
-            if self._row:
-                self.rows[self._row] = []
-        if tag == "section" and "data-has-data" in attrs:
-            self.has_data[attrs["id"]] = attrs["data-has-data"]
-
-    def handle_data(self, data):
-        if self._series:
-            self.latest[self._series] = data
-        elif self._row and data.strip():
-            self.rows[self._row].append(data)
-
-    def handle_endtag(self, tag):
-        if tag == "span":
-            self._series = None
-        if tag == "tr":
-            self._row = None
-
-
-def find_chromium() -> str:
-    for candidate in (os.environ.get("FLEETRL_CHROMIUM", ""), "/usr/bin/chromium", shutil.which("chromium") or ""):
-        if candidate and os.access(candidate, os.X_OK):
-            return candidate
-    # `make test` installs it; a missing browser is a broken set-up, not a reason to pass quietly.
-    pytest.fail("Chromium not installed: run scripts/install_chromium.sh (or set FLEETRL_CHROMIUM)")
-
-
-async def render_page(chromium: str, url: str, out_dir: Path) -> str:
-    """Load the page, let its polling run for 3 s of virtual time, save a screenshot; returns the DOM."""
-    process = await asyncio.create_subprocess_exec(
-        chromium,
-        *CHROMIUM_FLAGS,
-        f"--user-data-dir={out_dir / 'profile'}",
-        "--window-size=1400,1300",
-        "--hide-scrollbars",
-        f"--screenshot={out_dir / 'dashboard.png'}",
-        "--dump-dom",
-        "--virtual-time-budget=3000",
-        url,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-        start_new_session=True,
-    )
-    try:
-        stdout, stderr = await asyncio.wait_for(process.communicate(), timeout=90)
-    except TimeoutError:
-        os.killpg(process.pid, signal.SIGKILL)  # its renderer and GPU helpers live in its process group
-        await process.wait()
-        raise
-    assert process.returncode == 0, stderr.decode(errors="replace")[-2000:]
-    return stdout.decode()
-
-
 def png_size_and_colors(path: Path) -> tuple[int, int, int]:
     """(width, height, distinct byte values of the pixel data) without an imaging library."""
     data = path.read_bytes()
@@ -296,24 +268,128 @@ def png_size_and_colors(path: Path) -> tuple[int, int, int]:
     return width, height, len(set(zlib.decompress(idat)))
 
 
-def test_page_draws_live_data_in_headless_chromium(redis_url, tmp_path):
-    chromium = find_chromium()
+async def write_long_history(redis_url: str, hours: float = 2.0) -> float:
+    """A run of ``hours`` so far, up to now: every 10 s a trainer step, a coordinator report and a report of each of
+    two rollout servers, with noisy, learning-like figures (seeded); returns its start."""
+    noise = random.Random(0)
+    sync = redis.Redis.from_url(redis_url)
+    writer = MetricsStreamWriter(sync, KEYS)
+    num_steps = int(hours * 360)
+    start_s = time.time() - 10 * num_steps
+    for step in range(1, num_steps + 1):
+        time_s, progress = start_s + 10 * step, step / num_steps
+        reward = 0.15 + 0.55 * (1 - math.exp(-4 * progress)) + noise.gauss(0, 0.03)
+        values = {
+            **trainer_values(step),
+            "reward_mean": reward,
+            "loss": 0.4 * math.exp(-3 * progress) + abs(noise.gauss(0, 0.02)),
+            "queue_depth": float(round(3 + 2 * math.sin(step / 25) + noise.random())),
+            "staleness_max": float(noise.random() < 0.7),
+            "staleness_mean": 0.5 + noise.gauss(0, 0.1),
+            "samples_trained": 64.0 * step,
+            "num_tokens": 640.0 + noise.randint(-60, 60),
+            "eval/gsm8k/acc": 0.2 + 0.5 * progress,
+        }
+        write_metrics(sync, "trainer", step, time_s, values)
+        fleet = {"tokens_per_s": 880.0 + noise.gauss(0, 40), "queue_depth": float(round(3 + 2 * math.sin(step / 25)))}
+        write_metrics(sync, "coordinator", step, time_s, fleet)
+        for index in range(2):
+            rollout = rollout_values(step, 430.0 + 20 * index + noise.gauss(0, 25))
+            assert writer.post(MetricsReport("rollout", step, step, time_s, rollout, f"rollout-{index}"))
+    sync.set(KEYS.policy_version, num_steps)
+    sync.close()
+    return start_s
 
+
+async def keep_reporting(redis_url: str, stop: asyncio.Event) -> None:
+    """Two rollout servers reporting every 0.3 s with changing figures, and their fleet reports."""
+    client = aioredis.Redis.from_url(redis_url)
+    board = AsyncVersionBoard(client, KEYS)
+    number = 0
+    while not stop.is_set():
+        for index in range(2):
+            server_id = f"rollout-{index}"
+            await report_rollout(client, server_id, number, 400.0 + 40 * index + 25 * (number % 7))
+            address = f"127.0.0.1:5005{index + 1}"
+            await board.report_version(
+                VersionReport(server_id, address, 720, ReportStatus.OK, "", time.time(), 0.75, 0.25)
+            )
+        number += 1
+        try:
+            await asyncio.wait_for(stop.wait(), timeout=0.3)
+        except TimeoutError:
+            pass
+    await client.aclose()
+
+
+LEGEND = "document.querySelector('[data-series=\"rollout/rollout-0/tokens_per_s\"]')?.textContent"
+RUNNING_CELL = 'document.querySelector(\'tr[data-server-id="rollout-1"] td[data-live="tokens_per_s"]\')?.textContent'
+REWARD_POINTS = 'Number(document.getElementById("chart-reward")?.getAttribute("data-num-points") || 0)'
+WINDOW = "[document.body.dataset.selection, Number(document.body.dataset.windowFrom), Number(document.body.dataset.windowTo)]"
+
+
+def test_page_shows_live_rollout_series_and_zooms_in_headless_chromium(redis_url, tmp_path):
     async def scenario():
-        await write_run(redis_url)
-        async with serving(redis_url) as base_url:
-            return await render_page(chromium, base_url + "/", tmp_path)
+        start_s = await write_long_history(redis_url)
+        stop = asyncio.Event()
+        reporting = asyncio.create_task(keep_reporting(redis_url, stop))
+        try:
+            async with serving(redis_url) as base_url, await Browser.start(tmp_path / "profile") as browser:
+                await browser.navigate(base_url + "/")
+                return start_s, await drive_the_page(browser, tmp_path / "dashboard.png")
+        finally:
+            stop.set()
+            await reporting
 
-    dom = DomIndex()
-    dom.feed(asyncio.run(scenario()))
-    assert dom.rows["rollout-0"][:4] == ["rollout-0", "127.0.0.1:50051", "v5", "0"]
-    assert dom.rows["rollout-1"][2:5] == ["v3", "2", "STALE"]
-    assert dom.latest["trainer/reward_mean"] == "0.750"
-    assert dom.latest["coordinator/tokens_per_s"] == "5000"
-    assert dom.latest["trainer/eval/gsm8k/acc"] == "0.450"
-    assert dom.latest["rollout/weight_update_s"] == "no data"
-    assert dom.has_data["chart-reward"] == "true" and dom.has_data["chart-staleness_hist"] == "true"
-    screenshot = tmp_path / "dashboard.png"
-    width, height, num_colors = png_size_and_colors(screenshot)
-    assert (width, height) == (1400, 1300)
-    assert screenshot.stat().st_size > 20_000 and num_colors > 50, "screenshot looks blank"
+    start_s, seen = asyncio.run(scenario())
+    assert seen["first_card"] == "chart-reward"  # the reward curve comes first
+    assert seen["legend"][0] != seen["legend"][1], "the rollout series did not move between polls"
+    assert seen["table"] not in ("", "-")
+    mode, window_from, window_to = seen["whole"]
+    assert mode == "all" and abs(window_from - (start_s + 10)) < 1e-3  # the whole run: 2 h
+    assert 100 < seen["whole_points"] <= 500
+    mode, last_from, last_to = seen["last10"]
+    assert mode == "last" and 590 < last_to - last_from < 700
+    mode, zoom_from, zoom_to = seen["zoomed"]
+    assert mode == "fixed" and last_from < zoom_from < zoom_to < last_to and zoom_to - zoom_from < 500
+    assert seen["hash"].startswith("#from=") and 0 < seen["zoomed_points"] < seen["whole_points"]
+    width, height, num_colors = png_size_and_colors(seen["screenshot"])
+    assert (width, height) == (1400, 1300) and num_colors > 50, "screenshot looks blank"
+    target = os.environ.get("FLEETRL_DASHBOARD_SCREENSHOT")  # docs/images/dashboard.png is made this way
+    if target:
+        from PIL import Image  # a 256-colour palette: the committed copy stays small
+
+        Image.open(seen["screenshot"]).quantize(colors=256).save(target, optimize=True)
+
+
+async def drive_the_page(browser: Browser, screenshot: Path) -> dict:
+    """What the page shows: live rollout figures, the whole run, then the last 10 min, then a dragged range."""
+    seen = {"legend": [await browser.wait_for(LEGEND + ' !== "no data" && ' + LEGEND, "a rollout-0 tok/s value")]}
+    first = seen["legend"][0]
+    seen["legend"].append(await browser.wait_for(f"{LEGEND} !== {first!r} && {LEGEND}", "a newer rollout value"))
+    seen["table"] = await browser.wait_for(f"{RUNNING_CELL} !== '-' && {RUNNING_CELL}", "rollout-1's tok/s cell")
+    seen["first_card"] = await browser.evaluate('document.querySelector("#charts section").id')
+    seen["whole"] = await browser.wait_for(f"document.body.dataset.windowFrom && {WINDOW}", "the whole run's window")
+    seen["whole_points"] = await browser.evaluate(REWARD_POINTS)
+    await browser.evaluate("document.querySelector('#range button[data-range=\"600\"]').click()")
+    seen["last10"] = await browser.wait_for(f'document.body.dataset.selection === "last" && {WINDOW}', "10 minutes")
+    box = await browser.evaluate(
+        '(() => { const r = document.querySelector("#chart-reward canvas").getBoundingClientRect();'
+        " return [r.left, r.top, r.width, r.height]; })()"
+    )
+    left, top, width, height = box
+    await browser.drag(
+        left + 54 + 0.25 * (width - 66), top + height / 2, left + 54 + 0.6 * (width - 66), top + height / 2
+    )
+    seen["zoomed"] = await browser.wait_for(
+        f'document.body.dataset.selection === "fixed" && {WINDOW}', "the dragged range"
+    )
+    seen["hash"] = await browser.evaluate("window.location.hash")
+    seen["zoomed_points"] = await browser.wait_for(REWARD_POINTS, "reward points in the dragged range")
+    await browser.evaluate("document.querySelector('#range button[data-range=\"all\"]').click()")
+    await browser.wait_for(
+        f'document.body.dataset.selection === "all" && {REWARD_POINTS} >= {seen["whole_points"]}', "the whole run again"
+    )
+    await asyncio.sleep(0.5)  # one more frame drawn
+    seen["screenshot"] = await browser.screenshot(screenshot)
+    return seen

@@ -57,12 +57,15 @@ def write_run(client: redis.Redis, keys: RedisKeys, num_steps: int) -> None:
 
 def follow(client: redis.Redis, keys: RedisKeys, run_logger: RunLogger) -> None:
     """What the launcher does: hand every report to the run logger until the trainer is done."""
-    cursors = {keys.metrics("trainer"): "0", keys.metrics("coordinator"): "0"}
+    from channels.metrics_stream import MetricsStreamReader
+
+    reader = MetricsStreamReader(client, keys)
+    cursors = {"trainer": "0", "coordinator": "0"}
     done, rollout_tokens_per_s = False, 0.0
     deadline = time.monotonic() + 30
     while not done:
         assert time.monotonic() < deadline, "no RoleDone from the trainer stream within 30 s"
-        for report in read_reports(client, cursors, block_ms=500):
+        for report in read_reports(reader, cursors, block_s=0.5):
             if isinstance(report, RoleDone):
                 done = True
             elif report.role == "coordinator":

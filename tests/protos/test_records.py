@@ -96,7 +96,7 @@ def _report() -> VersionReport:
 
 
 def _metrics() -> MetricsReport:
-    return MetricsReport("trainer", 10, 5, 1700000003.5, {"loss": 0.5, "reward_mean": 0.75})
+    return MetricsReport("rollout", 10, 5, 1700000003.5, {"loss": 0.5, "reward_mean": 0.75}, source="rollout-0")
 
 
 # Written before ``sampling_temperature`` was appended: still decodes, with the field's default.
@@ -125,8 +125,13 @@ REPORT_V1_HEX = (
     "96a9726f6c6c6f75742d30ae3132372e302e302e313a373030300501af66657463682074696d6564206f7574cb41d954fc40800000"
 )
 REPORT_HEX = REPORT_V1_HEX.replace("96a9", "98a9", 1) + "cb3ff8000000000000cb3fd0000000000000"
-METRICS_HEX = (
+# Written before ``source`` was appended (v1, by the trainer): still decodes, with source "".
+METRICS_V1_HEX = (
     "95a7747261696e65720a05cb41d954fc40e0000082a46c6f7373cb3fe0000000000000ab7265776172645f6d65616ecb3fe8000000000000"
+)
+METRICS_HEX = (
+    "96a7726f6c6c6f75740a05cb41d954fc40e0000082a46c6f7373cb3fe0000000000000ab7265776172645f6d65616ecb3fe8000000000000"
+    "a9726f6c6c6f75742d30"
 )
 
 
@@ -160,6 +165,8 @@ def test_golden_bytes_decode_to_the_same_records():
     older = decode_report(bytes.fromhex(REPORT_V1_HEX))
     assert older == msgspec.structs.replace(_report(), update_s=0.0, paused_s=0.0)
     assert decode_metrics(bytes.fromhex(METRICS_HEX)) == _metrics()
+    older = decode_metrics(bytes.fromhex(METRICS_V1_HEX))
+    assert older == msgspec.structs.replace(_metrics(), role="trainer", source="")
 
 
 # ---------------------------------------------------------------------------------------------------

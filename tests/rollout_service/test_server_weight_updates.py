@@ -215,6 +215,38 @@ def test_metrics_endpoint_reports_throughput_ttft_rejections_and_version(server)
         assert (name, ()) in values, name
 
 
+def test_the_server_reports_throughput_load_and_update_durations_to_the_runs_metrics_stream(
+    server, model_dir, redis_server
+):
+    from channels.metrics_stream import MetricsStreamReader
+
+    stub = server.stub
+    version = server_info(stub).policy_version + 1
+    backend = TorchBackend(model_dir, TrainerConfig())
+    publish_and_update(stub, redis_server, version, backend.export_hf_weights())
+    generate(stub, max_tokens=32)
+    text = urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=10).read().decode()
+    generated = next(
+        s.value
+        for f in text_string_to_metric_families(text)
+        for s in f.samples
+        if s.name == "rollout_generated_tokens_total"
+    )
+    reader = MetricsStreamReader(redis.Redis.from_url(redis_server.url), RedisKeys(RUN_ID))
+    deadline, reports = time.monotonic() + 30, []
+    while not any(r.values["tokens_generated"] >= generated for r in reports):  # a report after the generation
+        assert time.monotonic() < deadline, f"no rollout report with {generated} tokens in 30 s: {reports[-1:]}"
+        time.sleep(0.5)
+        reports = [e.report for e in reader.after("rollout", "0") if e.report and e.report.source == "test-0"]
+    latest = reports[-1]
+    assert latest.role == "rollout" and latest.policy_version == version == latest.values["policy_version"]
+    assert [r.step for r in reports] == sorted(r.step for r in reports)  # the server's report count
+    assert any(r.values["tokens_per_s"] > 0 for r in reports)
+    assert {"requests_running", "requests_waiting", "kv_cache_usage", "generate_calls"} <= set(latest.values)
+    assert latest.values["weight_update_s"] >= latest.values["weight_receive_s"] > 0
+    assert latest.values["weight_paused_s"] >= latest.values["weight_load_s"] > 0
+
+
 def test_mxfp8_weight_update_is_dequantized_into_the_engine_and_matches_hf(server, model_dir, redis_server, tmp_path):
     from weight_bus.codecs.mxfp8 import dequantize, quantize
     from weight_bus.packing import WireCodec

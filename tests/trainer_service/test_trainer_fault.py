@@ -160,23 +160,6 @@ def test_a_step_that_publishes_nothing_lowers_version_minus_steps_for_the_coordi
     assert int(client.get(keys.version_offset)) == -1
 
 
-def test_a_metrics_report_whose_reply_was_lost_is_sent_again_instead_of_stopping_the_trainer(redis_url):
-    from protos.records import MetricsReport, decode_metrics
-    from tests.redis_faults import reply_dropping_proxy
-    from trainer_service.redis_side import send_report
-
-    keys = RedisKeys("report-lost")
-
-    with reply_dropping_proxy(redis_url, marker=b"metrics:trainer") as (proxy_url, proxy):
-        through_proxy = redis.Redis.from_url(proxy_url, socket_timeout=5)
-        send_report(through_proxy, keys, MetricsReport("trainer", 3, 3, 0.0, {"loss": 0.5}), timeout_s=10)
-        through_proxy.close()
-    direct = redis.Redis.from_url(redis_url)
-    reports = [decode_metrics(fields[b"m"]) for _, fields in direct.xrange(keys.metrics("trainer")) if b"m" in fields]
-    direct.close()
-    assert proxy.dropped == 1 and {r.step for r in reports} == {3}  # at least once (the lost one landed too)
-
-
 def test_a_redis_outage_while_the_trainer_waits_for_groups_neither_stops_it_nor_loses_a_group(
     redis_server, tmp_path, fresh_run
 ):
