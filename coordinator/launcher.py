@@ -26,7 +26,7 @@ from channels.metrics_stream import MetricsStreamReader
 from channels.version_board import VersionBoard
 from coordinator.demo_agents import demo_agent_commands, prepare_agents
 from coordinator.redis_server import EmbeddedRedis
-from coordinator.run_logger import RunLogger, read_reports
+from coordinator.run_logger import RunLogger, append_step, read_reports
 from protos.config import RunConfig
 from protos.records import RoleDone
 from protos.redis_keys import RedisKeys
@@ -248,7 +248,7 @@ class DemoLauncher:
                         coordinator_last = {**coordinator_last, **report.values}
                         self.rollout_rates.append(report.values.get("tokens_per_s", 0.0))
                         run_logger.log_coordinator(report)
-                    elif self.record_step(trainer_steps, report):
+                    elif append_step(trainer_steps, report):
                         self.print_step(trainer_steps[-1], coordinator_last, client)
                         run_logger.log_step(
                             report.step, report.policy_version, report.values, coordinator_last.get("tokens_per_s", 0.0)
@@ -258,16 +258,6 @@ class DemoLauncher:
         finally:
             run_logger.finish()
         return self.summary(client, trainer_steps, coordinator_last)
-
-    @staticmethod
-    def record_step(trainer_steps: list[dict], report) -> bool:
-        """Append a trainer step's figures; False for a report retried after a lost reply (it landed twice)."""
-        step = {"step": report.step, "policy_version": report.policy_version, **report.values}
-        if trainer_steps and trainer_steps[-1]["step"] == report.step:
-            trainer_steps[-1] = step
-            return False
-        trainer_steps.append(step)
-        return True
 
     def wait_for_coordinator(
         self, metrics: MetricsStreamReader, cursor: str, run_logger: RunLogger, timeout_s: float = 120.0

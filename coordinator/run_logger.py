@@ -41,6 +41,17 @@ def read_reports(reader, cursors: dict[str, str], block_s: float) -> list[Metric
     return [entry.done or entry.report for entry in reader.follow(cursors, block_s=block_s)]
 
 
+def append_step(trainer_steps: list[dict], report: MetricsReport) -> bool:
+    """Append a trainer report's step figures to the run's history; False (replacing the last) for a report retried
+    after a lost reply, which landed twice."""
+    step = {"step": report.step, "policy_version": report.policy_version, **report.values}
+    if trainer_steps and trainer_steps[-1]["step"] == report.step:
+        trainer_steps[-1] = step
+        return False
+    trainer_steps.append(step)
+    return True
+
+
 def step_metrics(values: dict[str, float], rollout_tokens_per_s: float) -> dict[str, float]:
     """One trainer step's figures under their logged names (see the module doc)."""
     logged = {f"trainer/{name}": value for name, value in values.items()}
