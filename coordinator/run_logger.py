@@ -107,3 +107,81 @@ class RunLogger:
     def finish(self) -> None:
         if self.run is not None:
             self.run.finish()
+
+
+def follow_run(config: RunConfig, client, timeout_s: float) -> int:
+    """Log a run's reports as they arrive until the trainer's end marker, then the coordinator's last ones (its
+    final eval round); returns the steps logged. Raises TimeoutError when no report arrives for ``timeout_s``."""
+    import time
+
+    from channels.metrics_stream import MetricsStreamReader
+    from protos.redis_keys import RedisKeys
+
+    reader = MetricsStreamReader(client, RedisKeys(config.run_id))
+    run_logger, cursors, steps, done = RunLogger(config), {"trainer": "0", "coordinator": "0"}, 0, None
+    rollout_tokens_per_s, last_report = 0.0, time.monotonic()
+    try:
+        while done is None:
+            reports = read_reports(reader, cursors, block_s=1.0)
+            if not reports and time.monotonic() - last_report > timeout_s:
+                raise TimeoutError(f"no metrics report from run {config.run_id} for {timeout_s:.0f}s")
+            for report in reports:
+                last_report = time.monotonic()
+                if isinstance(report, RoleDone):
+                    done = report if report.role == "trainer" else done
+                elif report.role == "coordinator":
+                    rollout_tokens_per_s = report.values.get("tokens_per_s", rollout_tokens_per_s)
+                    run_logger.log_coordinator(report)
+                else:
+                    run_logger.log_step(report.step, report.policy_version, report.values, rollout_tokens_per_s)
+                    steps += 1
+        _log_final_eval(config, reader, cursors["coordinator"], done.policy_version, run_logger)
+        return steps
+    finally:
+        run_logger.finish()
+
+
+def _log_final_eval(config: RunConfig, reader, cursor: str, final_version: int, run_logger: RunLogger) -> None:
+    """The coordinator's reports after the trainer's end marker; when the run evaluates its last step, wait (up to
+    ``coordinator.eval.timeout_s``) for that round's report."""
+    import time
+
+    evals = config.coordinator.eval
+    expected = bool(evals.datasets and evals.interval_steps and config.num_steps % evals.interval_steps == 0)
+    deadline = time.monotonic() + evals.timeout_s
+    cursors = {"coordinator": cursor}
+    while True:
+        for report in read_reports(reader, cursors, block_s=1.0):
+            if not isinstance(report, MetricsReport):
+                continue
+            run_logger.log_coordinator(report)
+            if report.values.get("eval/version", -1.0) >= final_version:
+                return
+        if not expected or time.monotonic() > deadline:
+            return
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m coordinator.run_logger --config run.json [--redis-url URL]``: the run logger on its own, for runs
+    that no ``fleetrl demo`` launcher watches (a cluster's pods), e.g. beside the coordinator."""
+    import argparse
+
+    import redis
+
+    from protos.config import flag_overrides, load_run_config
+
+    parser = argparse.ArgumentParser(prog="python -m coordinator.run_logger", description=main.__doc__)
+    parser.add_argument("--config", required=True)
+    parser.add_argument("--redis-url", default=None, help="alias of the config key redis_url")
+    parser.add_argument("--idle-timeout-s", type=float, default=7200.0, help="give up after this long without reports")
+    parser.add_argument("overrides", nargs="*")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s run_logger %(levelname)s %(name)s: %(message)s")
+    config = load_run_config(args.config, [*flag_overrides({"redis_url": args.redis_url}), *args.overrides])
+    steps = follow_run(config, redis.Redis.from_url(config.redis_url, socket_timeout=30), args.idle_timeout_s)
+    logger.info("run %s done: %d steps logged", config.run_id, steps)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

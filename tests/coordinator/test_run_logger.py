@@ -9,7 +9,7 @@ import time
 import pytest
 import redis
 
-from coordinator.run_logger import RunLogger, read_reports, step_metrics
+from coordinator.run_logger import RunLogger, follow_run, step_metrics
 from protos.config import load_run_config
 from protos.records import MetricsReport, RoleDone, encode
 from protos.redis_keys import RedisKeys
@@ -53,27 +53,6 @@ def write_run(client: redis.Redis, keys: RedisKeys, num_steps: int) -> None:
     later = {**evals, "eval/aime-2025/acc": 0.75, "eval/version": 12.0}
     client.xadd(coordinator, {"m": encode(MetricsReport("coordinator", 2, 12, time.time(), later))})
     client.xadd(trainer, {"d": encode(RoleDone("trainer", num_steps, 10 + num_steps, time.time()))})
-
-
-def follow(client: redis.Redis, keys: RedisKeys, run_logger: RunLogger) -> None:
-    """What the launcher does: hand every report to the run logger until the trainer is done."""
-    from channels.metrics_stream import MetricsStreamReader
-
-    reader = MetricsStreamReader(client, keys)
-    cursors = {"trainer": "0", "coordinator": "0"}
-    done, rollout_tokens_per_s = False, 0.0
-    deadline = time.monotonic() + 30
-    while not done:
-        assert time.monotonic() < deadline, "no RoleDone from the trainer stream within 30 s"
-        for report in read_reports(reader, cursors, block_s=0.5):
-            if isinstance(report, RoleDone):
-                done = True
-            elif report.role == "coordinator":
-                rollout_tokens_per_s = report.values.get("tokens_per_s", rollout_tokens_per_s)
-                run_logger.log_coordinator(report)
-            else:
-                run_logger.log_step(report.step, report.policy_version, report.values, rollout_tokens_per_s)
-    run_logger.finish()
 
 
 def offline_history(log_dir, timeout_s: float = 60.0) -> tuple[dict, list[dict]]:
@@ -121,7 +100,7 @@ def test_wandb_logger_writes_the_guides_metrics_from_the_metrics_streams(redis_u
     client = redis.Redis.from_url(redis_url)
     keys = RedisKeys(config.run_id)
     write_run(client, keys, num_steps=3)
-    follow(client, keys, RunLogger(config))
+    assert follow_run(config, client, timeout_s=30) == 3  # what `python -m coordinator.run_logger` runs
 
     run, rows = offline_history(log_dir)
     assert run == {"project": "fleetrl-test", "name": "beam-toy"}
