@@ -51,10 +51,8 @@ def refuse_unimplemented(tcfg) -> None:
         "trainer.lora.normalize_moe_lora=true (expert adapters at rank / top_k: grouped expert LoRA)": (
             tcfg.lora.normalize_moe_lora
         ),
-        f"trainer.megatron.recompute_granularity={megatron.recompute_granularity!r}": (
-            megatron.recompute_granularity != "none"
-        ),
-        "trainer.megatron.optimizer_offload=true": megatron.optimizer_offload,
+        f"trainer.megatron.optimizer_state_disk_dir={megatron.optimizer_state_disk_dir!r} (disk streaming of the "
+        "offloaded optimizer state; '' offloads to host memory)": bool(megatron.optimizer_state_disk_dir),
     }
     asked = [name for name, is_set in pending.items() if is_set]
     if asked:

@@ -18,6 +18,7 @@ from torch.nn.utils import parametrize
 from protos.config import TrainerConfig
 from trainer_service import lora
 from trainer_service.batch import TrainBatch, logit_divisors, split_micro_batches
+from trainer_service.fused_logprobs import fused_token_logprobs, per_token_divisors
 from trainer_service.losses import PolicyLossConfig, loss_denominator, policy_loss
 from trainer_service.routing_replay import forced_routing
 
@@ -36,12 +37,37 @@ def loss_config(config: TrainerConfig) -> PolicyLossConfig:
 
 
 def token_logprobs(
-    model, input_ids_BT: torch.Tensor, attention_mask_BT: torch.Tensor, temperature: float | torch.Tensor | None
+    model,
+    input_ids_BT: torch.Tensor,
+    attention_mask_BT: torch.Tensor,
+    temperature: float | torch.Tensor | None,
+    fused: bool = False,
 ) -> torch.Tensor:
-    """Log-probability of every next token: [B, T-1] for inputs [B, T], at ``temperature`` (one, or [B] per row)."""
+    """Log-probability of every next token: [B, T-1] for inputs [B, T], at ``temperature`` (one, or [B] per row).
+
+    ``fused``: from the final hidden states through the LM head in tiles (``fused_logprobs``), with the model's
+    final logit soft-cap (``config.final_logit_softcapping``, Beam) if it has one; the logits are never built.
+    """
+    if fused:
+        return _fused_token_logprobs(model, input_ids_BT, attention_mask_BT, temperature)
     logits = model(input_ids=input_ids_BT, attention_mask=attention_mask_BT, use_cache=False).logits[:, :-1]
     logprobs = torch.log_softmax(temper(logits.float(), temperature), dim=-1)
     return logprobs.gather(-1, input_ids_BT[:, 1:, None]).squeeze(-1)
+
+
+def _fused_token_logprobs(model, input_ids_BT, attention_mask_BT, temperature) -> torch.Tensor:
+    decoder = getattr(model, model.base_model_prefix)
+    hidden_BTH = decoder(input_ids=input_ids_BT, attention_mask=attention_mask_BT, use_cache=False).last_hidden_state
+    hidden_BTH = hidden_BTH[:, :-1]
+    batch, positions, hidden_size = hidden_BTH.shape
+    logprobs_N, _ = fused_token_logprobs(
+        hidden_BTH.reshape(-1, hidden_size),
+        model.get_output_embeddings().weight,
+        input_ids_BT[:, 1:].reshape(-1),
+        per_token_divisors(temperature, batch, positions, hidden_BTH.device),
+        getattr(model.config, "final_logit_softcapping", None),
+    )
+    return logprobs_N.view(batch, positions)
 
 
 def temper(logits_BTV: torch.Tensor, temperature: float | torch.Tensor | None) -> torch.Tensor:
@@ -120,7 +146,11 @@ class TorchBackend:
         routes = None if micro.routed_experts_BTLK is None else micro.routed_experts_BTLK.to(self.device)
         with forced_routing(self.model, routes):  # R3: the experts the rollout engine chose (None: natural)
             logprobs = token_logprobs(
-                self.model, ids, micro.attention_mask_BT.to(self.device), logit_divisors(micro, self.temperature)
+                self.model,
+                ids,
+                micro.attention_mask_BT.to(self.device),
+                logit_divisors(micro, self.temperature),
+                fused=self.config.fused_lm_head_logprobs,
             )
         # pi_old: fixed at the training step's start (mini-batches), else the current policy before this update.
         old = logprobs.detach() if micro.old_logprobs_BT is None else micro.old_logprobs_BT.to(self.device)
@@ -146,6 +176,7 @@ class TorchBackend:
                     micro.input_ids_BT.to(self.device),
                     micro.attention_mask_BT.to(self.device),
                     logit_divisors(micro, self.temperature),
+                    fused=self.config.fused_lm_head_logprobs,
                 )
             out[rows : rows + logprobs.shape[0], : logprobs.shape[1]] = logprobs.cpu()
             rows += logprobs.shape[0]

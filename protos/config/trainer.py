@@ -50,30 +50,60 @@ class MegatronConfig(Strict):
         description="Aux-loss-free balancing step on routers with an expert bias (Beam's e_score_correction_bias) "
         "per optimizer step; 0 keeps the checkpoint's bias, so rollout and trainer route alike.",
     )
-    recompute_granularity: Literal["none", "selective", "full"] = Field(
-        "none",
-        description="Activation recomputation (megatron-core's recompute_granularity): 'full' recomputes every "
-        "layer's activations in backward (the seed's full fine-tuning runs), 'selective' only attention's core. "
-        "Only 'none' is implemented by this trainer yet: the trainer refuses the others at start.",
+    fused_attention: bool = Field(
+        True,
+        description="Core attention through torch's scaled_dot_product_attention (FlashAttention on a GPU; sliding "
+        "windows in blocks) with no [T, T] mask for right-padded batches; False: megatron-core's eager attention.",
     )
-    optimizer_offload: bool = Field(
+    recompute: Literal["none", "selective", "full"] = Field(
+        "none",
+        description="Activation recompute: 'selective' re-runs recompute_modules in the backward, 'full' every "
+        "transformer layer (only each layer's input is kept); R3 routes are replayed in the recompute too.",
+    )
+    recompute_modules: list[Literal["core_attn", "mlp", "moe"]] = Field(
+        default_factory=lambda: ["core_attn"],
+        min_length=1,
+        description="What recompute='selective' re-runs: megatron-core's 'core_attn', 'mlp' (dense MLP), 'moe' (the "
+        "MoE layer, router included). Its output-discarding ones ('layernorm', 'moe_act') need Transformer Engine.",
+    )
+    fused_adam: bool = Field(
+        True,
+        description="torch's fused AdamW kernel for megatron-core's torch AdamW (used without Transformer Engine "
+        "and apex); False: torch's default (foreach on a GPU).",
+    )
+    optimizer_cpu_offload: bool = Field(
         False,
-        description="Keep the fp32 main weights and Adam moments off the GPU (on host memory, or on "
-        "optimizer_state_disk_dir), streamed through the GPU for each step. Not implemented by this trainer yet: "
-        "the trainer refuses it at start.",
+        description="Keep optimizer_offload_fraction of the fp32 main weights and Adam moments in host memory and "
+        "step them there (megatron-core's HybridDeviceOptimizer); needs CUDA, bfloat16 params and "
+        "use_distributed_optimizer.",
+    )
+    optimizer_offload_fraction: float = Field(
+        1.0, gt=0.0, le=1.0, description="Share of the optimizer state offloaded when optimizer_cpu_offload is on."
     )
     optimizer_state_disk_dir: str = Field(
         "",
-        description="With optimizer_offload: a node-local disk directory (NVMe) holding the optimizer state; "
-        "'' = host memory (about 1.7 TB per node for Beam's full fine-tuning). Env alias OPTIMIZER_STATE_DISK_DIR.",
+        description="With optimizer_cpu_offload: a node-local disk directory (NVMe) that the offloaded state is "
+        "streamed from and to (the launch guide's full fine-tuning); '' = host memory (about 1.7 TB per node for "
+        "Beam). Disk streaming is not implemented by this trainer yet: it refuses a directory at start. Env alias "
+        "OPTIMIZER_STATE_DISK_DIR.",
     )
 
     @model_validator(mode="after")
-    def _disk_dir_needs_offload(self) -> MegatronConfig:
-        if self.optimizer_state_disk_dir and not self.optimizer_offload:
+    def _offload_needs_the_distributed_optimizer(self) -> MegatronConfig:
+        if self.optimizer_cpu_offload and not self.use_distributed_optimizer:
             raise ValueError(
-                "trainer.megatron.optimizer_state_disk_dir is set but trainer.megatron.optimizer_offload is false: "
-                "set optimizer_offload=true (the directory then holds the offloaded state) or clear the directory"
+                "trainer.megatron.optimizer_cpu_offload needs trainer.megatron.use_distributed_optimizer=true "
+                "(megatron-core wires its HybridDeviceOptimizer into the distributed optimizer only)"
+            )
+        if self.optimizer_cpu_offload and self.params_dtype != "bfloat16":
+            raise ValueError(
+                "trainer.megatron.optimizer_cpu_offload needs trainer.megatron.params_dtype='bfloat16' (it offloads the "
+                "fp32 main copies of bf16 weights; megatron-core cannot offload fp32 params, which have none)"
+            )
+        if self.optimizer_state_disk_dir and not self.optimizer_cpu_offload:
+            raise ValueError(
+                "trainer.megatron.optimizer_state_disk_dir is set but trainer.megatron.optimizer_cpu_offload is false: "
+                "set optimizer_cpu_offload=true (the directory then holds the offloaded state) or clear the directory"
             )
         return self
 
@@ -165,6 +195,11 @@ class TrainerConfig(Strict):
         "from model_path; 'from_path': resume from trainer.resume_path. Env alias RESUME_MODE.",
     )
     metrics_port: int = Field(0, ge=0, description="Prometheus /metrics port of the trainer; 0 = off.")
+    fused_lm_head_logprobs: bool = Field(
+        True,
+        description="Score the targets through the LM head in tiles (trainer_service.fused_logprobs): the [T, V] "
+        "logits never exist beyond one tile; soft-cap and per-row temperature included. False: whole logits.",
+    )
     measure_replay_mismatch: bool = Field(
         False,
         description="Per step with rollout routes, report the on-policy |trainer - rollout| logprob with the "

@@ -76,9 +76,9 @@ GUIDE_FULL_FT: dict[str, object] = {
     "trainer.num_nodes": 8,
     "trainer.ckpt_interval": 25,
     "trainer.resume": "latest",
-    "trainer.megatron.recompute_granularity": "full",
-    "trainer.megatron.optimizer_offload": True,
-    "trainer.megatron.optimizer_state_disk_dir": "/local/nvme/fleetrl_optimizer_state",
+    "trainer.megatron.recompute": "full",
+    "trainer.megatron.optimizer_cpu_offload": True,
+    "trainer.megatron.optimizer_state_disk_dir": "",
 }
 
 # What the recipes resolved to when each was written out in full (commit b8e6702, before they were rewritten as a

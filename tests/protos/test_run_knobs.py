@@ -41,7 +41,8 @@ def test_every_guide_variable_sets_its_key():
         "KV_CACHE_DTYPE": "fp8_e4m3",
     }
     assert set(environ) == set(ENV_ALIASES)
-    config = load_run_config(LORA_16, ["trainer.megatron.optimizer_offload=true"], environ=environ)
+    offload = ["trainer.megatron.optimizer_cpu_offload=true", "trainer.megatron.params_dtype=bfloat16"]
+    config = load_run_config(LORA_16, offload, environ=environ)
     assert (config.num_steps, config.coordinator.reasoning_effort, config.run_id) == (7, "xhigh", "my-run")
     assert (config.logger.project_name, config.trainer.ckpt_interval, config.trainer.resume) == ("beam-rl", 0, "none")
     assert str(config.log_path()) == "/logs/my-run" and str(config.export_path()) == "/exports/my-run"
@@ -60,7 +61,7 @@ def test_an_empty_variable_is_unset_except_the_optimizer_disk_dir_where_empty_me
     ]
     recipe = LORA_16.parent / "dapo-full-ft.yaml"
     config = load_run_config(recipe, environ={"OPTIMIZER_STATE_DISK_DIR": ""})
-    assert config.trainer.megatron.optimizer_offload and config.trainer.megatron.optimizer_state_disk_dir == ""
+    assert config.trainer.megatron.optimizer_cpu_offload and config.trainer.megatron.optimizer_state_disk_dir == ""
 
 
 @pytest.mark.parametrize(

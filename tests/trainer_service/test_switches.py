@@ -19,12 +19,14 @@ def test_switches_ahead_of_the_trainer_validate_here_and_are_refused_by_the_trai
     from trainer_service.__main__ import refuse_unimplemented
 
     full_ft = load_run_config(LORA_16.parent / "dapo-full-ft.yaml")
-    with pytest.raises(ValueError, match="recompute_granularity='full'.*optimizer_offload=true"):
-        refuse_unimplemented(full_ft.trainer)
+    refuse_unimplemented(full_ft.trainer)  # recompute and host-memory offload are the trainer's
+    on_disk = load_run_config(LORA_16.parent / "dapo-full-ft.yaml", environ={"OPTIMIZER_STATE_DISK_DIR": "/nvme/opt"})
+    with pytest.raises(ValueError, match="optimizer_state_disk_dir='/nvme/opt'"):
+        refuse_unimplemented(on_disk.trainer)
     with pytest.raises(ValueError, match="normalize_moe_lora"):
         refuse_unimplemented(load_run_config(LORA_16).trainer)
     refuse_unimplemented(load_run_config([LORA_16, LORA_16.parent / "toy.yaml"]).trainer)  # the toy turns them off
-    with pytest.raises(pydantic.ValidationError, match="optimizer_offload"):
+    with pytest.raises(pydantic.ValidationError, match="optimizer_cpu_offload"):
         load_run_config(overrides=["trainer.megatron.optimizer_state_disk_dir=/nvme"])
     with pytest.raises(pydantic.ValidationError, match="normalize_moe_lora needs trainer.lora.rank"):
         load_run_config(overrides=["trainer.lora.normalize_moe_lora=true"])

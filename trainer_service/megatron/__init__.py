@@ -3,7 +3,8 @@
     backend.py         MegatronBackend: the Backend interface over megatron-core model chunks
     parallel.py        torch.distributed and megatron's parallel groups (TP, PP, EP, DP)
     model.py           the bridge's provider configured (local spec, no TE fusions), DDP, the optimizer
-    forward.py         masks, sequence padding, one pipeline stage's output, megatron's schedule
+    forward.py         masks, sequence padding, one pipeline stage's output (fused log-probs), megatron's schedule
+    fused_attention.py FusedCoreAttention: scaled_dot_product_attention in place of the eager core attention
     step.py            the step's figures reduced over ranks; clip and step, or skip a non-finite one
     checkpoint.py      model, optimizer and RNG states, one file per rank
     lora.py            megatron-bridge PEFT LoRA as a pre-wrap hook
@@ -12,5 +13,6 @@
     beam/              Beam on megatron-core: bridge, provider, custom modules
 
 Importing these modules imports no megatron (each imports it inside its functions, after ``cpu_shims.apply()``),
-except ``beam/``'s bridge, provider and modules, which ``beam.register()`` imports.
+except ``fused_attention.py`` and ``beam/``'s bridge, provider and modules, which ``model.py`` and
+``beam.register()`` import once the shims are in place.
 """

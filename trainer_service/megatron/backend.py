@@ -41,9 +41,9 @@ from trainer_service.losses import loss_denominator, policy_loss
 from trainer_service.megatron import beam, cpu_shims, step
 from trainer_service.megatron import checkpoint as megatron_checkpoint
 from trainer_service.megatron.forward import forward_backward, pad_sequence_dim, stage_output
-from trainer_service.megatron.model import DTYPES, build_model
+from trainer_service.megatron.model import DTYPES, build_model, use_fused_adam
 from trainer_service.megatron.parallel import check_supported, init_distributed, init_model_parallel
-from trainer_service.megatron.routing_replay import megatron_forced_routing
+from trainer_service.megatron.routing_replay import megatron_clear_routing_replay, megatron_forced_routing
 from trainer_service.routing_replay import NO_ROUTE
 from trainer_service.torch_backend import loss_config
 
@@ -84,6 +84,14 @@ class MegatronBackend:
         )
         model_config = get_model_config(self.model[0])
         self.num_layers = model_config.num_layers
+        self.fusions = dict(
+            fused_attention=config.megatron.fused_attention, fused_logprobs=config.fused_lm_head_logprobs
+        )
+        # Full recompute re-runs every layer's router in the backward, selective 'moe' the MoE layers'.
+        recompute = config.megatron
+        self.recompute_reruns_routers = recompute.recompute == "full" or (
+            recompute.recompute == "selective" and "moe" in recompute.recompute_modules
+        )
         # Sequence lengths must split evenly over the TP ranks under sequence parallelism.
         self.sequence_multiple = model_config.tensor_model_parallel_size if model_config.sequence_parallel else 1
 
@@ -118,7 +126,7 @@ class MegatronBackend:
         divisors = self.temperature if temperature is None else temperature
 
         def step_fn(data_iterator, model):
-            output = stage_output(model, ids, attention, divisors)
+            output = stage_output(model, ids, attention, divisors, **self.fusions)
             out["logprobs"] = output
             return output, lambda output: (output.sum(), {})
 
@@ -195,9 +203,10 @@ class MegatronBackend:
             ids, attention, routes = self._padded(
                 micro.input_ids_BT.to(self.device), micro.attention_mask_BT.to(self.device), micro.routed_experts_BTLK
             )
-            # Replay targets are set for this micro-batch's forward; backward reuses the saved routing.
-            with megatron_forced_routing(self.model, routes, self.num_layers):
-                output = stage_output(model, ids, attention, logit_divisors(micro, self.temperature))
+            # Replay targets are set for this micro-batch's forward; backward reuses the saved routing, or replays
+            # them again where activation recompute re-runs the routers.
+            with megatron_forced_routing(self.model, routes, self.num_layers, self.recompute_reruns_routers):
+                output = stage_output(model, ids, attention, logit_divisors(micro, self.temperature), **self.fusions)
             if mpu.is_pipeline_last_stage():
                 output = output[:, : micro.input_ids_BT.shape[1] - 1]
             return output, partial(self._loss_fn, micro, weight, loss_scale)
@@ -206,9 +215,12 @@ class MegatronBackend:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
         padded_shape = tuple(micro_batches[0].input_ids_BT.shape)
-        per_micro = forward_backward(
-            self.model, step_fn, forward_only=False, shape=padded_shape, micro_batches=micro_batches
-        )
+        try:
+            per_micro = forward_backward(
+                self.model, step_fn, forward_only=False, shape=padded_shape, micro_batches=micro_batches
+            )
+        finally:
+            megatron_clear_routing_replay(self.model)
         metrics = step.step_metrics(per_micro)
         with cpu_shims.cuda_tensors_on_cpu():
             grad_norm, skipped = step.optimizer_step(self.optimizer, metrics["loss"], self.config.grad_clip)
@@ -233,3 +245,5 @@ class MegatronBackend:
     def load_checkpoint(self, directory: str | Path) -> None:
         """Restore what ``save_checkpoint`` wrote (same parallel layout); the next step is bit-identical."""
         megatron_checkpoint.load(self.model, self.optimizer, directory)
+        if self.config.megatron.fused_adam:  # the loaded param groups carry the flag they were saved with
+            use_fused_adam(self.optimizer)

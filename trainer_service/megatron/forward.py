@@ -8,8 +8,11 @@ Shape legend: _BT [samples, tokens], _BTV [samples, tokens, vocab], _B1TT megatr
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 
+from trainer_service.fused_logprobs import fused_token_logprobs, per_token_divisors
 from trainer_service.megatron import cpu_shims
 from trainer_service.torch_backend import temper
 
@@ -38,29 +41,71 @@ def pad_sequence_dim(tensor_BT: torch.Tensor, multiple: int, value: int) -> torc
     return torch.cat([tensor_BT, padding], dim=1)
 
 
+def is_right_padded(attention_mask_BT: torch.Tensor) -> bool:
+    """Whether every row's real tokens come first (the mask never rises again along a row)."""
+    return bool((attention_mask_BT[:, 1:] <= attention_mask_BT[:, :-1]).all())
+
+
 def stage_output(
     model,
     input_ids_BT: torch.Tensor,
     attention_mask_BT: torch.Tensor,
     temperature: float | torch.Tensor | None,
+    fused_attention: bool = False,
+    fused_logprobs: bool = False,
 ) -> torch.Tensor:
     """This pipeline stage's forward: hidden states [T, B, H] (sent on), or log-probs [B, T-1] on the last stage.
 
     Earlier stages' hidden states arrive through megatron's ``set_input_tensor``; the ids, positions and mask
-    are given to every stage (RoPE and attention need them).
+    are given to every stage (RoPE and attention need them). ``fused_attention``: the model's core attention is
+    ``FusedCoreAttention``, which needs no mask for right-padded rows. ``fused_logprobs``: the last stage scores
+    the targets through ``fused_token_logprobs`` (GPTModel's ``output_processor``) instead of the logits.
     """
     from megatron.core import parallel_state as mpu
     from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
     seq = input_ids_BT.shape[1]
     position_ids_BT = torch.arange(seq, device=input_ids_BT.device).expand_as(input_ids_BT)
-    output = model(
-        input_ids=input_ids_BT, position_ids=position_ids_BT, attention_mask=attention_mask_B1TT(attention_mask_BT)
-    )
+    mask = None if fused_attention and is_right_padded(attention_mask_BT) else attention_mask_B1TT(attention_mask_BT)
+    inputs = dict(input_ids=input_ids_BT, position_ids=position_ids_BT, attention_mask=mask)
+    if fused_logprobs:
+        return model(**inputs, output_processor=partial(_fused_lm_head_logprobs, input_ids_BT, temperature))
+    output = model(**inputs)
     if not mpu.is_pipeline_last_stage():
         return output
     logits_BTV = temper(output[:, :-1].float(), temperature)  # one, or per row (batch.logit_divisors)
     return -vocab_parallel_cross_entropy(logits_BTV.contiguous(), input_ids_BT[:, 1:].contiguous())
+
+
+def _fused_lm_head_logprobs(input_ids_BT, temperature, *, hidden_states, output_layer, output_weight, **unused):
+    """GPTModel ``output_processor``: [B, T-1] log-probs of the next tokens from the final hidden states [T, B, H].
+
+    The output layer's own input handling is repeated (sequence-parallel all-gather, or the identity whose backward
+    sums the hidden-state gradient over the tensor-parallel ranks); its soft-cap (Beam) is applied in the tiles.
+    """
+    from megatron.core import parallel_state as mpu
+    from megatron.core.tensor_parallel import copy_to_tensor_model_parallel_region, gather_from_sequence_parallel_region
+
+    if getattr(output_layer.config, "use_mup", False):
+        raise ValueError("trainer.fused_lm_head_logprobs does not apply MuP logit scaling; set it to false")
+    group = getattr(output_layer, "tp_group", None) or mpu.get_tensor_model_parallel_group()
+    if output_layer.sequence_parallel:
+        hidden_TBH = gather_from_sequence_parallel_region(hidden_states, tensor_parallel_output_grad=True, group=group)
+    else:
+        hidden_TBH = copy_to_tensor_model_parallel_region(hidden_states, group=group)
+    hidden_BTH = hidden_TBH.transpose(0, 1)[:, :-1]
+    batch, positions, hidden_size = hidden_BTH.shape
+    weight_VH = output_layer.weight if output_weight is None else output_weight
+    logprobs_N, _ = fused_token_logprobs(
+        hidden_BTH.reshape(-1, hidden_size),
+        weight_VH,
+        input_ids_BT[:, 1:].reshape(-1),
+        per_token_divisors(temperature, batch, positions, hidden_BTH.device),
+        getattr(output_layer.config, "final_logit_softcapping", None),
+        vocab_start=mpu.get_tensor_model_parallel_rank() * weight_VH.shape[0],
+        group=group,
+    )
+    return logprobs_N.view(batch, positions)
 
 
 def forward_backward(model: list, step_fn, forward_only: bool, shape: tuple[int, int], micro_batches=None) -> list:

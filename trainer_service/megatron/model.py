@@ -2,7 +2,9 @@
 
 ``build_model`` turns an ``AutoBridge`` (from the HF checkpoint or config) into megatron-core model chunks wrapped
 in DDP plus megatron-core's optimizer (distributed over the data-parallel ranks when configured). The provider
-settings are the CPU-safe ones: the local (non-TE) layer spec and no fusions that need TE or apex.
+settings are the CPU-safe ones: the local (non-TE) layer spec and no fusions that need TE or apex. The switches of
+``trainer.megatron`` that need neither act here too: the fused core attention in the spec, activation recompute,
+torch's fused AdamW and the optimizer's CPU offload (docs/trainer_service.md, "Speed and memory switches").
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from protos.config import MegatronConfig, TrainerConfig
+from trainer_service.megatron import checkpoint as megatron_checkpoint
 from trainer_service.megatron import cpu_shims
 from trainer_service.megatron import lora as megatron_lora
 
@@ -48,6 +51,7 @@ def configure_provider(provider, config: MegatronConfig, on_cpu: bool) -> None:
     provider.use_cpu_initialization = on_cpu
     # The pipeline's p2p step ends with torch.cuda.synchronize(); gloo's send/recv are synchronous already.
     provider.batch_p2p_sync = not on_cpu
+    _configure_attention_and_recompute(provider, config)
 
 
 def _configure_moe(provider, config: MegatronConfig) -> None:
@@ -61,6 +65,19 @@ def _configure_moe(provider, config: MegatronConfig) -> None:
     provider.moe_aux_loss_coeff = config.moe_aux_loss_coeff
     if config.moe_aux_loss_coeff == 0.0:
         provider.moe_router_load_balancing_type = "none"
+
+
+def _configure_attention_and_recompute(provider, config: MegatronConfig) -> None:
+    """The fused core attention in the layer spec (whatever spec the provider has by now), and megatron-core's
+    activation recompute: 'full' checkpoints every layer on its own, 'selective' the listed submodules."""
+    from trainer_service.megatron.fused_attention import with_fused_core_attention
+
+    if config.fused_attention:
+        provider.transformer_layer_spec = with_fused_core_attention(provider.transformer_layer_spec)
+    provider.recompute_granularity = None if config.recompute == "none" else config.recompute
+    provider.recompute_method = "uniform" if config.recompute == "full" else None
+    provider.recompute_num_layers = 1 if config.recompute == "full" else None
+    provider.recompute_modules = list(config.recompute_modules)
 
 
 def build_model(bridge, config: TrainerConfig, on_cpu: bool, load_weights: bool) -> tuple[list, object]:
@@ -90,10 +107,15 @@ def build_model(bridge, config: TrainerConfig, on_cpu: bool, load_weights: bool)
 
 
 def build_optimizer(config: TrainerConfig, model: list, bf16: bool):
-    """megatron-core's Adam over the model chunks (the distributed optimizer when configured)."""
+    """megatron-core's Adam over the model chunks (the distributed optimizer when configured), with torch's fused
+    AdamW kernel (``megatron.fused_adam``) and the optimizer state in host memory (``optimizer_cpu_offload``)."""
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-    return get_megatron_optimizer(
+    megatron = config.megatron
+    if megatron.optimizer_cpu_offload and not torch.cuda.is_available():
+        # HybridDeviceOptimizer moves the state of CUDA parameters; on a CPU run there is nothing to move.
+        raise ValueError("trainer.megatron.optimizer_cpu_offload needs CUDA: on a CPU run the state is in host memory")
+    optimizer = get_megatron_optimizer(
         OptimizerConfig(
             optimizer="adam",
             lr=config.lr,
@@ -104,8 +126,35 @@ def build_optimizer(config: TrainerConfig, model: list, bf16: bool):
             adam_eps=1e-8,
             clip_grad=config.grad_clip,
             bf16=bf16,
-            params_dtype=DTYPES[config.megatron.params_dtype],
-            use_distributed_optimizer=config.megatron.use_distributed_optimizer,
+            params_dtype=DTYPES[megatron.params_dtype],
+            use_distributed_optimizer=megatron.use_distributed_optimizer,
+            optimizer_cpu_offload=megatron.optimizer_cpu_offload,
+            optimizer_offload_fraction=megatron.optimizer_offload_fraction,
         ),
         model,
     )
+    if megatron.fused_adam:
+        use_fused_adam(optimizer)
+    return optimizer
+
+
+def use_fused_adam(optimizer) -> None:
+    """Switch megatron-core's torch AdamW to torch's fused kernel, in place; again after a checkpoint load, whose
+    param groups bring their own flag.
+
+    Without Transformer Engine or apex, megatron-core 0.19.2 builds ``torch.optim.AdamW`` with torch's default
+    implementation (foreach on a GPU, a loop over tensors on a CPU). ``fused`` is a per-group option read at each
+    ``step``; its ``step`` counters must live on the parameters' device. TE's or apex's FusedAdam and the CPU-offload
+    optimizer (fused already) are left as they are.
+    """
+    for sub_optimizer in megatron_checkpoint.sub_optimizers(optimizer):
+        inner = getattr(sub_optimizer, "optimizer", None)
+        if not isinstance(inner, (torch.optim.Adam, torch.optim.AdamW)):
+            continue
+        inner.defaults.update(fused=True, foreach=False)
+        for group in inner.param_groups:
+            group.update(fused=True, foreach=False)
+            for param in group["params"]:
+                state = inner.state.get(param, {})
+                if isinstance(state.get("step"), torch.Tensor):
+                    state["step"] = state["step"].to(device=param.device, dtype=torch.float32)

@@ -48,7 +48,10 @@ def _layer_index(replay, num_route_layers: int, num_model_layers: int, moe_layer
 
 @contextlib.contextmanager
 def megatron_forced_routing(
-    model_chunks: Sequence[torch.nn.Module], routes_BTLK: torch.Tensor | None, num_model_layers: int | None = None
+    model_chunks: Sequence[torch.nn.Module],
+    routes_BTLK: torch.Tensor | None,
+    num_model_layers: int | None = None,
+    keep_for_recompute: bool = False,
 ) -> Iterator[None]:
     """Replay ``routes_BTLK`` in every forward inside the block through megatron-core's ``RouterReplay``.
 
@@ -58,6 +61,11 @@ def megatron_forced_routing(
 
     Megatron's routers see tokens sequence-major (``[T, B]`` flattened), so the routes are transposed. Positions
     without a route get experts ``0..K-1``: they feed no trained log-prob (``trainer_service.routing_replay``).
+
+    ``keep_for_recompute``: activation recompute re-runs the routers in the backward, after the block has closed.
+    Each forward also queues its routes on the router (``RouterReplay``'s backward list); on leaving, the routers
+    are switched to popping that queue, first in first out over micro-batches, as pipeline schedules run their
+    backwards in forward order. ``megatron_clear_routing_replay`` ends it once the step's backwards are done.
     """
     if routes_BTLK is None:
         yield
@@ -75,15 +83,29 @@ def megatron_forced_routing(
         indices_NK = routes_BTLK[:, :, layer].transpose(0, 1).reshape(seq * batch, top_k).long()
         missing_N = (indices_NK < 0).any(dim=-1, keepdim=True)
         indices_NK = torch.where(missing_N, fill_K.expand_as(indices_NK), indices_NK)
-        replay.clear_indices()
+        if not keep_for_recompute:  # else earlier micro-batches' queued routes wait for their backwards
+            replay.clear_indices()
         replay.set_target_indices(indices_NK)
         replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
     try:
         yield
     finally:
         for replay in replays:
-            replay.clear_router_replay_action()
-            replay.clear_indices()
+            if keep_for_recompute:
+                replay.set_router_replay_action(RouterReplayAction.REPLAY_BACKWARD)
+            else:
+                replay.clear_router_replay_action()
+                replay.clear_indices()
+
+
+def megatron_clear_routing_replay(model_chunks: Sequence[torch.nn.Module]) -> None:
+    """Back to natural routing with nothing queued (after a step whose recompute replayed routes)."""
+    for chunk in model_chunks:
+        for module in chunk.modules():
+            replay = getattr(module, "router_replay", None)
+            if replay is not None:
+                replay.clear_router_replay_action()
+                replay.clear_indices()
 
 
 class MegatronRouteRecorder:

@@ -10,6 +10,7 @@ Custom, each the smallest change on top of a stock class:
     BeamRMSNorm               the HF norm's rounding (normalise in fp32, cast, then scale); TP/SP-aware weight
     BeamCoreAttention         ``DotProductAttention`` + SSMax query scaling (full layers) + a sliding window that
                               keeps the caller's padding mask
+    BeamFusedCoreAttention    the same on ``FusedCoreAttention`` (SDPA; ``trainer.megatron.fused_attention``)
     BeamTransformerLayer      ``TransformerLayer`` + sandwich post-norms + depth-scaled residual adds
     BeamRouter                ``TopKRouter`` whose weight and expert bias stay fp32 in a bf16 model
     SoftcappedOutputLayer     mixin on the output ``ColumnParallelLinear``: ``cap * tanh(logits / cap)``
@@ -31,6 +32,7 @@ from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 
 from modeling.beam.moe_beam import keeping_fp32
+from trainer_service.megatron.fused_attention import FusedCoreAttention
 
 
 class BeamRMSNorm(torch.nn.Module):
@@ -58,27 +60,58 @@ def is_flagged(pattern: list[int] | None, layer_number: int) -> bool:
     return bool(pattern) and bool(pattern[layer_number - 1])
 
 
-class BeamCoreAttention(DotProductAttention):
-    """Stock eager attention with Beam's two per-layer variants.
+class _SSMaxQuery:
+    """SSMax for the full layers (``config.ssmax_freq``): the query at position p is multiplied by
+    ``s_h * log(p + 1)``, in fp32, with a learnable ``ssmax_scale`` per head (this rank's heads; sharded like them)."""
 
-    Full layers (``config.ssmax_freq``): SSMax multiplies the query at position p by ``s_h * log(p + 1)``, in fp32,
-    with a learnable ``ssmax_scale`` per head (this rank's heads; sharded like the heads).
-
-    Sliding layers (``config.window_size`` with ``window_attn_skip_freq``): the stock softmax, given a window,
-    replaces the caller's mask by a causal-window mask it builds on CUDA, which drops key padding; here the window
-    and causal masks are OR-ed into the caller's mask instead, so the stock softmax sees one complete mask.
-    """
-
-    def __init__(self, config, layer_number: int, *args, **kwargs):
-        super().__init__(config, layer_number, *args, **kwargs)
-        self.window_size = self.scale_mask_softmax.window_size
-        self.scale_mask_softmax.window_size = None
+    def init_ssmax(self, config) -> None:
         self.ssmax_scale = None
         if is_flagged(config.ssmax_freq, self.layer_number):
             heads = self.num_attention_heads_per_partition
             scale_N = torch.full((heads,), float(config.ssmax_init_scale), dtype=config.params_dtype)
             self.ssmax_scale = torch.nn.Parameter(scale_N)
             set_tensor_model_parallel_attributes(self.ssmax_scale, is_parallel=True, dim=0, stride=1)
+
+    def ssmax_query(self, query_SBND: torch.Tensor) -> torch.Tensor:
+        """``q * s_h * log(n)``, n = position + 1 (keys a causal query sees), in fp32 as the reference does."""
+        if self.ssmax_scale is None:
+            return query_SBND
+        log_n_S = torch.log(torch.arange(query_SBND.size(0), device=query_SBND.device, dtype=torch.float32) + 1.0)
+        factor_S1N1 = (log_n_S[:, None, None] * self.ssmax_scale.float())[..., None]
+        return (query_SBND.float() * factor_S1N1).to(query_SBND.dtype)
+
+
+class BeamFusedCoreAttention(_SSMaxQuery, FusedCoreAttention):
+    """``BeamCoreAttention`` on ``scaled_dot_product_attention`` (``trainer.megatron.fused_attention``): SSMax on
+    the full layers, flash-style causal attention, blocked sliding windows, no [T, T] mask for right-padded rows
+    (``trainer_service.megatron.fused_attention``)."""
+
+    def __init__(self, config, layer_number: int, *args, **kwargs):
+        super().__init__(config, layer_number, *args, **kwargs)
+        self.init_ssmax(config)
+
+    def forward(self, query, key, value, attention_mask, *args, **kwargs):
+        if query.size(0) != key.size(0):
+            raise ValueError("Beam's Megatron attention computes positions for training forwards only (no KV cache)")
+        return super().forward(self.ssmax_query(query), key, value, attention_mask, *args, **kwargs)
+
+
+class BeamCoreAttention(_SSMaxQuery, DotProductAttention):
+    """Stock eager attention with Beam's two per-layer variants.
+
+    Full layers: SSMax (``_SSMaxQuery``). Sliding layers (``config.window_size`` with ``window_attn_skip_freq``):
+    the stock softmax, given a window, replaces the caller's mask by a causal-window mask it builds on CUDA, which
+    drops key padding; here the window and causal masks are OR-ed into the caller's mask instead, so the stock
+    softmax sees one complete mask.
+    """
+
+    fused_variant = BeamFusedCoreAttention
+
+    def __init__(self, config, layer_number: int, *args, **kwargs):
+        super().__init__(config, layer_number, *args, **kwargs)
+        self.window_size = self.scale_mask_softmax.window_size
+        self.scale_mask_softmax.window_size = None
+        self.init_ssmax(config)
 
     def forward(
         self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None, packed_seq_params=None
@@ -87,8 +120,7 @@ class BeamCoreAttention(DotProductAttention):
             raise ValueError("Beam's Megatron attention takes [s, b] batches; packed sequences are not supported")
         if query.size(0) != key.size(0):
             raise ValueError("Beam's Megatron attention computes positions for training forwards only (no KV cache)")
-        if self.ssmax_scale is not None:
-            query = self.ssmax_query(query)
+        query = self.ssmax_query(query)
         blocked_SK = self.causal_window_mask(query.size(0), key.size(0), query.device)
         attention_mask = blocked_SK if attention_mask is None else attention_mask | blocked_SK
         return super().forward(
@@ -100,12 +132,6 @@ class BeamCoreAttention(DotProductAttention):
             attention_bias=attention_bias,
             packed_seq_params=packed_seq_params,
         )
-
-    def ssmax_query(self, query_SBND: torch.Tensor) -> torch.Tensor:
-        """``q * s_h * log(n)``, n = position + 1 (keys a causal query sees), in fp32 as the reference does."""
-        log_n_S = torch.log(torch.arange(query_SBND.size(0), device=query_SBND.device, dtype=torch.float32) + 1.0)
-        factor_S1N1 = (log_n_S[:, None, None] * self.ssmax_scale.float())[..., None]
-        return (query_SBND.float() * factor_S1N1).to(query_SBND.dtype)
 
     def causal_window_mask(self, seq: int, keys: int, device) -> torch.Tensor:
         """Boolean [S, K], True = masked: future keys, and with a window (left, 0) keys more than left behind."""
