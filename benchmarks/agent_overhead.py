@@ -5,6 +5,10 @@ Run from the repository root on a machine with vLLM (CPU or GPU)::
 
     .venv/bin/python benchmarks/agent_overhead.py [--sessions 64 --max-tokens 64 --rounds 3]
 
+On a GPU machine pass the engine's settings as ``rollout.*`` overrides (as benchmarks/rollout_overhead.py takes them),
+e.g. ``rollout.dtype=bfloat16 rollout.gpu_memory_utilization=0.4``, and more sessions so a round lasts long enough
+to time (docs/benchmarks.md has the command).
+
 One rollout server process (the tiny MoE, random weights) and one coordinator process serving the agent API
 (``agent.only_agents``: it generates nothing itself) against it, an embedded valkey. Same prompts, same sampling
 (temperature 1, full vocabulary, EOS ends a sample on both sides, 16 tokens per streamed chunk: the agent API's
@@ -48,12 +52,22 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=3, help="measured rounds per side")
     parser.add_argument(
         "--engine-cpus",
-        default="0",
-        help="CPU engine: the cores its threads are bound to (VLLM_CPU_OMP_THREADS_BIND); '' = vLLM's default (all)",
+        default="auto",
+        help="CPU engine: the cores its threads are bound to (VLLM_CPU_OMP_THREADS_BIND); '' = vLLM's default (all); "
+        "auto = core 0 without a CUDA device, nothing bound with one (a GPU engine needs no cores of its own)",
     )
     parser.add_argument("--model", default="", help="checkpoint; default: a random tiny MoE built in a temp dir")
     parser.add_argument("overrides", nargs="*", help="rollout.* overrides for the server (GPU settings)")
     return parser.parse_args()
+
+
+def engine_cores(choice: str) -> str:
+    """The cores to bind the CPU engine to ('' = none): ``--engine-cpus``, with auto = '0' unless CUDA is there."""
+    if choice != "auto":
+        return choice
+    import torch
+
+    return "" if torch.cuda.is_available() else "0"
 
 
 def prompts(args: argparse.Namespace) -> list[list[int]]:
@@ -151,10 +165,9 @@ async def main_async(args: argparse.Namespace) -> dict:
     model = args.model or str(init_tiny(workdir / "tiny"))
     redis_server = EmbeddedRedis().start()
     server_args = argparse.Namespace(requests=args.sessions, overrides=args.overrides)
-    if args.engine_cpus:  # the engine on its own cores (on a GPU machine it needs none): the rest is fleetrl's
-        os.environ.update(
-            OMP_NUM_THREADS=str(len(args.engine_cpus.split(","))), VLLM_CPU_OMP_THREADS_BIND=args.engine_cpus
-        )
+    engine_cpus = engine_cores(args.engine_cpus)
+    if engine_cpus:  # the CPU engine on its own cores: the rest is fleetrl's
+        os.environ.update(OMP_NUM_THREADS=str(len(engine_cpus.split(","))), VLLM_CPU_OMP_THREADS_BIND=engine_cpus)
     rollout, channel, stub, address = await start_server(model, server_args, workdir / "rollout.log")
     coordinator = None
     try:
@@ -186,6 +199,8 @@ async def main_async(args: argparse.Namespace) -> dict:
         "sessions": args.sessions,
         "max_tokens": args.max_tokens,
         "rounds": args.rounds,
+        "engine_cpus": engine_cpus,
+        "overrides": args.overrides,
     }
 
 

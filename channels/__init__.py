@@ -5,5 +5,6 @@
 - ``version_board``: the version pointer and offset, manifests, IPC records, announcements, fleet reports.
 - ``metrics_stream``: every role's metrics reports and end-of-run markers (``MetricsReport``, ``RoleDone``).
 - ``nccl_board``: the NCCL broadcast's group, round and subscriber heartbeats.
+- ``agent_sessions``: external agents' sessions and groups, for a restarted coordinator.
 - ``retry``: the one retry policy for Redis outages.
 """

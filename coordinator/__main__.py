@@ -221,9 +221,13 @@ class AgentDoor:
 
 
 async def start_agent_door(config, pipeline: Pipeline, fleet, stop: asyncio.Event, operators: Operators) -> AgentDoor:
-    """The agent API (and the OpenAI door when configured); its expiry loop is supervised with the operators'."""
+    """The agent API (and the OpenAI door when configured) over the sessions an earlier coordinator of the run left
+    in Redis (restored before it serves and before any admission); its expiry loop is supervised with the
+    operators'."""
+    from channels.agent_sessions import AgentSessionStore
     from coordinator.agent_api import agent_authenticator, start_agent_server
     from coordinator.agent_sessions import SessionBook
+    from coordinator.agent_store import restore_book
 
     scheduler = pipeline.scheduler
     info = await fleet.clients[0].info()  # every server serves the run's one model
@@ -234,7 +238,10 @@ async def start_agent_door(config, pipeline: Pipeline, fleet, stop: asyncio.Even
         lambda: scheduler.run.temperature,  # live: the admin API may change it
         info.max_model_len,
         info.vocab_size,
+        AgentSessionStore(scheduler.queue.client, scheduler.queue.keys),  # the run's Redis and key names
     )
+    cursor = await scheduler.queue.prompt_cursor()  # names the last group pushed
+    await restore_book(book, cursor.group_id if cursor is not None else None)
     auth = agent_authenticator(config.agent)
     server, port = await start_agent_server(book, auth, config.agent)
     logger.info("agent API on %s:%d (only agents: %s)", config.agent.host, port, config.agent.only_agents)

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from coordinator.auth import TOKENS_FILE_ENV, Authenticator, Scope, ScopeInterceptor, add_port, configured_token_book
+from coordinator.auth import TOKENS_FILE_ENV, Scope, ScopeInterceptor, add_port, process_authenticator
 from coordinator.control import ControlChannel
 from coordinator.evaluation import EvalRunner
 from coordinator.metrics import MetricsReporter
@@ -214,8 +214,9 @@ async def start_admin_server(core: AdminCore, host: str, port: int) -> tuple[grp
     scope ``admin``; without one the API is open (the local demo). TLS when ``agent.tls_cert_file`` is set.
     """
     agent = core.run_config.agent
-    book = configured_token_book(agent)
-    interceptors = [ScopeInterceptor(Authenticator(book), Scope.ADMIN)] if book is not None else []
+    authenticator = process_authenticator(agent)  # the agent API's too: one rate limit per token and process
+    book = authenticator.book if authenticator is not None else None
+    interceptors = [ScopeInterceptor(authenticator, Scope.ADMIN)] if authenticator is not None else []
     server = grpc.aio.server(interceptors=interceptors)
     pb_grpc.add_CoordinatorAdminServicer_to_server(AdminServicer(core), server)
     try:

@@ -13,7 +13,7 @@ import grpc
 from coordinator.agent_errors import AgentRefused
 from coordinator.agent_groups import SessionState
 from coordinator.agent_sessions import SessionBook
-from coordinator.auth import Authenticator, Refused, Scope, configured_token_book
+from coordinator.auth import Authenticator, Refused, Scope, process_authenticator
 from protos import agent_pb2 as pb
 from protos import agent_pb2_grpc as pb_grpc
 from protos import rollout_pb2 as rpb
@@ -42,11 +42,6 @@ class AgentServicer(pb_grpc.AgentServiceServicer):
 
     async def OpenSession(self, request, context):
         grant = await self.auth.check(context, Scope.GENERATE)
-        if request.task_id:
-            await context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                "task_id: dataset prompts by id are not served by this coordinator; send prompt_token_ids",
-            )
         temperature = request.sampling.temperature if request.sampling.HasField("temperature") else None
         try:
             session = await self.book.open(
@@ -57,6 +52,7 @@ class AgentServicer(pb_grpc.AgentServiceServicer):
                 temperature,
                 dict(request.metadata),
                 request.open_id,
+                request.task_id,
             )
         except AgentRefused as error:
             await refuse(context, error)
@@ -87,7 +83,7 @@ class AgentServicer(pb_grpc.AgentServiceServicer):
     async def Append(self, request, context):
         grant = await self.auth.check(context, Scope.GENERATE)
         try:
-            index, length = self.book.append(
+            index, length = await self.book.append(
                 grant.name, request.session_id, list(request.token_ids), request.expected_length
             )
         except AgentRefused as error:
@@ -139,15 +135,7 @@ class AgentServicer(pb_grpc.AgentServiceServicer):
             policy_version=session.policy_version,
             server_id=session.server.server_id if session.server else "",
             prompt_token_ids=session.prompt,
-            turns=[
-                pb.Turn(
-                    generated=t.generated,
-                    token_ids=t.token_ids,
-                    logprobs=t.logprobs if t.generated else [],
-                    finish_reason=int(t.finish_reason),
-                )
-                for t in session.turns
-            ],
+            turns=[_turn_message(turn) for turn in session.turns],
             session_length=session.length,
         )
 
@@ -158,6 +146,22 @@ _STATES = {
     SessionState.SUBMITTED: pb.SESSION_STATE_SUBMITTED,
     SessionState.ABANDONED: pb.SESSION_STATE_ABANDONED,
 }
+
+
+def _turn_message(turn) -> pb.Turn:
+    """A recorded turn as GetSession sends it: generated turns with their logprobs and version spans; the routed
+    experts on the session's last generated turn only (the rows the trainer replays; earlier ones are superseded)."""
+    message = pb.Turn(generated=turn.generated, token_ids=turn.token_ids, finish_reason=int(turn.finish_reason))
+    if turn.generated:
+        message.logprobs.extend(turn.logprobs)
+        message.version_spans.extend(rpb.VersionSpan(version=v, start=s, end=e) for v, s, e in turn.version_spans)
+    if turn.routes is not None:
+        message.routed_experts.CopyFrom(_tensor(turn.routes))
+    return message
+
+
+def _tensor(array) -> rpb.Tensor:
+    return rpb.Tensor(data=array.tobytes(), dtype=array.dtype.name, shape=list(array.shape))
 
 
 def _chunk_message(chunk) -> pb.GenerateChunk:
@@ -173,21 +177,19 @@ def _chunk_message(chunk) -> pb.GenerateChunk:
         message.finish_reason = int(turn.finish_reason)
         message.version_spans.extend(rpb.VersionSpan(version=v, start=s, end=e) for v, s, e in turn.version_spans)
         if turn.routes is not None:
-            routes = turn.routes
-            message.routed_experts.CopyFrom(
-                rpb.Tensor(data=routes.tobytes(), dtype=routes.dtype.name, shape=list(routes.shape))
-            )
+            message.routed_experts.CopyFrom(_tensor(turn.routes))
     return message
 
 
 def agent_authenticator(agent) -> Authenticator:
-    """The agent API's token check; it never runs open: without a tokens file it refuses to start."""
-    book = configured_token_book(agent)
-    if book is None:
+    """The agent API's token check (the process's one, shared with the admin API and the OpenAI door: one rate
+    limit per token); it never runs open: without a tokens file it refuses to start."""
+    authenticator = process_authenticator(agent)
+    if authenticator is None:
         raise ValueError(
             "agent.enabled needs bearer tokens: set agent.tokens_file or FLEETRL_TOKENS_FILE (docs/auth.md)"
         )
-    return Authenticator(book)
+    return authenticator
 
 
 async def start_agent_server(book: SessionBook, auth: Authenticator, config) -> tuple[grpc.aio.Server, int]:

@@ -1,40 +1,41 @@
-"""An agent group's records (turns, sessions' states) and the trajectory group built from them.
+"""The agent API's records in memory (turns, sessions, groups) and the trajectory group built from a complete group.
 
 The trajectory of a session is its prompt and its turns up to the last generated one (appended tokens after it
 are context for nothing and are dropped). Generated tokens are trained (loss mask 1, the engine's logprobs and
 versions), appended ones are not (mask 0, logprob 0, no version). Routed experts are those of the last generated
 turn: the engine returns them for every token before the turn's last, which is the whole trajectory but its last
-token, exactly the rows R3 replays.
+token, exactly the rows R3 replays (so a session keeps only its last generated turn's).
 """
 
 from __future__ import annotations
 
+import asyncio
 import enum
 import time
-import uuid
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from coordinator.agent_errors import InvalidArgument
+from protos.agent_records import AgentGroupState
+from protos.agent_records import AgentSessionState as SessionState
 from protos.records import Array, FinishReason, Sample, TrajectoryGroup, VersionSpan
+
+if TYPE_CHECKING:
+    from coordinator.rollout_client import RolloutClient
+    from coordinator.tasks import TaskPrompt
+
+__all__ = ["AgentGroup", "GroupState", "Session", "SessionState", "Turn", "build_trajectory_group"]
 
 
 class GroupState(enum.IntEnum):
-    """Values match ``fleetrl.agent.v1.GroupState``."""
+    """What Submit answers; the values are ``fleetrl.agent.v1.GroupState``'s."""
 
     WAITING = 1  # more sessions or rewards to come
     QUEUED = 2  # on the trajectory stream
     ACCEPTED = 3  # complete, handed to the scheduler; queued once the groups admitted before it are
-
-
-class SessionState(enum.IntEnum):
-    """Values match ``fleetrl.agent.v1.SessionState``."""
-
-    OPEN = 1
-    CLOSED = 2  # finished by the agent, not submitted yet
-    SUBMITTED = 3
-    ABANDONED = 4
+    SKIPPED = 4  # complete with equal rewards: dropped by dynamic sampling (no GRPO signal), its slot re-used
 
 
 @dataclass
@@ -44,14 +45,43 @@ class Turn:
     logprobs: list[float]
     finish_reason: FinishReason = FinishReason.UNSPECIFIED
     version_spans: list[tuple[int, int, int]] = field(default_factory=list)  # over this turn's tokens
-    routes: np.ndarray | None = None  # [tokens before this turn's last, layers, top_k]
+    routes: np.ndarray | None = None  # [tokens before this turn's last, layers, top_k]; last generated turn only
     server_id: str = ""
+
+
+@dataclass
+class Session:
+    session_id: str
+    owner: str  # the token's grant name: only it may use the session
+    group: AgentGroup
+    prompt: list[int]
+    server: RolloutClient | None  # None after its server failed: the next turn picks another
+    policy_version: int
+    metadata: dict[str, str]
+    turns: list[Turn] = field(default_factory=list)
+    state: SessionState = SessionState.OPEN
+    last_active: float = field(default_factory=time.monotonic)
+    reward: float | None = None
+    submission_id: str = ""
+    busy: bool = False  # a turn or an append is being recorded
+    open_id: str = ""  # the client's idempotency key of OpenSession
+
+    @property
+    def length(self) -> int:
+        return len(self.prompt) + sum(len(t.token_ids) for t in self.turns)
+
+    def tokens(self) -> list[int]:
+        return self.prompt + [token for turn in self.turns for token in turn.token_ids]
+
+    def last_generated(self) -> Turn | None:
+        return next((turn for turn in reversed(self.turns) if turn.generated), None)
 
 
 @dataclass
 class AgentGroup:
     """The sessions of one (owner, group key): one GRPO group, one scheduler slot."""
 
+    uid: str
     owner: str
     key: str
     size: int
@@ -59,22 +89,47 @@ class AgentGroup:
     temperature: float
     slot: int
     admitted_at: int  # trainer version at admission
+    task_id: str = ""  # the dataset prompt it answers ('' = its agents brought the prompt)
+    task_prompt: TaskPrompt | None = None
     created: float = field(default_factory=time.monotonic)
+    created_wall: float = field(default_factory=time.time)
     sessions: dict = field(default_factory=dict)  # session id -> Session (abandoned ones leave)
     opening: int = 0  # sessions being opened (their server is being picked)
     complete: bool = False  # every session submitted with a reward: handed to the scheduler
-    dropped: bool = False
-    group_id: str = ""
+    dropped: bool = False  # abandoned, timed out, or skipped by dynamic sampling: its slot was released
+    skipped: bool = False  # dropped by dynamic sampling
+    pushed: bool = False  # on the trajectory stream
+    remembered: int = 0  # its sessions the book still holds (a done group's are kept to answer replays)
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock, repr=False)  # its state changes and their records
 
     @property
     def done(self) -> bool:
         return self.complete or self.dropped
 
+    @property
+    def group_id(self) -> str:
+        """Its trajectory group's id: owner and key (two teams' keys never collide) and a part of its uid, never
+        the slot, which a restart or the scheduler may change."""
+        key = "".join(c if c.isalnum() or c in "-_." else "_" for c in f"{self.owner}.{self.key}")
+        return f"agent-{key}-{self.uid[:12]}"
+
+    @property
+    def state(self) -> AgentGroupState:
+        if self.skipped:
+            return AgentGroupState.SKIPPED
+        if self.dropped:
+            return AgentGroupState.DROPPED
+        if self.complete:
+            return AgentGroupState.PUSHED if self.pushed else AgentGroupState.COMPLETE
+        return AgentGroupState.OPEN
+
     def submitted(self) -> list:
         return [s for s in self.sessions.values() if s.state == SessionState.SUBMITTED]
 
-    def check_joins(self, prompt: list[int], size: int, temperature: float | None) -> None:
-        """A new session of this group must repeat its prompt, size and temperature, and find room."""
+    def check_joins(self, prompt: list[int], size: int, temperature: float | None, task_id: str) -> None:
+        """A new session of this group must repeat its task, prompt, size and temperature, and find room."""
+        if task_id != self.task_id:
+            raise InvalidArgument(f"task_id: group {self.key!r} answers task {self.task_id!r}, not {task_id!r}")
         if prompt != self.prompt:
             raise InvalidArgument(f"prompt_token_ids: group {self.key!r} has another prompt (one task per group)")
         if size != self.size:
@@ -87,7 +142,35 @@ class AgentGroup:
             raise InvalidArgument(f"group_key: group {self.key!r} has its {self.size} sessions already")
 
 
-def session_sample(session, reward: float) -> Sample:
+class UniformGroups:
+    """Dynamic sampling for agent groups, by the coordinator's own settings (``coordinator.dynamic_sampling``, read
+    live): a complete group whose rewards are all equal carries no GRPO signal and is skipped (its slot released as
+    for a dropped group) unless it is the ``dynamic_sampling_max_tries``-th in a row, which is kept (counted), so a
+    run whose agents all score alike still trains."""
+
+    def __init__(self, config, stats):
+        self.config = config  # CoordinatorConfig (live: the admin API changes it in place)
+        self.stats = stats  # SchedulerStats: groups_skipped, groups_kept_uniform
+        self.in_a_row = 0  # uniform agent groups skipped since the last one kept
+
+    def skips(self, rewards: list[float]) -> bool:
+        """Whether a group of these rewards is skipped; changes nothing (``count`` does, once it is recorded)."""
+        uniform = max(rewards) - min(rewards) <= 1e-12
+        return self.config.dynamic_sampling and uniform and self.in_a_row + 1 < self.config.dynamic_sampling_max_tries
+
+    def count(self, rewards: list[float], skipped: bool) -> None:
+        uniform = max(rewards) - min(rewards) <= 1e-12
+        if skipped:
+            self.in_a_row += 1
+            self.stats.groups_skipped += 1
+        elif self.config.dynamic_sampling and uniform:
+            self.in_a_row = 0
+            self.stats.groups_kept_uniform += 1
+        else:
+            self.in_a_row = 0
+
+
+def session_sample(session: Session, reward: float) -> Sample:
     """The trajectory of one submitted session (see the module docstring)."""
     last = max(i for i, turn in enumerate(session.turns) if turn.generated)
     turns = session.turns[: last + 1]
@@ -113,13 +196,12 @@ def session_sample(session, reward: float) -> Sample:
     )
 
 
-def build_trajectory_group(group: AgentGroup, sessions: list) -> TrajectoryGroup:
-    """The queue's unit for a complete agent group. Its id keeps the owner and key (two teams' keys never collide)
-    and ends in a random part, not the slot: the scheduler may move the group to an earlier slot."""
-    key = "".join(c if c.isalnum() or c in "-_." else "_" for c in f"{group.owner}.{group.key}")
+def build_trajectory_group(group: AgentGroup, sessions: list[Session]) -> TrajectoryGroup:
+    """The queue's unit for a complete agent group; a task's group names the task's prompt."""
+    prompt_id = group.task_prompt.prompt_id if group.task_prompt else f"agent:{group.owner}:{group.key}"
     return TrajectoryGroup(
-        group_id=f"agent-{key}-{uuid.uuid4().hex[:12]}",
-        prompt_id=f"agent:{group.owner}:{group.key}",
+        group_id=group.group_id,
+        prompt_id=prompt_id,
         prompt_token_ids=Array.from_numpy(np.asarray(group.prompt, dtype=np.int32)),
         samples=[session_sample(s, s.reward) for s in sessions],
         data_source=f"agent:{group.owner}",

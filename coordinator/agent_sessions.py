@@ -1,6 +1,6 @@
 """SessionBook: external agents' sessions, their recorded tokens, and the GRPO groups they are submitted into.
 
-The plain core of the agent API (``agent_api.py`` is its gRPC adapter). What it guarantees:
+The plain core of the agent API (``agent_api.py`` and ``openai_door.py`` are its adapters). What it guarantees:
 
 - Token truth: every token of a session is recorded here as it is generated (with its logprob and version) or
   appended (tool results, user turns). A trajectory is built from this record only; a submission carries no
@@ -13,18 +13,17 @@ The plain core of the agent API (``agent_api.py`` is its gRPC adapter). What it 
   ``expected_length`` make retried calls return their first answer instead of acting twice.
 - Stickiness: a session generates on one server (its prefix stays in that server's cache); when the server
   fails mid-turn the turn is lost (nothing recorded) and the session moves to another server on the next turn.
-
-Sessions live in this process: a restarted coordinator answers NOT_FOUND for the sessions it had (their groups
-were never queued), and the agent starts them again.
+- Durability: every change is written to Redis (``agent_store.BookRecords``) before the reply that depends on
+  it, so a coordinator killed at any point and restarted serves the same sessions (``agent_store.restore_book``).
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
 
 from coordinator.agent_errors import (
     Exhausted,
@@ -34,75 +33,52 @@ from coordinator.agent_errors import (
     PermissionDenied,
     Unavailable,
 )
-from coordinator.agent_groups import AgentGroup, GroupState, SessionState, Turn, build_trajectory_group
+from coordinator.agent_expiry import ABANDONED_BY_AGENT, DONE_RETENTION_S, Endings
+from coordinator.agent_groups import (
+    AgentGroup,
+    Session,
+    SessionState,
+    Turn,
+    UniformGroups,
+    build_trajectory_group,
+)
+from coordinator.agent_store import BookRecords
+from coordinator.agent_submissions import Submissions, SubmitResult
+from coordinator.agent_tasks import AgentTasks
+from coordinator.agent_turns import TurnChunk, stream_turn
 from coordinator.fleet import NoServerAvailable
-from coordinator.rollout_client import RolloutClient, RolloutFailed
 from protos.config import AgentConfig
-from protos.records import FinishReason
 
 logger = logging.getLogger(__name__)
 
 MAX_METADATA = 32
-ABANDONED_BY_AGENT = "abandoned by its agent"
-DEFAULT_STREAM_INTERVAL = 16  # tokens per chunk when the agent asks 0 (agent.proto GenerateRequest.stream_interval)
+
+__all__ = ["SessionBook", "SubmitResult", "TurnChunk"]
 
 
-@dataclass
-class Session:
-    session_id: str
-    owner: str  # the token's grant name: only it may use the session
-    group: AgentGroup
-    prompt: list[int]
-    server: RolloutClient | None  # None after its server failed: the next turn picks another
-    policy_version: int
-    metadata: dict[str, str]
-    turns: list[Turn] = field(default_factory=list)
-    state: SessionState = SessionState.OPEN
-    last_active: float = field(default_factory=time.monotonic)
-    reward: float | None = None
-    submission_id: str = ""
-    busy: bool = False  # a turn is being generated
-    open_id: str = ""  # the client's idempotency key of OpenSession
+class SessionBook(Submissions, Endings):
+    """Sessions by id, open groups by (owner, group key); the scheduler admits and pushes their groups.
 
-    @property
-    def length(self) -> int:
-        return len(self.prompt) + sum(len(t.token_ids) for t in self.turns)
+    Opening and turns are here; submissions in ``agent_submissions.Submissions``, how sessions and groups end in
+    ``agent_expiry.Endings``.
+    """
 
-    def tokens(self) -> list[int]:
-        return self.prompt + [token for turn in self.turns for token in turn.token_ids]
-
-
-@dataclass
-class SubmitResult:
-    state: GroupState
-    sessions_submitted: int
-    group_size: int
-    group_id: str
-
-
-@dataclass
-class TurnChunk:
-    token_ids: list[int]
-    logprobs: list[float]
-    turn_index: int
-    session_length: int
-    finished: bool = False
-    turn: Turn | None = None  # the recorded turn, on the finished chunk
-
-
-class SessionBook:
-    """Sessions by id, open groups by (owner, group key); the scheduler admits and pushes their groups."""
-
-    def __init__(self, config: AgentConfig, scheduler, fleet, temperature, max_model_len: int, vocab_size: int):
+    def __init__(self, config: AgentConfig, scheduler, fleet, temperature, max_model_len: int, vocab_size: int, store):
         self.config = config
         self.scheduler = scheduler  # coordinator.scheduler.Scheduler
         self.fleet = fleet  # coordinator.fleet.Fleet
         self.temperature = temperature  # () -> the run's sampling temperature (it can change live)
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
+        self.records = BookRecords(store, config, DONE_RETENTION_S)
+        self.tasks = AgentTasks(scheduler.task, scheduler.stats)
+        self.uniform = UniformGroups(scheduler.config, scheduler.stats)
         self.sessions: dict[str, Session] = {}
-        self.groups: dict[tuple[str, str], AgentGroup] = {}
+        self.groups: dict[tuple[str, str], AgentGroup] = {}  # open groups
         self.opened: dict[tuple[str, str], str] = {}  # (owner, open_id) -> session id
+        self._opening: dict[tuple[str, str], asyncio.Future] = {}  # (owner, open_id) of opens in progress
+        self.completing: dict[str, AgentGroup] = {}  # group id -> complete group not known to be on the stream
+        scheduler.on_external_pushed = self.record_pushed
 
     # opening --------------------------------------------------------------------------------------
     async def open(
@@ -114,38 +90,45 @@ class SessionBook:
         temperature: float | None,
         metadata: dict[str, str],
         open_id: str = "",
+        task_id: str = "",
     ) -> Session:
         if open_id and (owner, open_id) in self.opened:
             return self.sessions[self.opened[(owner, open_id)]]
+        if open_id and (owner, open_id) in self._opening:  # a retry racing its first attempt: its answer
+            return await asyncio.shield(self._opening[(owner, open_id)])
+        if task_id and prompt:
+            raise InvalidArgument("prompt_token_ids: give prompt_token_ids or task_id, not both")
+        group_key, task_prompt = group_key or task_id, None
+        group = self.groups.get((owner, group_key))
+        if task_id and group is not None and group.task_id == task_id:
+            prompt = group.prompt  # looked up when the group opened
+        elif task_id:
+            task_prompt = self.tasks.prompt(task_id)
+            prompt = task_prompt.prompt_token_ids
         group_size = group_size or self.scheduler.config.group_size
         self._check_open(prompt, group_key, group_size, temperature, metadata)
-        group = self.groups.get((owner, group_key))
         if group is not None:
-            group.check_joins(prompt, group_size, temperature)
+            group.check_joins(prompt, group_size, temperature, task_id)
         else:
-            group = self._admit_group(owner, group_key, group_size, prompt, temperature)
-        floor = self.scheduler.version_floor(group.slot)
-        group.opening += 1  # a concurrent open of the same group counts this one while the server is picked
-        try:
-            server = await self.fleet.pick(lambda c: c.policy_version >= floor, set(), 5.0, f"at v >= {floor}")
-        except NoServerAvailable as error:  # nothing was recorded for this session yet
-            if not group.sessions and group.opening == 1:
-                await self._drop_group(group, "no server")
-            raise Unavailable(f"no rollout server at policy version >= {floor}: {error}") from error
-        finally:
-            group.opening -= 1
-        session = Session(
-            uuid.uuid4().hex, owner, group, list(prompt), server, server.policy_version, dict(metadata), open_id=open_id
-        )
-        group.sessions[session.session_id] = session
-        self.sessions[session.session_id] = session
+            group = self._admit_group(owner, group_key, group_size, prompt, temperature, task_id, task_prompt)
+        answer = asyncio.get_running_loop().create_future()
         if open_id:
-            self.opened[(owner, open_id)] = session.session_id
-        return session
+            self._opening[(owner, open_id)] = answer
+        try:
+            session = await self._open_in(group, owner, metadata, open_id)
+            answer.set_result(session)
+            return session
+        except Exception as error:
+            answer.set_exception(error)
+            answer.exception()  # retrieved: a future nobody awaited must not warn
+            raise
+        finally:
+            answer.cancel()  # no-op once answered; a cancelled open cancels its racing retry too
+            self._opening.pop((owner, open_id), None)
 
     def _check_open(self, prompt, group_key, group_size, temperature, metadata) -> None:
         if not prompt:
-            raise InvalidArgument("prompt_token_ids: empty (a session starts from at least one token)")
+            raise InvalidArgument("prompt_token_ids: empty (a session starts from at least one token, or a task_id)")
         self._check_tokens("prompt_token_ids", prompt)
         if len(prompt) >= self.max_model_len:
             raise InvalidArgument(f"prompt_token_ids: {len(prompt)} tokens, max_model_len is {self.max_model_len}")
@@ -166,7 +149,7 @@ class SessionBook:
         if bad is not None:
             raise InvalidArgument(f"{name}: token id {bad} is outside the vocabulary [0, {self.vocab_size})")
 
-    def _admit_group(self, owner, group_key, group_size, prompt, temperature) -> AgentGroup:
+    def _admit_group(self, owner, group_key, group_size, prompt, temperature, task_id, task_prompt) -> AgentGroup:
         slot = self.scheduler.admit_external()
         if slot is None:
             raise Exhausted(
@@ -175,15 +158,65 @@ class SessionBook:
                 self.config.admission_retry_ms,
             )
         chosen = self.temperature() if temperature is None else temperature
-        group = AgentGroup(owner, group_key, group_size, list(prompt), chosen, slot, self.scheduler.trainer_version)
+        group = AgentGroup(uuid.uuid4().hex, owner, group_key, group_size, list(prompt), chosen, slot, 0)
+        group.admitted_at, group.task_id, group.task_prompt = self.scheduler.trainer_version, task_id, task_prompt
         self.groups[(owner, group_key)] = group
         return group
+
+    async def _open_in(self, group: AgentGroup, owner: str, metadata: dict, open_id: str) -> Session:
+        """Pick the session's server, record the session (and its group), then answer."""
+        floor = self.scheduler.version_floor(group.slot)
+        group.opening += 1  # a concurrent open of the same group counts this one while the server is picked
+        try:
+            server = await self.fleet.pick(lambda c: c.policy_version >= floor, set(), 5.0, f"at v >= {floor}")
+        except NoServerAvailable as error:  # nothing was recorded for this session yet
+            server, failure = None, error
+        finally:
+            group.opening -= 1
+        if server is None:
+            await self._drop_if_empty(group, "no server")
+            raise Unavailable(f"no rollout server at policy version >= {floor}: {failure}") from failure
+        session_id = uuid.uuid4().hex
+        session = Session(session_id, owner, group, list(group.prompt), server, server.policy_version, dict(metadata))
+        session.open_id = open_id
+        async with group.lock:
+            if group.done:
+                raise Unavailable(f"group {group.key!r} was dropped while this session opened: open it again")
+            try:
+                await self.records.write(group, group=self.records.group(group), session=self.records.session(session))
+            except Unavailable:
+                await self._drop_if_empty(group, "its first session could not be recorded", locked=True)
+                raise
+            group.sessions[session_id] = session
+            self.adopt(session)
+        return session
+
+    def adopt(self, session: Session) -> None:
+        """Take a session into the book (a new one, or one restored from its record)."""
+        self.sessions[session.session_id] = session
+        if session.state != SessionState.ABANDONED:
+            session.group.sessions[session.session_id] = session
+        if session.open_id:
+            self.opened[(session.owner, session.open_id)] = session.session_id
+        session.group.remembered += 1
+
+    async def resume_group(self, group: AgentGroup) -> None:
+        """A restored group with its new slot: open again, or handed to the scheduler when it was complete."""
+        submitted = group.submitted()
+        if not group.complete:
+            self.groups[(group.owner, group.key)] = group
+        elif len(submitted) == group.size and all(s.reward is not None for s in submitted):
+            self.completing[group.group_id] = group
+            await self.scheduler.complete_external(group.slot, build_trajectory_group(group, submitted))
+        else:  # not written this way by any coordinator: refuse to train it rather than guess
+            group.complete = False
+            await self.drop_group(group, f"its record is complete but {len(submitted)} sessions were submitted")
 
     # turns ------------------------------------------------------------------------------------------
     def get(self, owner: str, session_id: str) -> Session:
         session = self.sessions.get(session_id)
         if session is None:
-            raise NotFound(f"session_id: no session {session_id!r} (unknown, expired, or the coordinator restarted)")
+            raise NotFound(f"session_id: no session {session_id!r} (unknown, or expired)")
         if session.owner != owner:
             raise PermissionDenied(f"session {session_id} belongs to another token")
         return session
@@ -211,7 +244,7 @@ class SessionBook:
         expected_length: int = 0,
         stream_interval: int = 0,
     ) -> AsyncIterator[TurnChunk]:
-        """One model turn after everything the session holds; recorded only when it finished."""
+        """One model turn after everything the session holds; recorded (in Redis too) before its last chunk."""
         session = self._open_session(owner, session_id, expected_length)
         if max_tokens <= 0:
             raise InvalidArgument(f"max_tokens: {max_tokens}, must be > 0")
@@ -221,64 +254,14 @@ class SessionBook:
             raise InvalidArgument(f"session_id: the session holds {session.length} tokens = max_model_len")
         session.busy = True
         try:
-            interval = stream_interval or DEFAULT_STREAM_INTERVAL
-            async for chunk in self._stream_turn(session, min(max_tokens, room), stop_token_ids, interval):
+            async for chunk in stream_turn(self, session, min(max_tokens, room), stop_token_ids, stream_interval):
                 yield chunk
         finally:
             session.busy = False
             session.last_active = time.monotonic()
 
-    async def _stream_turn(self, session: Session, max_tokens: int, stop_token_ids: list[int], stream_interval: int):
-        await self._ensure_server(session)
-        index, start = len(session.turns), session.length
-        turn = Turn(True, [], [], server_id=session.server.server_id or session.server.address)
-        request_id = f"agent-{session.session_id[:12]}-t{index}-{uuid.uuid4().hex[:6]}"
-        final = None
-        try:
-            stream = session.server.stream_one(
-                session.tokens(),
-                max_tokens,
-                session.group.temperature,
-                stop_token_ids,
-                self.scheduler.config.request_timeout_s,
-                request_id,
-                stream_interval,
-            )
-            async for chunk in stream:
-                turn.token_ids += chunk.token_ids
-                turn.logprobs += chunk.logprobs
-                if chunk.finished:
-                    final = chunk
-                    break
-                yield TurnChunk(list(chunk.token_ids), list(chunk.logprobs), index, start + len(turn.token_ids))
-            if final is None:
-                raise RolloutFailed(f"{session.server.address}: the stream ended before the turn finished")
-        except RolloutFailed as error:
-            self.scheduler.stats.agent_turns_lost += 1
-            session.server = None  # the next turn goes to another server, with the whole history
-            raise Unavailable(f"turn {index} lost ({error}); nothing was recorded: generate it again") from error
-        turn.finish_reason = FinishReason(final.finish_reason)
-        turn.version_spans = [(s.version, s.start, s.end) for s in final.version_spans]
-        turn.routes = _routes(final)
-        session.turns.append(turn)
-        self.scheduler.stats.tokens_generated += len(
-            turn.token_ids
-        )  # the coordinator's rollout tok/s counts agents too
-        yield TurnChunk(list(final.token_ids), list(final.logprobs), index, session.length, True, turn)
-
-    async def _ensure_server(self, session: Session) -> None:
-        if session.server is not None and session.server.healthy and session.server in self.fleet.clients:
-            return
-        floor = self.scheduler.version_floor(session.group.slot)
-        try:
-            session.server = await self.fleet.pick(
-                lambda c: c.policy_version >= floor, set(), 10.0, f"at v >= {floor} for session {session.session_id}"
-            )
-        except NoServerAvailable as error:
-            raise Unavailable(f"no rollout server for session {session.session_id}: {error}") from error
-        logger.info("agent session %s moved to %s", session.session_id, session.server.address)
-
-    def append(self, owner: str, session_id: str, token_ids: list[int], expected_length: int = 0) -> tuple[int, int]:
+    async def append(self, owner: str, session_id: str, token_ids: list[int], expected_length: int = 0):
+        """Record tokens the model did not generate; returns (turn index, session length)."""
         session = self.get(owner, session_id)
         repeat = _repeated_append(session, token_ids, expected_length)
         if repeat is not None:
@@ -291,121 +274,29 @@ class SessionBook:
             raise InvalidArgument(
                 f"token_ids: {session.length} + {len(token_ids)} tokens exceed max_model_len {self.max_model_len}"
             )
-        session.turns.append(Turn(False, list(token_ids), [0.0] * len(token_ids)))
+        turn = Turn(False, list(token_ids), [0.0] * len(token_ids))
+        session.busy = True
+        try:
+            await self.records.write_turn(session, len(session.turns), turn)
+        finally:
+            session.busy = False
+        session.turns.append(turn)
         return len(session.turns) - 1, session.length
 
     async def close(self, owner: str, session_id: str, abandon: bool) -> None:
         session = self.get(owner, session_id)
-        if session.state == SessionState.SUBMITTED:
-            if abandon:
-                raise FailedPrecondition(f"session {session_id} is submitted; it cannot be abandoned")
-            return
-        if abandon:
-            await self._abandon(session, ABANDONED_BY_AGENT)
-        elif session.state == SessionState.OPEN:
-            session.state = SessionState.CLOSED
-
-    # submission --------------------------------------------------------------------------------------
-    async def submit(
-        self, owner: str, session_id: str, submission_id: str, reward: float | None, expected: list[int]
-    ) -> SubmitResult:
-        session = self.get(owner, session_id)
-        if not submission_id:
-            raise InvalidArgument("submission_id: empty (a client-chosen id makes a retried submit safe)")
-        if session.state == SessionState.SUBMITTED:
-            if submission_id == session.submission_id:
-                return self._result(session.group)  # a retried submit: the group as it stands now
-            raise FailedPrecondition(f"session {session_id} was submitted as {session.submission_id!r}")
-        if session.state not in (SessionState.OPEN, SessionState.CLOSED) or session.busy:
-            raise FailedPrecondition(f"session {session_id} is {session.state.name.lower()}")
-        if not any(t.generated for t in session.turns):
-            raise FailedPrecondition(f"session {session_id} has no generated turn to train on")
-        if expected and expected != session.tokens():
-            raise InvalidArgument(
-                "expected_token_ids: they differ from the session's recorded tokens (only tokens the engine "
-                "generated or the agent appended through this API can be submitted)"
-            )
-        if reward is not None and reward != reward:
-            raise InvalidArgument("reward: NaN")
-        session.state, session.submission_id, session.reward = SessionState.SUBMITTED, submission_id, reward
-        return await self._hand_over_if_complete(session.group)
-
-    async def set_reward(self, owner: str, session_id: str, reward: float) -> GroupState:
-        session = self.get(owner, session_id)
-        if session.state != SessionState.SUBMITTED:
-            raise FailedPrecondition(f"session {session_id} is not submitted (submit it first)")
-        if session.group.complete:
-            raise FailedPrecondition(f"the group of session {session_id} is complete; its rewards are final")
-        if reward != reward:
-            raise InvalidArgument("reward: NaN")
-        session.reward = reward
-        return (await self._hand_over_if_complete(session.group)).state
-
-    async def _hand_over_if_complete(self, group: AgentGroup) -> SubmitResult:
-        submitted = group.submitted()
-        if len(submitted) == group.size and all(s.reward is not None for s in submitted) and not group.complete:
-            group.complete = True
-            self.groups.pop((group.owner, group.key), None)
-            trajectory = build_trajectory_group(group, submitted)
-            group.group_id = trajectory.group_id
-            await self.scheduler.complete_external(group.slot, trajectory)
-        return self._result(group)
-
-    def _result(self, group: AgentGroup) -> SubmitResult:
-        if not group.complete:
-            state = GroupState.WAITING
-        else:
-            state = GroupState.QUEUED if self.scheduler.pushed(group.group_id) else GroupState.ACCEPTED
-        return SubmitResult(state, len(group.submitted()), group.size, group.group_id)
-
-    # expiry ----------------------------------------------------------------------------------------
-    async def expire(self, now: float | None = None) -> None:
-        """Abandon idle sessions; drop groups that can no longer complete (called about once a second)."""
-        now = time.monotonic() if now is None else now
-        for session in list(self.sessions.values()):
-            idle = now - session.last_active
-            if session.state in (SessionState.OPEN, SessionState.CLOSED) and not session.busy:
-                if idle > self.config.session_timeout_s:
-                    await self._abandon(session, f"idle {idle:.0f}s")
-            elif session.state in (SessionState.ABANDONED, SessionState.SUBMITTED) and session.group.done:
-                self._forget(session)
-        for group in list(self.groups.values()):
-            if now - group.created > self.config.group_timeout_s:
-                await self._drop_group(group, f"not complete after {self.config.group_timeout_s:.0f}s")
-
-    async def _abandon(self, session: Session, why: str) -> None:
-        session.state = SessionState.ABANDONED
-        group = session.group
-        group.sessions.pop(session.session_id, None)
-        logger.info("agent session %s %s", session.session_id, why)
-        if not group.complete and not group.sessions:  # nobody left in it: its slot goes to another group
-            await self._drop_group(group, why if why == ABANDONED_BY_AGENT else f"every session abandoned ({why})")
-
-    async def _drop_group(self, group: AgentGroup, why: str) -> None:
-        if group.done:
-            return
-        group.dropped = True
-        for session in list(group.sessions.values()):
-            session.state = SessionState.ABANDONED
-        self.groups.pop((group.owner, group.key), None)
-        await self.scheduler.release_slot(group.slot)
-        self.scheduler.stats.agent_groups_dropped += 1
-        # an agent abandoning its own group is routine (info); a timeout or a missing server is worth a warning
-        level = logging.INFO if why == ABANDONED_BY_AGENT else logging.WARNING
-        logger.log(level, "agent group %r of %s dropped (%s); slot %d re-used", group.key, group.owner, why, group.slot)
-
-    def _forget(self, session: Session) -> None:
-        self.sessions.pop(session.session_id, None)
-        self.opened.pop((session.owner, session.open_id), None)
-
-
-def _routes(chunk):
-    import numpy as np
-
-    if not chunk.HasField("routed_experts"):
-        return None
-    tensor = chunk.routed_experts
-    return np.frombuffer(tensor.data, dtype=tensor.dtype).reshape(tensor.shape)
+        async with session.group.lock:
+            if session.state == SessionState.SUBMITTED:
+                if abandon:
+                    raise FailedPrecondition(f"session {session_id} is submitted; it cannot be abandoned")
+                return
+            if abandon and session.state != SessionState.ABANDONED:
+                await self.abandon_session(session, ABANDONED_BY_AGENT)
+            elif not abandon and session.state == SessionState.OPEN:
+                await self.records.write(
+                    session.group, session=self.records.session(session, state=SessionState.CLOSED)
+                )
+                session.state = SessionState.CLOSED
 
 
 def _repeated_append(session: Session, token_ids: list[int], expected_length: int) -> tuple[int, int] | None:

@@ -153,6 +153,29 @@ def configured_token_book(agent: AgentConfig) -> TokenBook | None:
     return TokenBook.load(path) if path else None
 
 
+_PROCESS_AUTHENTICATORS: dict[tuple[str, bytes], Authenticator] = {}
+
+
+def process_authenticator(agent: AgentConfig) -> Authenticator | None:
+    """This process's one Authenticator of the configured token file (None when none is configured).
+
+    Every API a process serves (the admin API, the agent API, the OpenAI door) checks tokens through it, so a
+    token's rate limit is spent once per call whichever API it calls. The file is read at each call; the same
+    content (by path and sha256) gets the same Authenticator, a changed file a new one (new buckets).
+    """
+    path = tokens_file(agent)
+    if not path:
+        return None
+    try:
+        content = Path(path).read_bytes()
+    except OSError as error:
+        raise TokenFileError(f"token file {path}: cannot read it: {error}") from error
+    key = (str(Path(path).resolve()), hashlib.sha256(content).digest())
+    if key not in _PROCESS_AUTHENTICATORS:
+        _PROCESS_AUTHENTICATORS[key] = Authenticator(TokenBook.load(path))
+    return _PROCESS_AUTHENTICATORS[key]
+
+
 class RateLimiter:
     """A token bucket per grant: ``burst`` calls at once, refilled at ``rate_per_s``."""
 

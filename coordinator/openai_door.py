@@ -137,7 +137,7 @@ class OpenAIDoor:
         else:
             _check_prefix(session.session_id, record, rendered)
             if len(rendered) > len(record):
-                self.book.append(owner, session.session_id, rendered[len(record) :], len(record))
+                await self.book.append(owner, session.session_id, rendered[len(record) :], len(record))
             index = await self.generate(owner, session, chat, len(rendered))
         return web.json_response(self.answer(session, index, chat))
 
@@ -261,7 +261,7 @@ class OpenAIDoor:
         return web.json_response(
             {
                 "session_id": session_id,
-                "state": result.state.name.lower(),  # waiting | accepted | queued
+                "state": result.state.name.lower(),  # waiting | accepted | queued | skipped
                 "sessions_submitted": result.sessions_submitted,
                 "group_size": result.group_size,
                 "group_id": result.group_id,

@@ -108,6 +108,9 @@ class Scheduler:
         self._released: list[int] = []  # slots of dropped agent groups, re-used first (heap: lowest first)
         self._external_done: set[int] = set()  # slots of complete agent groups buffered in _done
         self._pushed_external: set[str] = set()  # ids of agent groups pushed
+        # async (group id) -> None, awaited after an agent group's push and before the next push: the agent API
+        # records that its group is on the stream (coordinator/agent_sessions.py), so a restart never pushes it twice
+        self.on_external_pushed = None
         self._push_lock = asyncio.Lock()
 
     @property
@@ -168,6 +171,11 @@ class Scheduler:
             self.in_flight.add(slot)
             return slot
         return self._new_slot() if self.can_admit() else None
+
+    def readmit_external(self) -> int:
+        """A slot for an agent group an earlier coordinator of the run admitted and did not push (restored from
+        Redis at start, before any new admission): taken whatever the bound says, as it was admitted under it."""
+        return self._new_slot()
 
     def _new_slot(self) -> int:
         slot = self.stats.slots_admitted
@@ -348,4 +356,6 @@ class Scheduler:
                 self.stats.samples_pushed += len(ready.samples)
                 self.stats.reward_sum += sum(s.reward for s in ready.samples)
                 self.in_flight.discard(ready.admission_index)
+                if ready.group_id in self._pushed_external and self.on_external_pushed is not None:
+                    await self.on_external_pushed(ready.group_id)
         self.update_state()

@@ -14,6 +14,7 @@ loop), with DAPO's overlong penalty when configured.
 
 from __future__ import annotations
 
+import functools
 import logging
 import random
 from concurrent.futures import Executor
@@ -29,6 +30,7 @@ from protos.config import CoordinatorConfig
 logger = logging.getLogger(__name__)
 
 DATASET_SUFFIXES = (".jsonl", ".parquet")
+MAX_ECHO_PROMPT = 100_000  # echo-<n> is found by replaying n draws: ids stay cheap up to here
 
 
 @dataclass(frozen=True)
@@ -53,6 +55,10 @@ class Task(Protocol):
         ...
 
     async def score(self, prompt: TaskPrompt, responses: list[list[int]]) -> list[RewardResult]: ...
+
+    def prompt_by_id(self, prompt_id: str) -> TaskPrompt:
+        """A prompt of the task by its id (an external agent's task_id); ValueError naming the id when unknown."""
+        ...
 
 
 class EchoTask:
@@ -82,12 +88,28 @@ class EchoTask:
         self._count += 1
         return TaskPrompt(f"echo-{self._count}", [BOS_ID, *digits], self.name, digits[-1])
 
+    def prompt_by_id(self, prompt_id: str) -> TaskPrompt:
+        """``echo-<n>``: the n-th prompt ``next_prompt`` draws from this seed (1 <= n <= MAX_ECHO_PROMPT)."""
+        name, _, number = prompt_id.partition("-")
+        if name != "echo" or not number.isdigit() or not 1 <= int(number) <= MAX_ECHO_PROMPT:
+            raise ValueError(f"{prompt_id!r} is no echo prompt id: 'echo-<n>' with 1 <= n <= {MAX_ECHO_PROMPT}")
+        digits = _echo_digits(self.seed, self.num_digits, int(number))
+        return TaskPrompt(prompt_id, [BOS_ID, *digits], self.name, digits[-1])
+
     def reward(self, prompt: TaskPrompt, response_token_ids: list[int]) -> float:
         hits = sum(1 for token in response_token_ids[: self.max_tokens] if token == prompt.payload)
         return hits / self.max_tokens
 
     async def score(self, prompt: TaskPrompt, responses: list[list[int]]) -> list[RewardResult]:
         return [RewardResult(self.reward(prompt, ids)) for ids in responses]
+
+
+@functools.lru_cache(maxsize=4096)
+def _echo_digits(seed: int, num_digits: int, number: int) -> tuple[int, ...]:
+    rng = random.Random(seed)  # the draws of EchoTask.next_prompt, replayed
+    for _ in range(number):
+        digits = tuple(rng.choice(DIGIT_IDS) for _ in range(num_digits))
+    return digits
 
 
 class PromptRenderer:
@@ -155,6 +177,10 @@ class DatasetTask:
         self.max_model_len = max_model_len
         self.prompts_too_long = 0
         self._rendered: dict[int, list[int]] = {}
+        self._problems = problems
+        self._index: dict[str, int] = {}  # problem id -> position in the file (the first row of an id)
+        for index, problem in enumerate(problems):
+            self._index.setdefault(problem.problem_id, index)
 
     def cursor(self) -> dict[str, int]:
         return self.source.state()
@@ -180,6 +206,19 @@ class DatasetTask:
             f"no prompt of {self.name} fits in {limit} tokens (rollout.max_model_len {self.max_model_len} - "
             f"coordinator.sampling.max_tokens {self.config.sampling.max_tokens}); raise the one or lower the other"
         )
+
+    def prompt_by_id(self, prompt_id: str) -> TaskPrompt:
+        """The problem whose id is ``prompt_id`` (the file's ``id`` column, or the loader's row id)."""
+        index = self._index.get(prompt_id)
+        if index is None:
+            raise ValueError(f"no problem {prompt_id!r} in {self.name} ({len(self._problems)} problems)")
+        problem = self._problems[index]
+        if index not in self._rendered:
+            self._rendered[index] = self.renderer.render(problem.messages)
+        ids = self._rendered[index]
+        if len(ids) > self.max_prompt_tokens():
+            raise ValueError(f"problem {prompt_id!r} has {len(ids)} prompt tokens, more than the run serves")
+        return TaskPrompt(prompt_id, ids, problem.data_source, problem)
 
     async def score(self, prompt: TaskPrompt, responses: list[list[int]]) -> list[RewardResult]:
         results = await self.scorer.score(prompt.payload, responses)

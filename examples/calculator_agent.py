@@ -83,6 +83,7 @@ class Totals:
     sessions_submitted: int = 0
     sessions_failed: int = 0
     groups_queued: int = 0
+    groups_skipped: int = 0  # all rewards equal: dropped by the run's dynamic sampling (coordinator.dynamic_sampling)
     rewards: list[float] = field(default_factory=list)
 
 
@@ -113,6 +114,8 @@ async def run_group_member(client, task_id: str, prompt: list[int], args, totals
         totals.rewards.append(reward)
         if result.group_state in (GroupState.QUEUED, GroupState.ACCEPTED):  # complete: this agent is done with it
             totals.groups_queued += 1
+        elif result.group_state is GroupState.SKIPPED:
+            totals.groups_skipped += 1
         return reward
     totals.sessions_failed += 1
     return None
@@ -159,6 +162,7 @@ async def main_async(args) -> dict:
         "sessions_failed": totals.sessions_failed,
         "mean_reward": sum(totals.rewards) / max(1, len(totals.rewards)),
         "groups_queued": totals.groups_queued,
+        "groups_skipped": totals.groups_skipped,
     }
 
 

@@ -14,6 +14,7 @@ class GroupState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     GROUP_STATE_WAITING: _ClassVar[GroupState]
     GROUP_STATE_QUEUED: _ClassVar[GroupState]
     GROUP_STATE_ACCEPTED: _ClassVar[GroupState]
+    GROUP_STATE_SKIPPED: _ClassVar[GroupState]
 
 class SessionState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -26,6 +27,7 @@ GROUP_STATE_UNSPECIFIED: GroupState
 GROUP_STATE_WAITING: GroupState
 GROUP_STATE_QUEUED: GroupState
 GROUP_STATE_ACCEPTED: GroupState
+GROUP_STATE_SKIPPED: GroupState
 SESSION_STATE_UNSPECIFIED: SessionState
 SESSION_STATE_OPEN: SessionState
 SESSION_STATE_CLOSED: SessionState
@@ -186,16 +188,20 @@ class GetSessionRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ...) -> None: ...
 
 class Turn(_message.Message):
-    __slots__ = ("generated", "token_ids", "logprobs", "finish_reason")
+    __slots__ = ("generated", "token_ids", "logprobs", "finish_reason", "version_spans", "routed_experts")
     GENERATED_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    VERSION_SPANS_FIELD_NUMBER: _ClassVar[int]
+    ROUTED_EXPERTS_FIELD_NUMBER: _ClassVar[int]
     generated: bool
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     logprobs: _containers.RepeatedScalarFieldContainer[float]
     finish_reason: _rollout_pb2.FinishReason
-    def __init__(self, generated: _Optional[bool] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., finish_reason: _Optional[_Union[_rollout_pb2.FinishReason, str]] = ...) -> None: ...
+    version_spans: _containers.RepeatedCompositeFieldContainer[_rollout_pb2.VersionSpan]
+    routed_experts: _rollout_pb2.Tensor
+    def __init__(self, generated: _Optional[bool] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., finish_reason: _Optional[_Union[_rollout_pb2.FinishReason, str]] = ..., version_spans: _Optional[_Iterable[_Union[_rollout_pb2.VersionSpan, _Mapping]]] = ..., routed_experts: _Optional[_Union[_rollout_pb2.Tensor, _Mapping]] = ...) -> None: ...
 
 class SessionInfo(_message.Message):
     __slots__ = ("session_id", "state", "group_key", "policy_version", "server_id", "prompt_token_ids", "turns", "session_length")

@@ -103,3 +103,12 @@ class RedisKeys:
     def nccl_members(self) -> str:
         """Hash member id -> encoded NcclMember heartbeat of each NCCL subscriber."""
         return self._key("weights:nccl:members")
+
+    def agent_session(self, session_id: str) -> str:
+        """Hash of an external agent's session: ``h`` its AgentSessionRecord, ``t<i>`` its turns (AgentTurn), ``r<i>``
+        the routed experts (Array) of its last generated turn i. Expires with its group (``agent_group``)."""
+        return self._key(f"agent:session:{session_id}")
+
+    def agent_group(self, group_uid: str) -> str:
+        """Encoded AgentGroupRecord; expires once its group cannot be open or remembered any more."""
+        return self._key(f"agent:group:{group_uid}")

@@ -112,3 +112,43 @@ def test_short_beam_demo_with_a_two_rank_megatron_lora_trainer_keeps_vllm_equal_
     assert set(summary["rollout_server_versions"].values()) == {3}  # vLLM's Beam model took every version
     assert summary["max_staleness_seen"] == 0
     assert summary["max_abs_logprob_diff"] < 5e-3, summary
+
+
+@pytest.mark.timeout(300)
+def test_short_agent_demo_trains_every_group_its_agents_submit_once_and_logs_the_reward(tmp_path):
+    """recipes/demo-agent.yaml, shortened: the run is fed by its two example agents alone (their own processes,
+    the SDK over the agent API); every session they submit is trained, once, and each step logs its reward."""
+    steps, groups_per_step, group_size = 3, 2, 2
+    model = init_tiny(tmp_path / "model")
+    out = tmp_path / "run"
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "coordinator.cli",
+            "demo",
+            "--config",
+            "recipes/demo-agent.yaml",
+            "--steps",
+            str(steps),
+            "--out",
+            str(out),
+            f"model_path={model}",
+            f"groups_per_step={groups_per_step}",
+            f"coordinator.group_size={group_size}",
+            "rollout.num_servers=1",
+            "coordinator.admin_port=0",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=280,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    trained = steps * groups_per_step * group_size
+    assert summary["steps"] == steps and summary["trajectories_trained"] == summary["trajectories_produced"] == trained
+    agents = [json.loads((out / "logs" / f"agent-{i}.log").read_text().strip().splitlines()[-1]) for i in range(2)]
+    assert sum(a["sessions_submitted"] for a in agents) == trained and not any(a["sessions_failed"] for a in agents)
+    assert sum(a["groups_queued"] for a in agents) == steps * groups_per_step
+    assert len(summary["rewards"]) == steps and all(0.0 <= r <= 1.0 for r in summary["rewards"])
+    assert summary["max_staleness_seen"] <= summary["max_staleness_allowed"]

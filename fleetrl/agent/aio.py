@@ -75,7 +75,7 @@ class AsyncAgentClient:
         self,
         prompt_token_ids: Sequence[int] | None = None,
         *,
-        group_key: str,
+        group_key: str = "",
         group_size: int,
         temperature: float | None = None,
         metadata: Mapping[str, str] | None = None,
@@ -96,7 +96,7 @@ class AsyncAgentClient:
         self,
         prompt_token_ids: Sequence[int] | None = None,
         *,
-        group_key: str,
+        group_key: str = "",
         group_size: int,
         temperature: float | None = None,
         metadata: Mapping[str, str] | None = None,
@@ -115,7 +115,7 @@ class AsyncAgentClient:
 
     async def _open(self, request: agent_pb2.OpenSessionRequest) -> AsyncSession:
         opened = await self._unary("OpenSession", request)
-        return AsyncSession(self, opened, request.group_key)
+        return AsyncSession(self, opened, request.group_key or request.task_id)
 
     async def _unary(self, method: str, request, attempts: CallAttempts | None = None):
         """One unary call under the retry policy (every attempt sends the same request)."""

@@ -21,5 +21,11 @@ def channel_credentials(tls_ca_file: str | Path | None) -> grpc.ChannelCredentia
     return grpc.ssl_channel_credentials(root_certificates=Path(tls_ca_file).read_bytes())
 
 
-# Large enough for a finished chunk carrying routed experts of a long session.
-CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 256 * 1024 * 1024)]
+CHANNEL_OPTIONS = [
+    # Large enough for a finished chunk carrying routed experts of a long session.
+    ("grpc.max_receive_message_length", 256 * 1024 * 1024),
+    # A restarted coordinator serves its sessions again (docs/agents.md): reconnect within seconds, not grpc's
+    # default of up to two minutes, so that the retries of RetryPolicy find it.
+    ("grpc.initial_reconnect_backoff_ms", 200),
+    ("grpc.max_reconnect_backoff_ms", 2000),
+]

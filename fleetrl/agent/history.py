@@ -69,13 +69,14 @@ class SessionHistory:
 
 
 def recovered_turn(turn: agent_pb2.Turn, turn_index: int, session_length: int) -> GeneratedTurn:
-    """A generated turn read back from GetSession (no version spans or routed experts there)."""
+    """A generated turn read back from GetSession, with its version spans and routed experts (the record keeps
+    them for the session's last generated turn, which a recovered turn is)."""
     return GeneratedTurn(
         token_ids=list(turn.token_ids),
         logprobs=list(turn.logprobs),
         finish_reason=FinishReason(turn.finish_reason),
-        version_spans=[],
-        routed_experts=None,
+        version_spans=[VersionSpan(s.version, s.start, s.end) for s in turn.version_spans],
+        routed_experts=tensor_to_numpy(turn.routed_experts) if turn.HasField("routed_experts") else None,
         turn_index=turn_index,
         session_length=session_length,
         recovered=True,

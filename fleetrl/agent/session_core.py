@@ -35,6 +35,8 @@ def open_request(
     """The OpenSession request, with a fresh ``open_id`` that every retry of it reuses."""
     if not prompt_token_ids and not task_id:
         raise ValueError("session(): give prompt_token_ids or task_id")
+    if not group_key and not task_id:
+        raise ValueError("session(): give group_key (the sessions of one task share it; a task_id's is the task id)")
     if group_size < 1:
         raise ValueError(f"session(): group_size must be >= 1, got {group_size}")
     sampling = agent_pb2.SessionSampling()

@@ -63,7 +63,7 @@ class AgentClient:
         self,
         prompt_token_ids: Sequence[int] | None = None,
         *,
-        group_key: str,
+        group_key: str = "",
         group_size: int,
         temperature: float | None = None,
         metadata: Mapping[str, str] | None = None,
@@ -84,7 +84,7 @@ class AgentClient:
         self,
         prompt_token_ids: Sequence[int] | None = None,
         *,
-        group_key: str,
+        group_key: str = "",
         group_size: int,
         temperature: float | None = None,
         metadata: Mapping[str, str] | None = None,
@@ -102,7 +102,7 @@ class AgentClient:
         return self._open(request)
 
     def _open(self, request: agent_pb2.OpenSessionRequest) -> Session:
-        return Session(self, self._unary("OpenSession", request), request.group_key)
+        return Session(self, self._unary("OpenSession", request), request.group_key or request.task_id)
 
     def _unary(self, method: str, request, attempts: CallAttempts | None = None):
         rpc = getattr(self._stub, method)

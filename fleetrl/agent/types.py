@@ -23,14 +23,15 @@ class GroupState(enum.IntEnum):
     WAITING = agent_pb2.GROUP_STATE_WAITING  # more sessions or rewards to come
     QUEUED = agent_pb2.GROUP_STATE_QUEUED  # the group is on the trajectory queue
     ACCEPTED = agent_pb2.GROUP_STATE_ACCEPTED  # complete; queued once the groups admitted before it are
+    SKIPPED = agent_pb2.GROUP_STATE_SKIPPED  # complete, all rewards equal: dropped by the run's dynamic sampling
 
 
 @dataclass(frozen=True)
 class GeneratedTurn:
     """One model turn as the server recorded it.
 
-    ``recovered`` is True when the reply was lost and the turn was read back with GetSession: the session
-    record holds no version spans or routed experts, so those are then empty / None.
+    ``recovered`` is True when the reply was lost and the turn was read back with GetSession (the record holds
+    the same tokens, logprobs, finish reason, version spans and routed experts).
     """
 
     token_ids: list[int]

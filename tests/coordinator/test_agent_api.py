@@ -52,8 +52,8 @@ class AgentHarness(BookHarness):
     async def __aenter__(self) -> AgentHarness:
         await super().__aenter__()
         auth = agent_authenticator(self.config.agent)
-        self.server, port = await start_agent_server(self.book, auth, self.config.agent)
-        self.channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+        self.server, self.server_port = await start_agent_server(self.book, auth, self.config.agent)
+        self.channel = grpc.aio.insecure_channel(f"127.0.0.1:{self.server_port}")
         self.stub = pb_grpc.AgentServiceStub(self.channel)
         return self
 
@@ -234,5 +234,56 @@ def test_an_abandoned_group_frees_its_slot_for_the_next_group_and_nothing_reache
             await open_session(h.stub, key="next")  # admitted into the released slot
             assert h.scheduler.stats.slots_admitted == 1 and h.scheduler.stats.agent_groups_dropped == 1
             assert h.queued() == []
+
+    asyncio.run(scenario())
+
+
+def test_get_session_gives_each_generated_turn_its_version_spans_and_the_last_one_its_routes(
+    rollout_server, redis_url, tokens_file
+):
+    from coordinator.agent_api import _turn_message
+    from coordinator.agent_groups import Turn
+    from protos.records import FinishReason
+
+    async def scenario():
+        async with harness(rollout_server, redis_url, tokens_file) as h:
+            session = await open_session(h.stub)
+            first = await turn(h.stub, session.session_id)
+            request = pb.AppendRequest(session_id=session.session_id, token_ids=[DIGIT_IDS[1]])
+            await h.stub.Append(request, metadata=A)
+            second = await turn(h.stub, session.session_id)
+            info = await h.stub.GetSession(pb.GetSessionRequest(session_id=session.session_id), metadata=A)
+            spans = [list(t.version_spans) for t in info.turns]
+            assert spans == [list(first[-1].version_spans), [], list(second[-1].version_spans)] and spans[0]
+
+    asyncio.run(scenario())
+    routes = np.arange(24, dtype=np.int32).reshape(6, 2, 2)  # vLLM on CPU returns none: the message from a record
+    message = _turn_message(Turn(True, [5, 6], [-0.5, -0.25], FinishReason.STOP, [(3, 0, 2)], routes, "r0"))
+    assert [(s.version, s.start, s.end) for s in message.version_spans] == [(3, 0, 2)]
+    assert list(message.routed_experts.shape) == [6, 2, 2] and message.routed_experts.data == routes.tobytes()
+    assert not _turn_message(Turn(False, [7], [0.0])).HasField("routed_experts")
+
+
+def test_the_sdk_opens_a_task_session_by_id_and_the_run_scores_it(rollout_server, redis_url, tokens_file):
+    from coordinator.tasks import EchoTask
+    from fleetrl.agent import AsyncAgentClient, GroupState
+    from fleetrl.agent import InvalidArgument as SdkInvalidArgument
+
+    async def scenario():
+        async with harness(rollout_server, redis_url, tokens_file) as h:
+            address = f"127.0.0.1:{h.server_port}"
+            async with AsyncAgentClient(address, TOKENS["team-a"][0]) as client:
+                sessions = [await client.open_session(task_id="echo-9", group_size=2) for _ in range(2)]
+                task_prompt = EchoTask().prompt_by_id("echo-9")
+                assert all(s.prompt_token_ids == task_prompt.prompt_token_ids for s in sessions)
+                assert sessions[0].group_key == "echo-9"
+                turns = [await s.generate(8) for s in sessions]
+                await sessions[0].submit()  # no reward: the run's echo reward of its last turn
+                assert (await sessions[1].submit(reward=0.5)).group_state is GroupState.QUEUED
+                with pytest.raises(SdkInvalidArgument) as refused:
+                    await client.open_session(task_id="echo-x", group_size=2)
+                assert refused.value.field == "task_id"
+            [group] = h.queued()
+            assert [s.reward for s in group.samples] == [EchoTask().reward(task_prompt, turns[0].token_ids), 0.5]
 
     asyncio.run(scenario())

@@ -11,7 +11,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import grpc
@@ -23,13 +22,13 @@ from coordinator.redis_server import free_port
 from fleetrl.agent import AgentClient, InvalidArgument, Unauthenticated
 from protos import agent_pb2 as pb
 from protos import agent_pb2_grpc as pb_grpc
-from protos.records import decode_group, decode_metrics
+from protos.records import decode_metrics
 from protos.redis_keys import RedisKeys
+from tests.coordinator.agent_processes import REPO_ROOT, agents_only_config, queued, start_coordinator, wait_for
 from tests.rollout_service.server_process import stop_process
 
 pytestmark = pytest.mark.e2e
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
 RUN_ID = "agents-e2e"
 KEYS = RedisKeys(RUN_ID)
 TOKEN = "e2e-agent-token"
@@ -46,14 +45,6 @@ with AgentClient(sys.argv[1], sys.argv[2], tls_ca_file=sys.argv[3]) as client:
 """
 
 
-def _wait_for(condition, timeout_s: float, what: str, poll_s: float = 0.2):
-    deadline = time.monotonic() + timeout_s
-    while not (value := condition()):
-        assert time.monotonic() < deadline, f"timed out after {timeout_s}s waiting for {what}"
-        time.sleep(poll_s)
-    return value
-
-
 @pytest.fixture
 def coordinator(rollout_server, redis_url, tls_pair, tmp_path):
     """The coordinator process serving the agent API only (TLS, one token), groups of 2, one group per step."""
@@ -62,43 +53,14 @@ def coordinator(rollout_server, redis_url, tls_pair, tmp_path):
     grant = {"name": "e2e", "token": TOKEN, "scopes": ["generate", "submit"], "rate_per_s": 1000}
     tokens.write_text(yaml.safe_dump({"tokens": [grant]}))
     port = free_port()
-    config = {
-        "run_id": RUN_ID,
-        "redis_url": redis_url,
-        "num_steps": 100,
-        "groups_per_step": 1,
-        "max_staleness": 100,  # no trainer runs here: admission must not wait for one
-        "coordinator": {"group_size": 2, "admin_port": 0},
-        "agent": {
-            "enabled": True,
-            "only_agents": True,
-            "port": port,
-            "tokens_file": str(tokens),
-            "tls_cert_file": cert,
-            "tls_key_file": key,
-            "session_timeout_s": 2.0,
-        },
-    }
-    (tmp_path / "run.yaml").write_text(yaml.safe_dump(config))
-    log = tmp_path / "coordinator.log"
-    process = subprocess.Popen(
-        [sys.executable, "-m", "coordinator", "run", "--config", str(tmp_path / "run.yaml")]
-        + ["--servers", rollout_server.address],
-        stdout=open(log, "wb"),
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-        cwd=REPO_ROOT,
+    config = agents_only_config(
+        RUN_ID, redis_url, port, tokens, tls_cert_file=cert, tls_key_file=key, session_timeout_s=2.0
     )
+    process, _ = start_coordinator(config, tmp_path, rollout_server.address)
     try:
-        _wait_for(lambda: "agent API on" in log.read_text() or process.poll() is not None, 120, "the agent API")
-        assert process.poll() is None, log.read_text()[-3000:]
         yield f"127.0.0.1:{port}", cert
     finally:
         stop_process(process)
-
-
-def _queued(redis_url: str) -> list:
-    return [decode_group(fields[b"g"]) for _, fields in redis.Redis.from_url(redis_url).xrange(KEYS.trajectories)]
 
 
 def _coordinator_value(redis_url: str, key: str) -> float:
@@ -127,8 +89,8 @@ def test_agents_in_processes_train_through_tls_and_a_killed_one_leaves_nothing_q
     summary = json.loads(out.decode().strip().splitlines()[-1])
     assert summary["sessions_submitted"] == 4 and summary["groups_queued"] == 2
     # the killed agent's session is abandoned after agent.session_timeout_s; its group is dropped, never queued
-    _wait_for(lambda: _coordinator_value(redis_url, "agent_groups_dropped") == 1, 60, "the victim's group dropped")
-    groups = _queued(redis_url)
+    wait_for(lambda: _coordinator_value(redis_url, "agent_groups_dropped") == 1, 60, "the victim's group dropped")
+    groups = queued(redis_url, KEYS)
     assert len(groups) == 2 and not any("victim" in g.prompt_id for g in groups)
     assert all(len(g.samples) == 2 and g.samples[0].loss_mask is not None for g in groups)
 
@@ -152,4 +114,4 @@ def test_agents_in_processes_train_through_tls_and_a_killed_one_leaves_nothing_q
         with pytest.raises(grpc.RpcError) as plaintext:
             stub.OpenSession(pb.OpenSessionRequest(prompt_token_ids=PROMPT, group_key="plain"), timeout=5)
         assert plaintext.value.code() == grpc.StatusCode.UNAVAILABLE
-    assert len(_queued(redis_url)) == 2
+    assert len(queued(redis_url, KEYS)) == 2

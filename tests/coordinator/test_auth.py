@@ -14,6 +14,7 @@ from channels.trajectory_stream import TrajectoryStreamWriter
 from coordinator.admin import AdminCore, start_admin_server
 from coordinator.auth import (
     Authenticator,
+    Refused,
     Scope,
     ScopeInterceptor,
     TokenBook,
@@ -293,3 +294,47 @@ def test_the_admin_cli_passes_its_token_over_tls_and_a_refused_token_is_one_line
         code == 2
         and err == "fleetrl status: --tls-ca /nonexistent/ca.pem: cannot read it (No such file or directory)\n"
     )
+
+
+def test_one_rate_limit_per_token_across_the_admin_api_the_agent_api_and_the_openai_door(redis_url, tmp_path):
+    """The coordinator's APIs share the process's one Authenticator: calls on any of them spend the same budget."""
+    from coordinator.agent_api import agent_authenticator, http_authorize
+    from coordinator.auth import process_authenticator
+    from coordinator.openai_door import DoorRefused
+    from protos import admin_pb2, admin_pb2_grpc
+
+    path = tmp_path / "tokens.yaml"
+    path.write_text(
+        "tokens:\n  - {name: both, token: tok-both, scopes: [generate, admin], rate_per_s: 0.001, burst: 3}\n"
+    )
+    run = load_run_config(overrides=["run_id=shared-limit", f"agent.tokens_file={path}"])
+
+    async def body() -> None:
+        client, keys = aioredis.Redis.from_url(redis_url), RedisKeys(run.run_id)
+        scheduler = Scheduler(run, Fleet([]), TrajectoryStreamWriter(client, keys), EchoTask(), 20)
+        reporter = MetricsReporter(scheduler, None, scheduler.queue, client, keys)
+        core = AdminCore(run, scheduler, reporter, ControlChannel(client, keys), None)
+        server, port = await start_admin_server(core, "127.0.0.1", 0)
+        agent_auth = agent_authenticator(run.agent)
+        assert agent_auth is process_authenticator(run.agent)  # the admin server's too
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            admin = admin_pb2_grpc.CoordinatorAdminStub(channel)
+            await admin.GetStatus(admin_pb2.GetStatusRequest(), metadata=call_metadata("tok-both"), timeout=10)
+            agent_auth.authorize(call_metadata("tok-both"), Scope.GENERATE)  # the agent API
+            assert http_authorize(agent_auth)("tok-both", "generate") == "both"  # the OpenAI door: 3 of 3 spent
+            error = await refused(
+                admin.GetStatus(admin_pb2.GetStatusRequest(), metadata=call_metadata("tok-both"), timeout=10)
+            )
+            assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        with pytest.raises(Refused) as agent_refusal:
+            agent_auth.authorize(call_metadata("tok-both"), Scope.GENERATE)
+        assert agent_refusal.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        with pytest.raises(DoorRefused) as door_refusal:
+            http_authorize(agent_auth)("tok-both", "generate")
+        assert door_refusal.value.status == 429
+        await server.stop(0)
+        await client.aclose()
+
+    asyncio.run(body())
+    path.write_text(path.read_text().replace("burst: 3", "burst: 4"))  # a changed file: a new book, new buckets
+    assert process_authenticator(run.agent).book.grants[0].burst == 4

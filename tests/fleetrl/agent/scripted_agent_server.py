@@ -144,6 +144,11 @@ class ScriptedAgentService(agent_pb2_grpc.AgentServiceServicer):
         session.turns.append(turn)  # recorded before the reply is sent, as the real server does
         turn_index, length = len(session.turns) - 1, session.length
         start = length - len(tokens)
+        span = rollout_pb2.VersionSpan(version=self.policy_version, start=0, end=len(tokens))
+        experts = np.arange((length - 1) * NUM_LAYERS * TOP_K, dtype=np.int32).reshape(-1, NUM_LAYERS, TOP_K)
+        routes = rollout_pb2.Tensor(data=experts.tobytes(), dtype="int32", shape=list(experts.shape))
+        turn.version_spans.append(span)  # the record keeps them, as the real server's GetSession sends them
+        turn.routed_experts.CopyFrom(routes)
         for begin in range(0, len(tokens), CHUNK_TOKENS):
             end = min(begin + CHUNK_TOKENS, len(tokens))
             finished = end == len(tokens)
@@ -156,11 +161,8 @@ class ScriptedAgentService(agent_pb2_grpc.AgentServiceServicer):
             )
             if finished:
                 chunk.finish_reason = 2  # LENGTH
-                chunk.version_spans.append(rollout_pb2.VersionSpan(version=self.policy_version, start=0, end=end))
-                experts = np.arange((length - 1) * NUM_LAYERS * TOP_K, dtype=np.int32).reshape(-1, NUM_LAYERS, TOP_K)
-                chunk.routed_experts.CopyFrom(
-                    rollout_pb2.Tensor(data=experts.tobytes(), dtype="int32", shape=list(experts.shape))
-                )
+                chunk.version_spans.append(span)
+                chunk.routed_experts.CopyFrom(routes)
             yield chunk
             if fault is Fault.LOST_REPLY:
                 await context.abort(grpc.StatusCode.UNAVAILABLE, "injected: stream lost after the first chunk")

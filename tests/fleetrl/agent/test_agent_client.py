@@ -100,7 +100,10 @@ def test_generate_retried_after_a_lost_reply_yields_exactly_one_turn(server):
     record = server.servicer.sessions[s.session_id]
     assert len(record.turns) == 2  # the lost turn once, then the next one
     assert turn.recovered and turn.token_ids == list(record.turns[0].token_ids) and turn.turn_index == 0
-    assert turn.finish_reason is FinishReason.LENGTH and turn.routed_experts is None
+    assert turn.finish_reason is FinishReason.LENGTH
+    # the record's version spans and routed experts, as the lost reply's last chunk would have carried them
+    assert turn.version_spans == [VersionSpan(7, 0, len(turn.token_ids))]
+    assert turn.routed_experts.shape == (turn.session_length - 1, 2, 2) and turn.routed_experts[-1, -1, -1] > 0
     assert after.turn_index == 1 and s.token_ids == record.token_ids()
     generates = server.servicer.calls_of("Generate")
     assert [c.request.expected_length for c in generates] == [4, 4, 10]  # the retry repeated expected_length

@@ -1,0 +1,98 @@
+"""One model turn of an agent session: streamed from the session's rollout server, recorded when it finished.
+
+The turn runs on the session's server (its prefix stays in that server's cache) or, after that server failed,
+on another one at or above the group's version floor, with the session's whole history. A turn the server loses
+mid-way is not recorded at all (UNAVAILABLE: the agent generates it again); a finished turn is written to the
+session's record in Redis before its last chunk is sent, so a reply the agent receives is a turn that survives a
+coordinator restart.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from dataclasses import dataclass
+
+import numpy as np
+
+from coordinator.agent_errors import Unavailable
+from coordinator.agent_groups import Session, Turn
+from coordinator.fleet import NoServerAvailable
+from coordinator.rollout_client import RolloutFailed
+from protos.records import FinishReason
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_STREAM_INTERVAL = 16  # tokens per chunk when the agent asks 0 (agent.proto GenerateRequest.stream_interval)
+
+
+@dataclass
+class TurnChunk:
+    token_ids: list[int]
+    logprobs: list[float]
+    turn_index: int
+    session_length: int
+    finished: bool = False
+    turn: Turn | None = None  # the recorded turn, on the finished chunk
+
+
+async def stream_turn(book, session: Session, max_tokens: int, stop_token_ids: list[int], stream_interval: int):
+    """The chunks of one turn of ``session`` (checked and marked busy by ``SessionBook.generate``)."""
+    await _ensure_server(book, session)
+    index, start = len(session.turns), session.length
+    turn = Turn(True, [], [], server_id=session.server.server_id or session.server.address)
+    request_id = f"agent-{session.session_id[:12]}-t{index}-{uuid.uuid4().hex[:6]}"
+    final = None
+    try:
+        stream = session.server.stream_one(
+            session.tokens(),
+            max_tokens,
+            session.group.temperature,
+            stop_token_ids,
+            book.scheduler.config.request_timeout_s,
+            request_id,
+            stream_interval or DEFAULT_STREAM_INTERVAL,
+        )
+        async for chunk in stream:
+            turn.token_ids += chunk.token_ids
+            turn.logprobs += chunk.logprobs
+            if chunk.finished:
+                final = chunk
+                break
+            yield TurnChunk(list(chunk.token_ids), list(chunk.logprobs), index, start + len(turn.token_ids))
+        if final is None:
+            raise RolloutFailed(f"{session.server.address}: the stream ended before the turn finished")
+    except RolloutFailed as error:
+        book.scheduler.stats.agent_turns_lost += 1
+        session.server = None  # the next turn goes to another server, with the whole history
+        raise Unavailable(f"turn {index} lost ({error}); nothing was recorded: generate it again") from error
+    turn.finish_reason = FinishReason(final.finish_reason)
+    turn.version_spans = [(s.version, s.start, s.end) for s in final.version_spans]
+    turn.routes = _routes(final)
+    await book.records.write_turn(session, index, turn)  # UNAVAILABLE when it cannot be: nothing recorded
+    previous = session.last_generated()
+    if previous is not None:
+        previous.routes = None  # superseded: the trainer replays the last generated turn's only
+    session.turns.append(turn)
+    book.scheduler.stats.tokens_generated += len(turn.token_ids)  # the coordinator's rollout tok/s counts agents
+    yield TurnChunk(list(final.token_ids), list(final.logprobs), index, session.length, True, turn)
+
+
+async def _ensure_server(book, session: Session) -> None:
+    if session.server is not None and session.server.healthy and session.server in book.fleet.clients:
+        return
+    floor = book.scheduler.version_floor(session.group.slot)
+    try:
+        session.server = await book.fleet.pick(
+            lambda c: c.policy_version >= floor, set(), 10.0, f"at v >= {floor} for session {session.session_id}"
+        )
+    except NoServerAvailable as error:
+        raise Unavailable(f"no rollout server for session {session.session_id}: {error}") from error
+    logger.info("agent session %s moved to %s", session.session_id, session.server.address)
+
+
+def _routes(chunk) -> np.ndarray | None:
+    if not chunk.HasField("routed_experts"):
+        return None
+    tensor = chunk.routed_experts
+    return np.frombuffer(tensor.data, dtype=tensor.dtype).reshape(tensor.shape)
