@@ -75,10 +75,10 @@ async def build_pipeline(config, client, keys, fleet) -> Pipeline:
     scheduler = Scheduler(config, fleet, queue, task, total_groups, start_version, version_offset, queued, pushed)
     evals = None
     if cfg.eval.datasets:
-        renderer = PromptRenderer(tokenizer, cfg.chat_template_kwargs)
+        renderer = PromptRenderer(tokenizer, cfg.template_kwargs())
         sets = load_eval_sets(cfg, renderer, config.rollout.max_model_len)
         scorer = ResponseScorer(tokenizer, get_reward_fn(cfg.eval.reward_fn), executor, cfg.reward_timeout_s)
-        evals = EvalRunner(config, fleet, sets, scorer, config.out_dir)
+        evals = EvalRunner(config, fleet, sets, scorer, str(config.export_path()))
         evaluated = await reported_eval_versions(client, keys) if pushed else set()
         evals.schedule(eval_versions(cfg.eval, start_version, config.num_steps, steps_done, evaluated))
     logger.info(
@@ -279,7 +279,7 @@ async def run(args: argparse.Namespace) -> None:
 
     config = load_run_config(
         args.config, [*flag_overrides({"model_path": args.model, "redis_url": args.redis_url}), *args.overrides]
-    )
+    ).with_dataset_paths()
     if not config.redis_url:
         raise SystemExit("coordinator: redis_url must be set (the config key, or --redis-url)")
     cfg = config.coordinator

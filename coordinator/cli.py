@@ -26,7 +26,9 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     if args.steps is not None:
         overrides.append(f"num_steps={args.steps}")
     try:
-        config = load_run_config(args.config or [str(DEFAULT_RECIPE)], overrides)
+        # The guide's run variables (MAX_TRAINING_STEPS, CKPT_PATH, ...) come from the environment here, where a run
+        # starts from a recipe; the roles read the resolved config.json, which already holds them.
+        config = load_run_config(args.config or [str(DEFAULT_RECIPE)], overrides, environ=os.environ)
     except ValueError as error:
         print(f"fleetrl demo: invalid config: {describe_config_error(error)}", file=sys.stderr)
         return 2

@@ -4,8 +4,10 @@ Every eval request goes only to a server whose reported version equals the pinne
 every returned sample must carry version spans of v alone; a response that does not (the server
 moved on mid-request) is discarded and asked for again. So all samples of a round come from exactly
 v. The scheduler holds training admission at v while the round runs (see ``scheduler``), which keeps
-the fleet on v. Results per dataset: ``eval/<dataset>/acc`` (mean correctness, a sample is correct
-when its reward is >= 1) and ``eval/<dataset>/pass@<k>`` (share of problems with a correct sample).
+the fleet on v. Results per dataset label: ``eval/<label>/acc`` (mean correctness, a sample is correct
+when its reward is >= 1) and ``eval/<label>/pass@<k>`` (share of problems with a correct sample). The label is
+``coordinator.eval.labels[path]``, else the rows' ``data_source``, else the file stem (``eval_label``). Every
+sample of a round (problem, response, reward, correctness) is dumped as JSONL under the run's export path.
 """
 
 from __future__ import annotations
@@ -80,6 +82,15 @@ def eval_versions(
     return [version for version in versions if version not in evaluated]
 
 
+def eval_label(path: str, problems: list, labels: dict[str, str]) -> str:
+    """The metric label of an eval file: the configured one, else its rows' one ``data_source`` (the loader gives
+    rows without one the file stem), else the file stem (rows of several sources)."""
+    if path in labels:
+        return labels[path]
+    sources = {problem.data_source for problem in problems}
+    return sources.pop() if len(sources) == 1 else Path(path).stem
+
+
 def load_eval_sets(config: CoordinatorConfig, renderer: PromptRenderer, max_model_len: int) -> list[EvalSet]:
     """Load and render every eval file; prompts that cannot fit the model length are left out (counted)."""
     sampling = config.eval.sampling or config.sampling
@@ -94,7 +105,7 @@ def load_eval_sets(config: CoordinatorConfig, renderer: PromptRenderer, max_mode
                 f"coordinator.eval.datasets: no problem of {path} fits in {limit} prompt tokens "
                 f"(rollout.max_model_len {max_model_len} - eval max_tokens {sampling.max_tokens})"
             )
-        sets.append(EvalSet(Path(path).stem, fitting, len(rendered) - len(fitting)))
+        sets.append(EvalSet(eval_label(path, problems, config.eval.labels), fitting, len(rendered) - len(fitting)))
         logger.info(
             "eval set %s: %d problems (%d too long, left out)", sets[-1].name, len(fitting), sets[-1].num_too_long
         )
@@ -104,12 +115,12 @@ def load_eval_sets(config: CoordinatorConfig, renderer: PromptRenderer, max_mode
 class EvalRunner:
     """Runs eval rounds over ``sets`` on the fleet; one round at a time, each pinned to a version."""
 
-    def __init__(self, run: RunConfig, fleet: Fleet, sets: list[EvalSet], scorer: ResponseScorer, out_dir: str = ""):
+    def __init__(self, run: RunConfig, fleet: Fleet, sets: list[EvalSet], scorer: ResponseScorer, dump_dir: str = ""):
         self.run, self.config = run, run.coordinator
         self.fleet = fleet
         self.sets = sets
         self.scorer = scorer
-        self.out_dir = Path(out_dir) if out_dir else None
+        self.dump_dir = Path(dump_dir) if dump_dir else None
         self.latest: dict[str, float] = {}
         self.latest_version = -1
         self.samples_discarded = 0
@@ -254,10 +265,10 @@ class EvalRunner:
         ]
 
     def _write_rows(self, version: int, rows: list[dict]) -> None:
-        """Every eval sample goes to ``<out_dir>/eval/v<version>.jsonl`` (when the run has an out_dir)."""
-        if self.out_dir is None:
+        """Every eval sample goes to ``<dump_dir>/eval/v<version>.jsonl`` (the run's export path; '' = none)."""
+        if self.dump_dir is None:
             return
-        path = self.out_dir / "eval" / f"v{version}.jsonl"
+        path = self.dump_dir / "eval" / f"v{version}.jsonl"
         path.parent.mkdir(parents=True, exist_ok=True)
         with path.open("a", encoding="utf-8") as handle:
             for row in rows:

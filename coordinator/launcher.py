@@ -30,8 +30,10 @@ from coordinator import roles
 from coordinator.demo_agents import demo_agent_commands, prepare_agents
 from coordinator.redis_server import EmbeddedRedis
 from coordinator.roles import RoleSpec
+from coordinator.run_logger import RunLogger, append_step, read_reports
 from coordinator.supervision import RoleFailed, SupervisedProcess, write_roles
 from protos.config import RunConfig
+from protos.records import RoleDone
 from protos.redis_keys import RedisKeys
 from protos.trainer_command import trainer_argv
 
@@ -104,6 +106,9 @@ class DemoLauncher:
     def __init__(self, config: RunConfig, out_dir: Path):
         self.config = config
         self.out_dir = out_dir
+        if not config.out_dir:  # eval samples, exports and trainer checkpoints go under the run directory
+            config.out_dir = str(out_dir)
+        self.log_dir = config.log_path()
         self.keys = RedisKeys(config.run_id)
         self.roles: dict[str, SupervisedProcess] = {}
         self.posted_reports: dict[str, dict] = {}  # what roles.json holds
@@ -113,7 +118,7 @@ class DemoLauncher:
 
     # process management --------------------------------------------------------------------
     def spawn(self, make_spec: Callable[[], RoleSpec]) -> None:
-        role = SupervisedProcess(make_spec, self.out_dir / "logs", self.config.launcher.restart)
+        role = SupervisedProcess(make_spec, self.log_dir, self.config.launcher.restart)
         self.roles[role.name] = role
         role.start()
 
@@ -151,8 +156,6 @@ class DemoLauncher:
         return its path: the one source of settings of every role process."""
         self.config.model_path = self.config.model_path or str(tiny_model_dir(self.config.tiny_model))
         self.config.redis_url = redis_url
-        if not self.config.out_dir:  # eval samples and trainer checkpoints go under the run directory
-            self.config.out_dir = str(self.out_dir)
         self.agent_token = prepare_agents(self.config, self.out_dir) if self.config.agent.enabled else ""
         config_path = self.out_dir / "config.json"
         config_path.write_text(self.config.model_dump_json(indent=2))
@@ -161,7 +164,7 @@ class DemoLauncher:
     def start(self) -> str:
         trainer_command(self.config)  # refuses a layout this launcher cannot start, before any child
         check_gpu_layout(self.config, _num_gpus())
-        (self.out_dir / "logs").mkdir(parents=True, exist_ok=True)
+        self.log_dir.mkdir(parents=True, exist_ok=True)
         redis_url = self.config.redis_url or os.environ.get("REDIS_URL", "")
         if not redis_url:
             self.redis_server = EmbeddedRedis().start()
@@ -212,43 +215,46 @@ class DemoLauncher:
             self.check_children()
             if time.monotonic() > deadline:
                 missing = [name for name, path in address_files.items() if not path.exists()]
-                logs = self.out_dir / "logs"
-                raise RoleFailed(f"{missing} not serving within {timeout_s:.0f}s (their logs are in {logs})")
+                raise RoleFailed(f"{missing} not serving within {timeout_s:.0f}s (their logs are in {self.log_dir})")
             time.sleep(0.2)
         return [path.read_text().strip() for path in address_files.values()]
 
     def monitor(self, redis_url: str) -> dict:
-        """Print a line per training step until the trainer reports done; returns the summary."""
+        """Print a line per training step until the trainer reports done (and hand every report to the run
+        logger); returns the summary."""
         client = redis.Redis.from_url(redis_url, socket_timeout=30)
         metrics = MetricsStreamReader(client, self.keys)
+        run_logger = RunLogger(self.config)
         trainer_steps: list[dict] = []
         coordinator_last: dict = {}
         cursors = {"trainer": "0", "coordinator": "0"}
         done = False
-        while not done:
-            self.check_children()
-            for entry in metrics.follow(cursors, block_s=1.0):
-                if entry.done is not None:  # a RoleDone: the trainer finished
-                    done = done or entry.done.role == "trainer"
-                    continue
-                report = entry.report
-                if report.role == "coordinator":  # periodic figures, and eval rounds (eval/...)
-                    coordinator_last = {**coordinator_last, **report.values}
-                    self.rollout_rates.append(report.values.get("tokens_per_s", 0.0))
-                else:
-                    step = {"step": report.step, "policy_version": report.policy_version, **report.values}
-                    # A report retried after a lost reply lands twice; a restarted trainer redoes the steps after its
-                    # checkpoint: the later report of a step replaces the earlier ones.
-                    while trainer_steps and trainer_steps[-1]["step"] >= report.step:
-                        trainer_steps.pop()
-                    trainer_steps.append(step)
-                    self.print_step(step, coordinator_last, client)
-        self.wait_for_fleet(client, trainer_steps[-1]["policy_version"] if trainer_steps else 0)
-        coordinator_last.update(self.wait_for_coordinator(metrics, cursors["coordinator"]))
+        try:
+            while not done:
+                self.check_children()
+                for report in read_reports(metrics, cursors, block_s=1.0):
+                    if isinstance(report, RoleDone):  # the trainer finished
+                        done = done or report.role == "trainer"
+                    elif report.role == "coordinator":  # periodic figures, and eval rounds (eval/...)
+                        coordinator_last = {**coordinator_last, **report.values}
+                        self.rollout_rates.append(report.values.get("tokens_per_s", 0.0))
+                        run_logger.log_coordinator(report)
+                    elif append_step(trainer_steps, report):
+                        self.print_step(trainer_steps[-1], coordinator_last, client)
+                        run_logger.log_step(
+                            report.step, report.policy_version, report.values, coordinator_last.get("tokens_per_s", 0.0)
+                        )
+            self.wait_for_fleet(client, trainer_steps[-1]["policy_version"] if trainer_steps else 0)
+            coordinator_last.update(self.wait_for_coordinator(metrics, cursors["coordinator"], run_logger))
+        finally:
+            run_logger.finish()
         return self.summary(client, trainer_steps, coordinator_last)
 
-    def wait_for_coordinator(self, metrics: MetricsStreamReader, cursor: str, timeout_s: float = 120.0) -> dict:
-        """The coordinator exits after its last eval round; returns the figures it reported meanwhile."""
+    def wait_for_coordinator(
+        self, metrics: MetricsStreamReader, cursor: str, run_logger: RunLogger, timeout_s: float = 120.0
+    ) -> dict:
+        """The coordinator exits after its last eval round; returns the figures it reported meanwhile (its eval
+        rounds also go to the run logger)."""
         values: dict = {}
         deadline = time.monotonic() + timeout_s
         while self.coordinator_running() and time.monotonic() < deadline:
@@ -260,6 +266,7 @@ class DemoLauncher:
         for entry in metrics.after("coordinator", cursor):
             if entry.report is not None:
                 values.update(entry.report.values)
+                run_logger.log_coordinator(entry.report)
         return values
 
     def print_step(self, step: dict, coordinator: dict, client: redis.Redis) -> None:
@@ -314,6 +321,7 @@ class DemoLauncher:
             # ~0 at max_staleness 0 unless the weights the servers run differ from the trainer's.
             "max_abs_logprob_diff": max((s.get("mean_abs_logprob_diff", 0.0) for s in steps), default=0.0),
             "eval": {k: v for k, v in coordinator.items() if k.startswith("eval/")},
+            "export_path": str(self.config.export_path()),
             **self.speed_summary(client, steps),
             "rewards": rewards,
             "wall_s": time.monotonic() - self.started,
@@ -367,7 +375,7 @@ def run_demo(config: RunConfig, out_dir: Path) -> dict:
         cfg = config.coordinator
         admin = f"{cfg.admin_host}:{cfg.admin_port}" if cfg.admin_port else "(port in logs/coordinator.log)"
         print(
-            f"run dir {out_dir} | Redis {redis_url} | logs in {out_dir / 'logs'} | admin API {admin} "
+            f"run dir {out_dir} | Redis {redis_url} | logs in {launcher.log_dir} | admin API {admin} "
             "(fleetrl status --admin ADDR)",
             flush=True,
         )

@@ -267,7 +267,7 @@ def build_task(config: CoordinatorConfig, max_model_len: int, tokenizer: Any, ex
         raise ValueError(f"coordinator.task {config.task!r}: expected 'echo' or a .jsonl/.parquet dataset path")
     problems = load_problems(config.task, config, config.dataset_limit)
     scorer = ResponseScorer(tokenizer, get_reward_fn(config.reward_fn), executor, config.reward_timeout_s)
-    renderer = PromptRenderer(tokenizer, config.chat_template_kwargs)
+    renderer = PromptRenderer(tokenizer, config.template_kwargs())
     task = DatasetTask(problems, renderer, scorer, config, max_model_len, Path(config.task).stem)
     logger.info("task %s: %d problems from %s, reward %s", task.name, len(problems), config.task, config.reward_fn)
     return task

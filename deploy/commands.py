@@ -93,14 +93,15 @@ for address in servers:
 """
 
 
-def coordinator_command(config: RunConfig) -> list[str]:
+def coordinator_command(config: RunConfig, addresses: list[str] | None = None) -> list[str]:
+    """``addresses``: the rollout servers (default: the rollout StatefulSet's pods)."""
     return [
         "python",
         "-m",
         "coordinator",
         "run",
         "--servers",
-        ",".join(rollout_addresses(config)),
+        ",".join(rollout_addresses(config) if addresses is None else addresses),
         "--redis-url",
         config.redis_url,
         "--model",

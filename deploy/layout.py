@@ -106,6 +106,8 @@ def check_paths(config: RunConfig) -> None:
         "out_dir": config.out_dir,
         "trainer.ckpt_dir": config.trainer.ckpt_dir,
         "weight_bus.snapshot_dir": config.weight_bus.snapshot_dir,
+        "export_dir": config.export_dir,
+        "logger.log_path": config.logger.log_path,
     }
     for field, path in shared.items():
         if path and not _under_run_volume(path):
@@ -135,11 +137,23 @@ def cluster_overrides(config: RunConfig) -> list[str]:
         "trainer.metrics_port": (config.trainer.metrics_port, DEFAULT_TRAINER_METRICS_PORT),
     }
     overrides += [f"{field}={default}" for field, (value, default) in defaults.items() if value == 0]
+    # A recipe's home-relative paths (the guide's ~/ckpts/<run>, ~/exports/<run>) go to the same place on the run
+    # volume: every pod must see what the trainer and the coordinator write there.
+    home_relative = {
+        "trainer.ckpt_dir": config.trainer.ckpt_dir,
+        "export_dir": config.export_dir,
+        "logger.log_path": config.logger.log_path,
+    }
+    overrides += [
+        f"{field}={RUN_VOLUME_PATH}/{path[2:]}" for field, path in home_relative.items() if path.startswith("~/")
+    ]
     return overrides
 
 
 def dataset_paths(config: RunConfig, workdir: str) -> list[str]:
-    """The files the coordinator reads (task and eval sets), resolved against the image's working directory."""
+    """The files the coordinator reads (task and eval sets, under ``data_dir``), resolved against the image's working
+    directory."""
+    config = config.with_dataset_paths()
     paths = [] if config.coordinator.task == "echo" else [config.coordinator.task]
     paths += config.coordinator.eval.datasets
     return [posixpath.normpath(posixpath.join(workdir, path)) for path in paths]

@@ -216,8 +216,10 @@ def trainer(config: RunConfig, options: RenderOptions, pods: layout.RolePods) ->
     )
 
 
-def coordinator(config: RunConfig, options: RenderOptions) -> Manifest:
+def coordinator(config: RunConfig, options: RenderOptions, addresses: list[str] | None = None) -> Manifest:
+    """``addresses``: the rollout servers it dispatches to (default: the rollout StatefulSet's pods)."""
     role, cfg = "coordinator", config.coordinator
+    addresses = rollout_addresses(config) if addresses is None else addresses
     volumes, mounts = (
         list(parts) for parts in zip(config_volume(), model_volume(config, options), run_volume(options), strict=False)
     )
@@ -228,10 +230,10 @@ def coordinator(config: RunConfig, options: RenderOptions) -> Manifest:
     wait = container(
         options,
         "wait-for-rollout",
-        ["python", "-c", WAIT_FOR_ROLLOUT, ",".join(rollout_addresses(config)), str(options.rollout_ready_timeout_s)],
+        ["python", "-c", WAIT_FOR_ROLLOUT, ",".join(addresses), str(options.rollout_ready_timeout_s)],
         [],
     )
-    main = container(options, "coordinator", coordinator_command(config), mounts + data_mounts, ports=ports)
+    main = container(options, "coordinator", coordinator_command(config, addresses), mounts + data_mounts, ports=ports)
     template_meta = {"labels": labels(config, role), "annotations": scrape_annotations(cfg.metrics_port)}
     job = {
         "apiVersion": "batch/v1",

@@ -10,12 +10,13 @@ validation errors are the same as for ``fleetrl demo``.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
 import yaml
 
-from deploy import kuberay, layout, manifests
+from deploy import colocated, kuberay, layout, manifests
 from deploy.k8s import Manifest, RenderOptions
 from protos.config import RunConfig, load_run_config
 
@@ -65,18 +66,27 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 def load_for_cluster(config_path: str, overrides: list[str]) -> tuple[RunConfig, bool]:
-    """The run config with the user's overrides and the cluster settings it leaves at laptop defaults, and
-    whether Redis must be rendered (the config sets no ``redis_url``)."""
-    config = load_run_config(config_path, overrides)
-    layout.check_paths(config)
+    """The run config with the guide's environment variables (``ENV_ALIASES``), the user's overrides and the
+    cluster settings it leaves at laptop defaults, and whether Redis must be rendered (the config sets no
+    ``redis_url``)."""
+    config = load_run_config(config_path, overrides, environ=os.environ)
     render_redis = not config.redis_url
-    return load_run_config(config_path, [*overrides, *layout.cluster_overrides(config)]), render_redis
+    cluster = load_run_config(config_path, [*overrides, *layout.cluster_overrides(config)], environ=os.environ)
+    layout.check_paths(cluster)
+    return cluster, render_redis
 
 
 def build(
     config: RunConfig, options: RenderOptions, render_redis: bool
 ) -> tuple[list[Manifest], list[layout.RolePods]]:
     """Every manifest of the run and the GPU pods per role; raises LayoutError for a layout that cannot run."""
+    if config.placement == "colocated":
+        if options.kuberay:
+            raise layout.LayoutError(
+                "placement='colocated' renders node pods of its own; --kuberay renders disaggregated runs (add "
+                "placement=disaggregated, or drop --kuberay)"
+            )
+        return build_colocated(config, options, render_redis)
     rendered = [manifests.config_map(config)]
     if render_redis:
         rendered.append(manifests.redis(config, options))
@@ -95,6 +105,21 @@ def build(
         manifests.coordinator(config, options),
     ]
     return rendered, [trainer_pods, rollout_pods]
+
+
+def build_colocated(
+    config: RunConfig, options: RenderOptions, render_redis: bool
+) -> tuple[list[Manifest], list[layout.RolePods]]:
+    """``placement: colocated``: one pod per node runs that node's trainer ranks and rollout servers."""
+    nodes = colocated.node_layout(config, options.gpus_per_node, options.allow_multi_node_rollout)
+    rendered = [manifests.config_map(config)]
+    if render_redis:
+        rendered.append(manifests.redis(config, options))
+    rendered += [
+        colocated.node_manifest(config, options, nodes),
+        manifests.coordinator(config, options, colocated.rollout_addresses(config, nodes)),
+    ]
+    return rendered, [colocated.node_pods(config, nodes)]
 
 
 class _ReadableDumper(yaml.SafeDumper):
@@ -134,9 +159,10 @@ def notes(config: RunConfig, options: RenderOptions) -> list[str]:
             f"note: the coordinator reads {', '.join(datasets)}; no --data-pvc given, so the image must contain them"
         )
     if layout.rollout_spans_nodes(config, options.gpus_per_node) and not options.kuberay:
+        manifest = "30-node.yaml" if config.placement == "colocated" else "20-rollout.yaml"
         lines.append(
-            "note: rollout replicas span nodes (see 20-rollout.yaml): they will not schedule until "
-            "multi-node vLLM (Ray) is built"
+            f"note: rollout replicas span nodes (see {manifest}): they will not start until multi-node vLLM (Ray) "
+            "is built"
         )
     return lines
 

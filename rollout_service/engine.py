@@ -182,6 +182,8 @@ class RolloutEngine:
         }
         if config.load_format != "auto":
             kwargs["load_format"] = config.load_format
+        if config.kv_cache_dtype != "auto":
+            kwargs["kv_cache_dtype"] = config.kv_cache_dtype
         if not on_cpu:
             kwargs["gpu_memory_utilization"] = config.gpu_memory_utilization
             if config.kv_cache_gib is not None:

@@ -33,9 +33,27 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 def checkpoint_root(config) -> Path:
+    """``trainer.ckpt_dir`` ('~' and '{run_id}' expanded), default <run dir>/checkpoints."""
     if config.trainer.ckpt_dir:
-        return Path(config.trainer.ckpt_dir)
-    return Path(config.out_dir or Path("runs") / config.run_id) / "checkpoints"
+        return Path(config.expand_path(config.trainer.ckpt_dir))
+    return config.run_dir() / "checkpoints"
+
+
+def resume_target(tcfg) -> str:
+    """What ``CheckpointManager.resolve`` gets for ``trainer.resume``: 'latest', 'none' or the resume_path."""
+    return tcfg.resume_path if tcfg.resume == "from_path" else tcfg.resume
+
+
+def refuse_unimplemented(tcfg) -> None:
+    """Switches the config holds ahead of their trainer-side implementation: refused at start, never ignored."""
+    megatron = tcfg.megatron
+    pending = {
+        f"trainer.megatron.optimizer_state_disk_dir={megatron.optimizer_state_disk_dir!r} (disk streaming of the "
+        "offloaded optimizer state; '' offloads to host memory)": bool(megatron.optimizer_state_disk_dir),
+    }
+    asked = [name for name, is_set in pending.items() if is_set]
+    if asked:
+        raise ValueError(f"not implemented by this trainer yet: {'; '.join(asked)}; turn them off to train")
 
 
 def make_backend(model_path: str, config):
@@ -43,6 +61,7 @@ def make_backend(model_path: str, config):
     import torch
 
     tcfg, temperature = config.trainer, config.temperature
+    refuse_unimplemented(tcfg)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if tcfg.backend == "megatron":
         from trainer_service.megatron.backend import MegatronBackend
@@ -79,7 +98,7 @@ def restore(config, stop: threading.Event):
     tcfg = config.trainer
     backend = make_backend(config.model_path, config)
     checkpoints = CheckpointManager(checkpoint_root(config), tcfg.keep_last_checkpoints)
-    restored = ranks.resolve_checkpoint(checkpoints, tcfg.resume)
+    restored = ranks.resolve_checkpoint(checkpoints, resume_target(tcfg))
     state = CheckpointManager.load(restored, backend) if restored else TrainerState(step=0, policy_version=0)
     trainer = Trainer(
         backend,
@@ -136,8 +155,21 @@ def run(args: argparse.Namespace, stop: threading.Event) -> None:
             side.report(
                 step, values, wait_s=wait_s, publish_s=publish_s, checkpoint_s=ckpt_s, step_s=time.monotonic() - started
             )
+    else:
+        # 7) every step is done: the final policy as an HF checkpoint (and LoRA's adapters) under the export path
+        export_final(config, trainer)
     if side:
         side.finish(args.linger_s, stop)
+
+
+def export_final(config, trainer) -> None:
+    """Every rank takes part in the export (a collective); rank 0 writes it."""
+    from trainer_service import ranks
+    from trainer_service.hf_export import export_policy
+
+    export_policy(
+        trainer.backend, config.model_path, config.export_path(), config.trainer.lora.enabled, ranks.world_rank() == 0
+    )
 
 
 def publish_step(side, trainer, previous_version: int, step: int, publish_current) -> float:
@@ -152,11 +184,19 @@ def publish_step(side, trainer, previous_version: int, step: int, publish_curren
 
 def checkpoint_step(config, checkpoints, side, trainer, step: int) -> float:
     """Step 5: at the interval (and the last step) every rank saves its shard and rank 0 the trainer state, then
-    rank 0 acknowledges the entries the checkpoint holds. Returns the seconds spent (0 between checkpoints)."""
+    rank 0 acknowledges the entries the checkpoint holds. Returns the seconds spent (0 between checkpoints).
+
+    ``trainer.ckpt_interval`` 0 saves nothing: the entries are acknowledged after the last step only. A trainer
+    restarted before then starts from model_path with an empty ledger and gets every entry of the run again, so
+    the weights that survive still consumed each group exactly once."""
     from trainer_service import ranks
     from trainer_service.checkpoint import TrainerState
 
     tcfg = config.trainer
+    if tcfg.ckpt_interval == 0:
+        if side and step == config.num_steps:
+            side.ack_consumed()
+        return 0.0
     if step % tcfg.ckpt_interval != 0 and step != config.num_steps:
         return 0.0
     started = time.monotonic()

@@ -87,14 +87,17 @@ class CheckpointManager:
         return complete[-1] if complete else None
 
     def resolve(self, resume: str) -> Path | None:
-        """Which checkpoint ``trainer.resume`` asks for: 'latest', 'none' or a path."""
+        """Which checkpoint ``trainer.resume`` asks for: 'latest', 'none', or (from_path) ``trainer.resume_path``."""
         if resume == "none":
             return None
         if resume == "latest":
             return self.latest()
-        path = Path(resume)
+        path = Path(resume).expanduser()
         if not (path / STATE_FILE).exists():
-            raise FileNotFoundError(f"trainer.resume={resume!r}: no {STATE_FILE} there")
+            raise FileNotFoundError(
+                f"trainer.resume_path={resume!r} (trainer.resume=from_path): no {STATE_FILE} there; "
+                "point it at a complete step-NNNNNN directory"
+            )
         return path
 
     @staticmethod

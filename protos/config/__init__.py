@@ -15,15 +15,18 @@ from protos.config.coordinator import (
 )
 from protos.config.launcher import LauncherConfig, RayConfig, RestartPolicy
 from protos.config.loading import (
+    ENV_ALIASES,
     apply_overrides,
     deep_merge,
     describe_config_error,
+    env_overrides,
     field_annotation,
     flag_overrides,
     load_run_config,
     parse_override_value,
     read_config_file,
 )
+from protos.config.logger import LoggerConfig
 from protos.config.rollout import RolloutConfig, SyntheticEngineConfig
 from protos.config.run import RunConfig
 from protos.config.trainer import LoraConfig, MegatronConfig, TrainerConfig
@@ -32,8 +35,10 @@ from protos.config.weight_bus import WeightBusConfig
 __all__ = [
     "AgentConfig",
     "CoordinatorConfig",
+    "ENV_ALIASES",
     "EvalConfig",
     "LauncherConfig",
+    "LoggerConfig",
     "LoraConfig",
     "MegatronConfig",
     "OverlongConfig",
@@ -49,6 +54,7 @@ __all__ = [
     "apply_overrides",
     "deep_merge",
     "describe_config_error",
+    "env_overrides",
     "field_annotation",
     "flag_overrides",
     "load_run_config",

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
@@ -50,6 +50,21 @@ class EvalConfig(Strict):
     )
     reward_fn: str = Field("math", description="Reward of eval samples; a sample is correct when reward >= 1.")
     timeout_s: float = Field(600.0, gt=0, description="Longest wait for one eval round (version, servers, samples).")
+    labels: dict[str, str] = Field(
+        default_factory=dict,
+        description="Metric label per eval file (the path as written in datasets): metrics are "
+        "eval/<label>/*. A file not listed takes its rows' data_source, or its file stem when they carry none.",
+    )
+
+    @model_validator(mode="after")
+    def _labels_name_datasets(self) -> EvalConfig:
+        unknown = sorted(set(self.labels) - set(self.datasets))
+        if unknown:
+            raise ValueError(f"coordinator.eval.labels: {unknown} not in coordinator.eval.datasets {self.datasets}")
+        bad = [label for label in self.labels.values() if not label or "/" in label]
+        if bad:
+            raise ValueError(f"coordinator.eval.labels: {bad} must be non-empty without '/' (part of metric names)")
+        return self
 
 
 class CoordinatorConfig(Strict):
@@ -88,6 +103,11 @@ class CoordinatorConfig(Strict):
     dashboard: bool = Field(True, description="Serve the live web dashboard from the coordinator.")
     dashboard_host: str = Field("127.0.0.1", description="Interface the dashboard binds.")
     dashboard_port: int = Field(0, ge=0, description="Dashboard port; 0 picks a free one (logged).")
+    reasoning_effort: Literal["minimal", "low", "medium", "high", "xhigh", "max"] | None = Field(
+        None,
+        description="Passed to the chat template as reasoning_effort (Beam's template reads it; training and eval "
+        "prompts alike); None = the template's default. Env alias REASONING_EFFORT.",
+    )
 
     discovery: bool = Field(
         True,
@@ -105,9 +125,20 @@ class CoordinatorConfig(Strict):
                 f"coordinator.overlong.buffer_len ({self.overlong.buffer_len}) must not exceed "
                 f"coordinator.sampling.max_tokens ({self.sampling.max_tokens}); lower the buffer"
             )
+        if self.reasoning_effort is not None and "reasoning_effort" in self.chat_template_kwargs:
+            raise ValueError(
+                "coordinator.reasoning_effort and coordinator.chat_template_kwargs.reasoning_effort are both set; "
+                "keep coordinator.reasoning_effort only"
+            )
         if self.dynamic_sampling and self.group_size < 2:
             raise ValueError(
                 "coordinator.dynamic_sampling needs coordinator.group_size >= 2 (a group of one "
                 "always has equal rewards)"
             )
         return self
+
+    def template_kwargs(self) -> dict[str, Any]:
+        """The chat template's variables: ``chat_template_kwargs`` plus ``reasoning_effort`` when set."""
+        if self.reasoning_effort is None:
+            return dict(self.chat_template_kwargs)
+        return {**self.chat_template_kwargs, "reasoning_effort": self.reasoning_effort}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal, get_args, get_origin
 
@@ -93,23 +94,60 @@ def flag_overrides(flags: dict[str, object | None]) -> list[str]:
     return [f"{key}={value}" for key, value in flags.items() if value is not None]
 
 
+# The launch guide's run variables (shared/seeds: SkyRL's Beam scripts) and the config keys they set.
+ENV_ALIASES = {
+    "MAX_TRAINING_STEPS": "num_steps",
+    "REASONING_EFFORT": "coordinator.reasoning_effort",
+    "LOGGER": "logger.backend",
+    "RUN_NAME": "run_id",
+    "PROJECT_NAME": "logger.project_name",
+    "LOG_PATH": "logger.log_path",
+    "CKPT_PATH": "trainer.ckpt_dir",
+    "EXPORT_PATH": "export_dir",
+    "CKPT_INTERVAL": "trainer.ckpt_interval",
+    "RESUME_MODE": "trainer.resume",
+    "MODEL_PATH": "model_path",
+    "DATA_DIR": "data_dir",
+    "OPTIMIZER_STATE_DISK_DIR": "trainer.megatron.optimizer_state_disk_dir",
+    "KV_CACHE_DTYPE": "rollout.kv_cache_dtype",
+}
+# Set but empty means "unset", except where the guide gives the empty value a meaning (host memory, not disk).
+_EMPTY_IS_A_VALUE = {"OPTIMIZER_STATE_DISK_DIR"}
+
+
+def env_overrides(environ: Mapping[str, str]) -> list[str]:
+    """The ``ENV_ALIASES`` variables set in ``environ``, as dotted overrides (to go before the command line's)."""
+    return [
+        f"{key}={environ[name]}"
+        for name, key in ENV_ALIASES.items()
+        if name in environ and (environ[name] or name in _EMPTY_IS_A_VALUE)
+    ]
+
+
 BASE_KEY = "base"  # a config file's base: another file (relative to it) whose values this one overrides
 
 
 def load_run_config(
-    path: str | Path | list[str | Path] | tuple[str | Path, ...] | None = None, overrides: list[str] | None = None
+    path: str | Path | list[str | Path] | tuple[str | Path, ...] | None = None,
+    overrides: list[str] | None = None,
+    environ: Mapping[str, str] | None = None,
 ) -> RunConfig:
     """Load YAML/JSON config files (or defaults), deep-merged in order, and apply dotted overrides.
 
     A file may name a ``base:`` file (relative to itself), loaded first and overridden by the file's own keys:
-    recipes are a base plus a small delta. Raises ValueError naming the file or the field on any user error
+    recipes are a base plus a small delta. ``environ`` (the commands that start a run from a recipe pass
+    ``os.environ``) adds the ``ENV_ALIASES`` set there: an environment variable overrides the files, a dotted
+    override overrides both. Raises ValueError naming the file or the field on any user error
     (``describe_config_error`` makes it one line).
     """
     paths = [] if path is None else [path] if isinstance(path, str | Path) else list(path)
     data: dict[str, Any] = {}
     for each in paths:
         data = deep_merge(data, read_config_file(Path(each)))
-    return RunConfig.model_validate(apply_overrides(data, overrides or []))
+    from_env = env_overrides(environ) if environ is not None else []
+    if from_env:
+        logger.info("config from the environment: %s", " ".join(from_env))
+    return RunConfig.model_validate(apply_overrides(data, [*from_env, *(overrides or [])]))
 
 
 def read_config_file(path: Path, _chain: tuple[Path, ...] = ()) -> dict[str, Any]:

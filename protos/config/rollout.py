@@ -111,6 +111,13 @@ class RolloutConfig(Strict):
         description="vLLM load format; 'dummy' starts on random weights without reading the checkpoint "
         "(benchmarks; the first weight update brings the real ones).",
     )
+    kv_cache_dtype: Literal["auto", "fp8_e4m3"] = Field(
+        "auto",
+        description="KV cache storage dtype: 'auto' = the engine's dtype (bf16 with rollout.dtype bfloat16); "
+        "'fp8_e4m3' (GPU) decodes faster at high concurrency and adds about 0.01 to the rollout/trainer logprob "
+        "gap (the seed). vLLM refuses an explicit 'bfloat16' for models whose default is not fp8, hence 'auto'. "
+        "Env alias KV_CACHE_DTYPE.",
+    )
 
     heartbeat_interval_s: float = Field(
         1.0,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
 from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
@@ -10,6 +12,7 @@ from protos.config.agent import AgentConfig
 from protos.config.base import Strict
 from protos.config.coordinator import CoordinatorConfig, SamplingConfig
 from protos.config.launcher import LauncherConfig
+from protos.config.logger import LoggerConfig
 from protos.config.rollout import RolloutConfig
 from protos.config.trainer import TrainerConfig
 from protos.config.weight_bus import WeightBusConfig
@@ -57,6 +60,27 @@ class RunConfig(Strict):
     weight_bus: WeightBusConfig = Field(default_factory=WeightBusConfig)
     agent: AgentConfig = Field(default_factory=AgentConfig)
     launcher: LauncherConfig = Field(default_factory=LauncherConfig)
+    export_dir: str = Field(
+        "",
+        description="Where the run's results go: the HF export of the final policy (export_dir/hf; LoRA runs also "
+        "export_dir/adapters) and the eval dumps (export_dir/eval). '~' and '{run_id}' expand; '' = "
+        "<out_dir>/export. Env alias EXPORT_PATH.",
+    )
+    data_dir: str = Field(
+        "",
+        description="Directory that relative dataset paths (coordinator.task, coordinator.eval.datasets) resolve "
+        "against; '~' expands; '' = the working directory. Env alias DATA_DIR.",
+    )
+    placement: Literal["disaggregated", "colocated"] = Field(
+        "disaggregated",
+        description="'disaggregated': trainer and rollout servers on GPUs of their own. 'colocated': they share "
+        "the trainer's GPUs (each node runs its trainer ranks and the rollout replicas that live there; the "
+        "engine takes rollout.gpu_memory_utilization of each GPU), weights handed over in memory within a node "
+        "(weight_bus.transport 'ipc'). deploy/ renders it as one pod per node.",
+    )
+    logger: LoggerConfig = Field(
+        default_factory=LoggerConfig, description="Where step and eval figures go (console or Weights & Biases)."
+    )
 
     @field_validator("run_id")
     @classmethod
@@ -93,6 +117,70 @@ class RunConfig(Strict):
                 "identical); set coordinator.eval.sampling.temperature (or the run's temperature)"
             )
         return self
+
+    @model_validator(mode="after")
+    def _colocated_layout_fits(self) -> RunConfig:
+        if self.placement != "colocated":
+            return self
+        trainer, rollout = self.trainer, self.rollout
+        trainer_gpus = trainer.num_nodes * trainer.num_processes
+        rollout_gpus = rollout.num_servers * rollout.tensor_parallel_size * rollout.pipeline_parallel_size
+        if rollout_gpus != trainer_gpus:
+            raise ValueError(
+                f"placement='colocated' puts the rollout replicas on the trainer's GPUs: rollout.num_servers x "
+                f"tensor_parallel_size x pipeline_parallel_size = {rollout_gpus} must equal trainer.num_nodes x "
+                f"trainer.num_processes = {trainer_gpus}"
+            )
+        if self.weight_bus.transport == "nccl":
+            raise ValueError(
+                "placement='colocated': weight_bus.transport='nccl' broadcasts from the trainer's GPU to GPUs of "
+                "their own; colocated weights go in memory within a node, set weight_bus.transport='ipc'"
+            )
+        if rollout.gpu_memory_utilization >= 0.9:
+            raise ValueError(
+                f"placement='colocated': rollout.gpu_memory_utilization={rollout.gpu_memory_utilization} leaves the "
+                "trainer ranks on the same GPUs almost nothing; lower it below 0.9 (the share the engine takes)"
+            )
+        return self
+
+    def expand_path(self, path: str) -> str:
+        """A path setting with '{run_id}' and a leading '~' expanded ('' stays '')."""
+        return os.path.expanduser(path.replace("{run_id}", self.run_id)) if path else ""
+
+    def run_dir(self) -> Path:
+        """The run directory: out_dir, or runs/<run_id> under the working directory."""
+        return Path(self.out_dir or Path("runs") / self.run_id)
+
+    def export_path(self) -> Path:
+        """Where the final policy's HF export and the eval dumps go (``export_dir``, default <run dir>/export)."""
+        return Path(self.expand_path(self.export_dir)) if self.export_dir else self.run_dir() / "export"
+
+    def log_path(self) -> Path:
+        """Where the role logs and Weights & Biases run files go (``logger.log_path``, default <run dir>/logs)."""
+        return Path(self.expand_path(self.logger.log_path)) if self.logger.log_path else self.run_dir() / "logs"
+
+    def dataset_path(self, path: str) -> str:
+        """A dataset path as the coordinator opens it: relative ones under ``data_dir`` when set."""
+        if not self.data_dir or os.path.isabs(path):
+            return path
+        return os.path.join(self.expand_path(self.data_dir), path)
+
+    def with_dataset_paths(self) -> RunConfig:
+        """A copy whose dataset paths (task, eval datasets and the keys of eval labels) are as the coordinator opens
+        them, joined to ``data_dir``, which the copy no longer sets."""
+        if not self.data_dir:
+            return self
+        coordinator = self.coordinator
+        evals = coordinator.eval
+        task = coordinator.task if coordinator.task == "echo" else self.dataset_path(coordinator.task)
+        resolved_eval = evals.model_copy(
+            update={
+                "datasets": [self.dataset_path(path) for path in evals.datasets],
+                "labels": {self.dataset_path(path): label for path, label in evals.labels.items()},
+            }
+        )
+        resolved = coordinator.model_copy(update={"task": task, "eval": resolved_eval})
+        return self.model_copy(update={"coordinator": resolved, "data_dir": ""})
 
     def training_sampling(self) -> SamplingConfig:
         """The sampling of one training request: ``coordinator.sampling`` at the run's ``temperature`` (a fresh

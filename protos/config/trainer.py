@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from protos.config.base import Strict
 
@@ -96,6 +96,13 @@ class MegatronConfig(Strict):
     optimizer_offload_fraction: float = Field(
         1.0, gt=0.0, le=1.0, description="Share of the optimizer state offloaded when optimizer_cpu_offload is on."
     )
+    optimizer_state_disk_dir: str = Field(
+        "",
+        description="With optimizer_cpu_offload: a node-local disk directory (NVMe) that the offloaded state is "
+        "streamed from and to (the launch guide's full fine-tuning); '' = host memory (about 1.7 TB per node for "
+        "Beam). Disk streaming is not implemented by this trainer yet: it refuses a directory at start. Env alias "
+        "OPTIMIZER_STATE_DISK_DIR.",
+    )
 
     @model_validator(mode="after")
     def _offload_needs_the_distributed_optimizer(self) -> MegatronConfig:
@@ -108,6 +115,11 @@ class MegatronConfig(Strict):
             raise ValueError(
                 "trainer.megatron.optimizer_cpu_offload needs trainer.megatron.params_dtype='bfloat16' (it offloads the "
                 "fp32 main copies of bf16 weights; megatron-core cannot offload fp32 params, which have none)"
+            )
+        if self.optimizer_state_disk_dir and not self.optimizer_cpu_offload:
+            raise ValueError(
+                "trainer.megatron.optimizer_state_disk_dir is set but trainer.megatron.optimizer_cpu_offload is false: "
+                "set optimizer_cpu_offload=true (the directory then holds the offloaded state) or clear the directory"
             )
         return self
 
@@ -140,6 +152,17 @@ class LoraConfig(Strict):
     def enabled(self) -> bool:
         return self.rank > 0
 
+    @model_validator(mode="after")
+    def _normalizing_needs_adapters(self) -> LoraConfig:
+        if self.normalize_moe_lora and not self.enabled:
+            raise ValueError("trainer.lora.normalize_moe_lora needs trainer.lora.rank > 0 (LoRA on)")
+        if self.normalize_moe_lora and not {"linear_fc1", "linear_fc2"} & set(self.target_modules):
+            raise ValueError(
+                "trainer.lora.normalize_moe_lora sizes expert adapters: add linear_fc1 or linear_fc2 to "
+                "trainer.lora.target_modules, or set it false"
+            )
+        return self
+
 
 class TrainerConfig(Strict):
     """The trainer role: queue consumption, loss, optimizer, weight publishing."""
@@ -170,14 +193,20 @@ class TrainerConfig(Strict):
         True, description="Delete acknowledged entries from the trajectory stream (False keeps it as an audit log)."
     )
     ckpt_interval: int = Field(
-        1, gt=0, description="Steps between checkpoints; queue entries are acknowledged only at a checkpoint."
+        1,
+        ge=0,
+        description="Steps between checkpoints (and the last step); queue entries are acknowledged only at a "
+        "checkpoint. 0 turns saving off: the entries are then acknowledged after the last step (see "
+        "docs/trainer_service.md, 'Checkpoints off').",
     )
     keep_last_checkpoints: int = Field(2, gt=0, description="Checkpoints kept on disk (older ones are deleted).")
     ckpt_dir: str = Field(
         "", description="Checkpoint directory; '' = <out_dir>/checkpoints (runs/<run_id>/... without out_dir)."
     )
-    resume: str = Field(
-        "latest", description="'latest' (resume from the newest checkpoint if any), 'none', or a checkpoint path."
+    resume: Literal["latest", "none", "from_path"] = Field(
+        "latest",
+        description="'latest': resume from the newest checkpoint in the checkpoint directory, if any; 'none': start "
+        "from model_path; 'from_path': resume from trainer.resume_path. Env alias RESUME_MODE.",
     )
     metrics_port: int = Field(0, ge=0, description="Prometheus /metrics port of the trainer; 0 = off.")
     fused_lm_head_logprobs: bool = Field(
@@ -205,6 +234,30 @@ class TrainerConfig(Strict):
         description="Trainer nodes. The world size is num_nodes x num_processes; megatron's TP x PP x CP "
         "must divide it and what is left is data parallel. `fleetrl run` launches one node; deploy/ launches more.",
     )
+    resume_path: str = Field(
+        "", description="The checkpoint directory (step-NNNNNN) trainer.resume='from_path' resumes from."
+    )
+
+    @field_validator("resume", mode="before")
+    @classmethod
+    def _resume_is_a_mode(cls, value: object) -> object:
+        if isinstance(value, str) and value not in ("latest", "none", "from_path") and ("/" in value or "." in value):
+            raise ValueError(
+                f"trainer.resume={value!r} looks like a path: set trainer.resume=from_path and "
+                f"trainer.resume_path={value}"
+            )
+        return value
+
+    @model_validator(mode="after")
+    def _resume_path_fits_mode(self) -> TrainerConfig:
+        if self.resume == "from_path" and not self.resume_path:
+            raise ValueError("trainer.resume='from_path' needs trainer.resume_path=<checkpoint dir>")
+        if self.resume_path and self.resume != "from_path":
+            raise ValueError(
+                f"trainer.resume_path is set but trainer.resume={self.resume!r}: set trainer.resume=from_path "
+                "(or clear resume_path)"
+            )
+        return self
 
     @model_validator(mode="after")
     def _ranks_fit_backend(self) -> TrainerConfig:

@@ -157,7 +157,7 @@ def test_dataset_run_with_dynamic_sampling_and_pinned_eval_rounds(tmp_path, mode
     assert [r.step for r in evals] == [0, 2, 4]  # the trainer's steps at those versions
     for report in evals:
         assert report.values["eval/tiny-eval/acc"] == 1.0 and report.values["eval/tiny-eval/pass@2"] == 1.0
-        rows = [json.loads(line) for line in (tmp_path / "eval" / f"v{report.policy_version}.jsonl").open()]
+        rows = [json.loads(line) for line in (tmp_path / "export" / "eval" / f"v{report.policy_version}.jsonl").open()]
         assert len(rows) == 3 * 2
         assert {span[0] for row in rows for span in row["version_spans"]} == {report.policy_version}
 

@@ -18,17 +18,25 @@ pytestmark = pytest.mark.unit
 REPO_ROOT = Path(__file__).resolve().parents[2]
 RECIPES = sorted((REPO_ROOT / "recipes").glob("*.yaml")) + sorted((REPO_ROOT / "recipes" / "beam").glob("*.yaml"))
 CLUSTER = ["--image", "registry.example/fleetrl:test", "--model-pvc", "models", "--run-pvc", "fleetrl-run"]
-# (recipe, rollout replicas x hosts x GPUs, trainer pods x GPUs): recipes/beam/README.md's layouts on 8-GPU nodes
+# (recipe, rollout replicas x hosts x GPUs, trainer pods x GPUs): recipes/beam/README.md's layouts on 8-GPU nodes,
+# disaggregated (KubeRay renders trainer and rollout groups of their own; the recipes colocate them)
 BEAM_RAY_GROUPS = [
-    ("dapo-full-ft.yaml", (4, 2, 8), (4, 8)),
-    ("dapo-mxfp8.yaml", (4, 1, 8), (1, 8)),
-    ("dapo-lora.yaml", (1, 2, 8), (2, 8)),
+    ("dapo-full-ft.yaml", (4, 2, 8), (8, 8)),
+    ("dapo-mxfp8.yaml", (8, 1, 8), (8, 8)),
+    ("dapo-lora-16.yaml", (1, 2, 8), (2, 8)),
+    ("dapo-lora-32.yaml", (2, 2, 8), (4, 8)),
 ]
+DISAGGREGATED = "placement=disaggregated"
 
 
 def recipe_overrides(recipe: Path) -> list[str]:
     """The demo recipes build their tiny model on the fly (model_path ''): on a cluster it comes from a volume."""
     return [] if load_run_config(str(recipe), []).model_path else ["model_path=/models/tiny"]
+
+
+def kuberay_overrides(recipe: Path) -> list[str]:
+    """--kuberay renders disaggregated runs: a colocated recipe (the Beam runs) as trainer and rollout groups."""
+    return [DISAGGREGATED] if load_run_config(str(recipe), []).placement == "colocated" else []
 
 
 def render_to(out: Path, recipe: Path, *extra: str) -> dict[tuple[str, str], dict]:
@@ -53,7 +61,7 @@ def group_gpus(group: dict) -> int:
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda path: f"{path.parent.name}/{path.stem}")
 @pytest.mark.parametrize("kind", ["plain", "kuberay"])
 def test_every_recipe_renders_manifests_valid_under_the_kubernetes_and_kuberay_schemas(tmp_path, recipe, kind):
-    extra = ["--kuberay"] if kind == "kuberay" else ["--allow-multi-node-rollout"]
+    extra = [*kuberay_overrides(recipe), "--kuberay"] if kind == "kuberay" else ["--allow-multi-node-rollout"]
     objects = render_to(tmp_path, recipe, *extra)
     kinds = {kind for kind, _ in objects}
     assert {"RayCluster", "RayJob"} <= kinds if kind == "kuberay" else {"StatefulSet", "Job"} <= kinds
@@ -65,8 +73,9 @@ def test_every_recipe_renders_manifests_valid_under_the_kubernetes_and_kuberay_s
 
 @pytest.mark.parametrize(("recipe", "rollout", "trainer"), BEAM_RAY_GROUPS)
 def test_worker_groups_are_sized_from_replicas_tp_pp_and_trainer_ranks(tmp_path, capsys, recipe, rollout, trainer):
-    plain = render_to(tmp_path / "plain", REPO_ROOT / "recipes" / "beam" / recipe, "--allow-multi-node-rollout")
-    groups = worker_groups(render_to(tmp_path / "ray", REPO_ROOT / "recipes" / "beam" / recipe, "--kuberay"))
+    path = REPO_ROOT / "recipes" / "beam" / recipe
+    plain = render_to(tmp_path / "plain", path, DISAGGREGATED, "--allow-multi-node-rollout")
+    groups = worker_groups(render_to(tmp_path / "ray", path, DISAGGREGATED, "--kuberay"))
     assert (groups["rollout"]["replicas"], groups["rollout"]["numOfHosts"], group_gpus(groups["rollout"])) == rollout
     assert (groups["trainer"]["replicas"], group_gpus(groups["trainer"])) == trainer
     # the same GPUs as the plain manifests (one pod per replica there, whole-node pods here)
@@ -98,7 +107,8 @@ def test_small_replicas_share_a_pod_and_the_head_has_no_gpu(tmp_path):
 
 
 def test_the_rayjob_runs_fleetrl_up_on_the_cluster_with_the_recipe_from_the_configmap(tmp_path):
-    objects = render_to(tmp_path, REPO_ROOT / "recipes" / "beam" / "dapo-mxfp8.yaml", "trainer.lr=2e-6", "--kuberay")
+    recipe = REPO_ROOT / "recipes" / "beam" / "dapo-mxfp8.yaml"
+    objects = render_to(tmp_path, recipe, "trainer.lr=2e-6", DISAGGREGATED, "--kuberay")
     (job,) = [obj for (kind, _), obj in objects.items() if kind == "RayJob"]
     (cluster_name,) = [name for kind, name in objects if kind == "RayCluster"]
     assert job["spec"]["entrypoint"] == "fleetrl up /etc/fleetrl/recipe.yaml --ray auto"
@@ -118,7 +128,15 @@ def test_the_rayjob_runs_fleetrl_up_on_the_cluster_with_the_recipe_from_the_conf
 
 def test_a_tensor_parallel_group_larger_than_a_node_is_refused_naming_the_field(tmp_path, capsys):
     recipe = REPO_ROOT / "recipes" / "beam" / "dapo-mxfp8.yaml"
-    argv = [str(recipe), "rollout.tensor_parallel_size=16", *CLUSTER, "--out", str(tmp_path), "--kuberay"]
+    argv = [
+        str(recipe),
+        "rollout.tensor_parallel_size=16",
+        DISAGGREGATED,
+        *CLUSTER,
+        "--out",
+        str(tmp_path),
+        "--kuberay",
+    ]
     assert render.main(argv) == 2
     assert "rollout.tensor_parallel_size=16 exceeds the 8 GPUs of one node" in capsys.readouterr().err
 

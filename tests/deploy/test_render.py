@@ -20,8 +20,9 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 BEAM = REPO_ROOT / "recipes" / "beam"
 DEMO_RECIPES = sorted((REPO_ROOT / "recipes").glob("demo-*.yaml"))
 CLUSTER = ["--image", "registry.example/fleetrl:test", "--model-pvc", "models", "--run-pvc", "fleetrl-run"]
-# (recipe, trainer GPUs, rollout GPUs): the layouts in each recipe's header and in recipes/beam/README.md.
-BEAM_LAYOUTS = [("dapo-full-ft.yaml", 32, 64), ("dapo-mxfp8.yaml", 8, 32), ("dapo-lora.yaml", 16, 16)]
+# (recipe, GPUs): the launch guide's GPU counts, trainer and vLLM colocated on them (recipes/beam/README.md).
+BEAM_GPUS = [("dapo-lora-16.yaml", 16), ("dapo-lora-32.yaml", 32), ("dapo-full-ft.yaml", 64), ("dapo-mxfp8.yaml", 64)]
+DISAGGREGATED = "placement=disaggregated"  # the same recipe with trainer and rollout pods of their own
 
 
 def render_to(tmp_path: Path, recipe: Path, *extra: str) -> dict[tuple[str, str], dict]:
@@ -53,27 +54,22 @@ def role_argv(args: list[str], module: str) -> list[str]:
     return args[args.index(module) + 1 :]
 
 
-@pytest.mark.parametrize(("recipe", "trainer_gpus", "rollout_gpus"), BEAM_LAYOUTS)
-def test_beam_recipes_render_the_documented_gpu_counts(tmp_path, capsys, recipe, trainer_gpus, rollout_gpus):
+@pytest.mark.parametrize(("recipe", "gpus"), BEAM_GPUS)
+def test_beam_recipes_render_the_guides_gpu_counts_colocated(tmp_path, capsys, recipe, gpus):
     objects = render_to(tmp_path, BEAM / recipe)
-    trainer_pods, trainer_per_pod = pod_gpus(objects[("Job", "trainer")])
-    rollout_pods, rollout_per_pod = pod_gpus(objects[("StatefulSet", "rollout")])
-    assert trainer_pods * trainer_per_pod == trainer_gpus
-    assert rollout_pods * rollout_per_pod == rollout_gpus
-    total = trainer_gpus + rollout_gpus
-    assert f"total {total} GPUs" in capsys.readouterr().out
-    assert f"{total} GPUs" in (BEAM / recipe).read_text().split("\nrun_id:")[0]  # the recipe header says so too
+    pods, per_pod = pod_gpus(objects[("Job", "node")])
+    assert pods * per_pod == gpus and per_pod == 8
+    assert ("Job", "trainer") not in objects and ("StatefulSet", "rollout") not in objects
+    assert f"total {gpus} GPUs" in capsys.readouterr().out
     assert pod_gpus(objects[("Job", "coordinator")])[1] == 0
 
 
-@pytest.mark.parametrize("recipe", ["dapo-full-ft.yaml", "dapo-mxfp8.yaml", "dapo-lora.yaml"])
-def test_beam_readme_table_matches_the_rendered_layout(tmp_path, recipe):
+@pytest.mark.parametrize(("recipe", "gpus"), BEAM_GPUS)
+def test_beam_readme_table_matches_the_rendered_gpu_counts(tmp_path, recipe, gpus):
     objects = render_to(tmp_path, BEAM / recipe)
-    trainer = pod_gpus(objects[("Job", "trainer")])
-    rollout = pod_gpus(objects[("StatefulSet", "rollout")])
+    pods, per_pod = pod_gpus(objects[("Job", "node")])
     row = next(line for line in (BEAM / "README.md").read_text().splitlines() if line.startswith(f"| `{recipe}`"))
-    trainer_gpus, rollout_gpus = trainer[0] * trainer[1], rollout[0] * rollout[1]
-    assert row.rstrip(" |").endswith(f"{trainer_gpus} + {rollout_gpus} = {trainer_gpus + rollout_gpus}")
+    assert row.rstrip(" |").endswith(f"| {pods * per_pod}") and pods * per_pod == gpus
 
 
 @pytest.mark.parametrize("recipe", DEMO_RECIPES, ids=lambda path: path.stem)
@@ -89,12 +85,12 @@ def test_demo_recipes_render_one_gpu_trainer_and_servers(tmp_path, recipe):
 def test_multi_node_trainer_runs_torchrun_with_the_node_layout(tmp_path):
     from trainer_service.__main__ import parse_args
 
-    job = render_to(tmp_path, BEAM / "dapo-full-ft.yaml")[("Job", "trainer")]
+    job = render_to(tmp_path, BEAM / "dapo-full-ft.yaml", DISAGGREGATED)[("Job", "trainer")]
     args = main_args(job)
     torchrun = args[: args.index("trainer_service")]
     assert torchrun[:3] == ["python", "-m", "torch.distributed.run"]
     flags = dict(zip(torchrun[3::2], torchrun[4::2], strict=False))
-    assert flags["--nnodes"] == "4" and flags["--nproc-per-node"] == "8"
+    assert flags["--nnodes"] == "8" and flags["--nproc-per-node"] == "8"
     assert flags["--rdzv-backend"] == "c10d" and flags["--rdzv-endpoint"] == "trainer-0.trainer:29400"
     assert flags["--node-rank"] == "$(NODE_RANK)"
     env = {
@@ -109,7 +105,7 @@ def test_multi_node_trainer_runs_torchrun_with_the_node_layout(tmp_path):
 
 
 def test_single_node_trainer_runs_torchrun_standalone(tmp_path):
-    args = main_args(render_to(tmp_path, BEAM / "dapo-mxfp8.yaml")[("Job", "trainer")])
+    args = main_args(render_to(tmp_path, BEAM / "dapo.yaml", DISAGGREGATED)[("Job", "trainer")])
     assert args[:6] == ["python", "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "8"]
     assert "--nnodes" not in args and "--rdzv-endpoint" not in args
 
@@ -118,7 +114,7 @@ def test_coordinator_servers_are_the_rollout_pods_and_commands_parse(tmp_path):
     from coordinator.__main__ import parse_args as coordinator_args
     from rollout_service.__main__ import parse_args as rollout_args
 
-    objects = render_to(tmp_path, BEAM / "dapo-mxfp8.yaml", "--data-pvc", "datasets")
+    objects = render_to(tmp_path, BEAM / "dapo-mxfp8.yaml", DISAGGREGATED, "--data-pvc", "datasets")
     stateful_set = objects[("StatefulSet", "rollout")]
     assert objects[("Service", stateful_set["spec"]["serviceName"])]["spec"]["clusterIP"] == "None"
     served = rollout_args(role_argv(main_args(stateful_set), "rollout_service"))
@@ -137,7 +133,7 @@ def test_coordinator_servers_are_the_rollout_pods_and_commands_parse(tmp_path):
 
 
 def test_every_pod_mounts_the_model_read_only_and_passes_it_as_model(tmp_path):
-    objects = render_to(tmp_path, BEAM / "dapo-lora.yaml")
+    objects = render_to(tmp_path, BEAM / "dapo-lora-16.yaml", DISAGGREGATED)
     for key in [("StatefulSet", "rollout"), ("Job", "trainer"), ("Job", "coordinator")]:
         spec = objects[key]["spec"]["template"]["spec"]
         mount = next(m for m in spec["containers"][0]["volumeMounts"] if m["name"] == "model")
@@ -151,8 +147,11 @@ def test_every_pod_mounts_the_model_read_only_and_passes_it_as_model(tmp_path):
 def test_configmap_holds_a_config_that_revalidates_with_cluster_settings(tmp_path):
     objects = render_to(tmp_path, BEAM / "dapo-full-ft.yaml", "trainer.lr=2e-6")
     config = RunConfig.model_validate_json(objects[("ConfigMap", "fleetrl-config")]["data"]["config.json"])
-    assert config.trainer.lr == 2e-6 and config.trainer.num_nodes == 4
+    assert config.trainer.lr == 2e-6 and config.trainer.num_nodes == 8
     assert config.redis_url == "redis://redis:6379/0" and config.out_dir == "/fleetrl-run/beam-dapo-full-ft"
+    # the guide's home-relative paths land on the shared run volume, where every pod sees them
+    assert config.trainer.ckpt_dir == "/fleetrl-run/ckpts/{run_id}"
+    assert config.export_path().as_posix() == "/fleetrl-run/exports/beam-dapo-full-ft"
     assert config.coordinator.admin_host == "0.0.0.0" and config.coordinator.admin_port == 50050
     service_ports = {p["name"]: p["port"] for p in objects[("Service", "coordinator")]["spec"]["ports"]}
     assert service_ports == {"admin": 50050, "metrics": 9100, "dashboard": config.coordinator.dashboard_port}
@@ -188,7 +187,7 @@ def test_rollout_replica_larger_than_a_node_is_refused_without_the_flag(tmp_path
     assert "rollout.pipeline_parallel_size" in error and "--allow-multi-node-rollout" in error
     assert not (tmp_path / "out").exists()
     objects = render_to(tmp_path / "allowed", BEAM / "dapo-full-ft.yaml")
-    assert "fleetrl/multi-node-rollout" in objects[("StatefulSet", "rollout")]["metadata"]["annotations"]
+    assert "fleetrl/multi-node-rollout" in objects[("Job", "node")]["metadata"]["annotations"]
 
 
 def test_deploy_imports_only_protos():

@@ -198,7 +198,11 @@ def test_every_literal_field_takes_each_documented_value_on_the_command_line():
     fields = {key: (choices, is_list) for key, choices, is_list in _literal_fields()}
     assert {"rollout.return_routed_experts", "weight_bus.receive_mode", "trainer.lora.target_modules"} <= set(fields)
     # values some fields need beside them to validate (receive_mode=mxfp8 needs codec=mxfp8)
-    companions = {("weight_bus.receive_mode", "mxfp8"): ["weight_bus.codec=mxfp8"]}
+    companions = {
+        ("weight_bus.receive_mode", "mxfp8"): ["weight_bus.codec=mxfp8"],
+        ("trainer.resume", "from_path"): ["trainer.resume_path=/ckpt/step-000001"],
+        ("placement", "colocated"): ["rollout.num_servers=1", "rollout.gpu_memory_utilization=0.5"],
+    }
     for key, (choices, is_list) in fields.items():
         for choice in choices:
             written = f"[{choice}]" if is_list else choice

@@ -68,5 +68,5 @@ def test_keeps_the_last_k_and_ignores_partial_checkpoints(model_dir, tmp_path):
 def test_resume_setting_none_latest_and_bad_path(tmp_path):
     checkpoints = CheckpointManager(tmp_path / "empty")
     assert checkpoints.resolve("latest") is None and checkpoints.resolve("none") is None
-    with pytest.raises(FileNotFoundError, match="trainer.resume"):
+    with pytest.raises(FileNotFoundError, match="trainer.resume_path"):
         checkpoints.resolve(str(tmp_path / "missing"))

@@ -187,3 +187,32 @@ def test_a_redis_outage_while_the_trainer_waits_for_groups_neither_stops_it_nor_
     assert sorted(final["ledger"]) == sorted(f"g{i}" for i in range(NUM_GROUPS))
     assert _pending(client, keys) == 0 and proxy.refused > 0  # it kept trying while Redis was away
     assert "Redis unreachable" in log.read_text() or "failed, retrying" in log.read_text()
+
+
+def test_with_checkpoints_off_nothing_is_acknowledged_before_the_end_and_a_restart_retrains_the_whole_run(
+    redis_server, tmp_path, fresh_run
+):
+    from protos.records import decode_metrics
+
+    keys, client, model_dir = fresh_run
+    ckpt_dir, log, export = tmp_path / "ckpt", tmp_path / "trainer.log", tmp_path / "export"
+    push_groups(redis_server.url, keys, list(range(NUM_GROUPS)))
+    off = ["trainer.ckpt_interval=0", f"export_dir={export}"]
+    first = _start_trainer(model_dir, redis_server.url, ckpt_dir, log, *off)
+    deadline = time.monotonic() + 180
+    while int(client.get(keys.policy_version) or 0) < 3:  # three steps trained, none saved
+        assert first.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+        time.sleep(0.05)
+    os.killpg(first.pid, signal.SIGKILL)
+    first.wait(timeout=30)
+    assert _pending(client, keys) >= 3 * GROUPS_PER_STEP  # every entry read is still pending: nothing acknowledged
+    assert not list(ckpt_dir.glob("step-*"))
+
+    second = _start_trainer(model_dir, redis_server.url, ckpt_dir, log, *off)
+    assert second.wait(timeout=300) == 0, log.read_text()[-3000:]
+    assert _pending(client, keys) == 0 and not list(ckpt_dir.glob("step-*"))
+    reports = [decode_metrics(f[b"m"]) for _, f in client.xrange(keys.metrics("trainer")) if b"m" in f]
+    last = reports[-1].values  # the restarted trainer's totals: it started from model_path and got every group
+    assert reports[-1].step == NUM_GROUPS // GROUPS_PER_STEP
+    assert last["samples_trained"] == 4 * NUM_GROUPS and last["duplicates_skipped"] == 0
+    assert (export / "hf" / "model.safetensors.index.json").exists()  # the run completed: the final policy exported

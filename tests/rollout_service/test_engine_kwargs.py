@@ -1,0 +1,28 @@
+"""The engine arguments built from the Beam recipes: what vLLM is asked for (no engine is started)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from protos.config import load_run_config
+
+pytestmark = pytest.mark.unit
+
+BEAM = Path(__file__).resolve().parents[2] / "recipes" / "beam"
+LORA_16 = BEAM / "dapo-lora-16.yaml"
+
+
+def test_the_mxfp8_recipe_builds_the_engine_arguments_vllm_takes():
+    from rollout_service.engine import RolloutEngine
+
+    config = load_run_config(LORA_16.parent / "dapo-mxfp8.yaml")
+    kwargs = RolloutEngine(config.model_path, config.rollout).engine_kwargs(on_cpu=False)
+    assert kwargs["quantization"] == "mxfp8" and kwargs["enable_expert_parallel"]
+    assert (kwargs["tensor_parallel_size"], kwargs["pipeline_parallel_size"]) == (8, 1)
+    assert "kv_cache_dtype" not in kwargs and kwargs["dtype"] == "bfloat16"  # 'auto': the engine's bf16
+    fp8_kv = load_run_config(LORA_16.parent / "dapo-mxfp8.yaml", environ={"KV_CACHE_DTYPE": "fp8_e4m3"})
+    assert RolloutEngine("", fp8_kv.rollout).engine_kwargs(on_cpu=False)["kv_cache_dtype"] == "fp8_e4m3"
+    with pytest.raises(ValueError, match="rollout.quantization"):
+        RolloutEngine("", config.rollout).engine_kwargs(on_cpu=True)
