@@ -101,21 +101,24 @@ class Run:
 
 
 def run_config(tmp_path: Path, coordinator: dict, num_steps: int) -> tuple[dict, str, int]:
-    """The run's config (coordinator section merged with ``coordinator``), its admin address and metrics port."""
+    """The run's config (coordinator section merged with ``coordinator``; its ``groups_per_step`` goes to the top),
+    its admin address and metrics port."""
     admin, metrics_port = f"127.0.0.1:{free_port()}", free_port()
+    coordinator = dict(coordinator)
     config = {
         "run_id": RUN_ID,
         "out_dir": str(tmp_path),
+        "num_steps": num_steps,
+        "max_staleness": 1,
+        "groups_per_step": coordinator.pop("groups_per_step"),  # a top-level key (several roles read it)
         "coordinator": {
             "dashboard": False,
             "admin_port": int(admin.split(":")[1]),
             "metrics_port": metrics_port,
-            "max_staleness": 1,
             **coordinator,
         },
         # trim_acknowledged off: the tests read the whole trajectory stream afterwards as the record of pushes
         "trainer": {
-            "num_steps": num_steps,
             "geo_mask": None,
             "token_tis_cap": 2.0,
             "batch_timeout_s": 120,

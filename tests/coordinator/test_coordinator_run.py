@@ -83,7 +83,7 @@ def test_admin_verbs_steer_a_live_run_that_keeps_the_staleness_bound(tmp_path, m
         assert "2 servers" in fleetrl(run, "servers", "add", servers[1].address).stdout
         assert "coordinator running" in fleetrl(run, "resume").stdout
         # a live temperature change applies to requests made after it; each group records the one it was drawn at
-        assert "temperature: 1.0 -> 0.9" in fleetrl(run, "set", "sampling.temperature=0.9").stdout
+        assert "temperature: 1.0 -> 0.9" in fleetrl(run, "set", "temperature=0.9").stdout
         changed_at = int(status(run).get("groupsPushed", 0))
         deadline = time.monotonic() + 120
         while int(status(run).get("groupsPushed", 0)) < max(3 * b, changed_at + 2 * b + 1):  # > 2B in flight then
