@@ -105,6 +105,7 @@ def restore(config, stop: threading.Event):
         config.max_staleness,
         state.policy_version,
         ledger=state.ledger,
+        trained_versions=state.trained_versions,
         mini_batches=tcfg.mini_batches,
         measure_replay_mismatch=tcfg.measure_replay_mismatch,
     )
@@ -200,9 +201,8 @@ def checkpoint_step(config, checkpoints, side, trainer, step: int) -> float:
     if step % tcfg.ckpt_interval != 0 and step != config.num_steps:
         return 0.0
     started = time.monotonic()
-    ranks.save_checkpoint(
-        checkpoints, trainer.backend, TrainerState(step, trainer.policy_version, trainer.ledger, _totals(trainer))
-    )
+    state = TrainerState(step, trainer.policy_version, trainer.ledger, _totals(trainer), trainer.trained_versions)
+    ranks.save_checkpoint(checkpoints, trainer.backend, state)
     if side:
         side.ack_consumed()
     return time.monotonic() - started
