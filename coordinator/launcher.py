@@ -320,15 +320,22 @@ class DemoLauncher:
         return {server: report.policy_version for server, report in self.fleet_reports(client).items()}
 
     def wait_for_fleet(self, client: redis.Redis, version: int, timeout_s: float = 30.0) -> None:
+        """Until every rollout server that beats (a report younger than ``coordinator.server_timeout_s``) is on
+        ``version``: a dead server's last report, or a replacement still starting its engine, holds nothing up.
+        Roles are supervised meanwhile."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            versions = self.fleet_versions(client)
-            if versions and min(versions.values()) >= version:
+            self.check_children()
+            beating = [r.policy_version for r in self.fleet_reports(client).values() if self.beats(r)]
+            if beating and min(beating) >= version:
                 return
             time.sleep(0.2)
         logger.warning(
             "not every rollout server reached v%d within %.0fs: %s", version, timeout_s, self.fleet_versions(client)
         )
+
+    def beats(self, report) -> bool:
+        return time.time() - report.time_s <= self.config.coordinator.server_timeout_s
 
     def summary(self, client: redis.Redis, steps: list[dict], coordinator: dict) -> dict:
         rewards = [s["reward_mean"] for s in steps]
