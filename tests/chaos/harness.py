@@ -239,8 +239,8 @@ class ChaosRun:
 
     # faults -------------------------------------------------------------------------------------------------------
     def inject(self, schedule: list[Fault], start_timeout_s: float = 600.0) -> None:
-        """Each fault once it is due and the one before has recovered (a killed role restarted, Redis answering);
-        a run that ends first fails the soak (its schedule is too dense for its steps)."""
+        """Each fault once it is due, the one before has recovered (a killed role restarted, Redis answering) and the
+        run has made a step since; a run that ends first fails the soak (its schedule is too dense for its steps)."""
         for number, fault in enumerate(schedule, 1):
             timeout_s = start_timeout_s if number == 1 else RECOVERY_TIMEOUT_S
             what = f"step {fault.after_step} (fault {number} of {len(schedule)}: {fault.kind} {fault.target})"
@@ -250,6 +250,9 @@ class ChaosRun:
             print(f"chaos: injecting {fault.kind} {fault.target} after step {record.step_before}", flush=True)
             self._inject_one(record)
             self.records.append(record)
+            if number < len(schedule):  # the next fault comes once the run made progress: each has its time lost
+                what = f"a step after fault {number} ({fault.kind} {fault.target})"
+                self.wait_for(lambda r=record: self.trainer_step() > r.step_before, what, RECOVERY_TIMEOUT_S)
 
     def _inject_one(self, record: FaultRecord) -> None:
         fault = record.fault
