@@ -210,9 +210,10 @@ def nccl_subscriber_factory(redis_url: str, keys: RedisKeys, config: WeightBusCo
 
 
 def exit_after_stop(code: int) -> NoReturn:
-    """Leave once the server has stopped (calls drained, engine shut down), without the interpreter's teardown: its
-    garbage collection over the objects of vLLM, torch and transformers took 9-10 s on a busy 2-core machine, longer
-    than a launcher's stop grace, so every stop ended in a SIGKILL and a restart waited for it."""
+    """Leave once the server has stopped (calls drained, engine shut down) or failed (logged), without the
+    interpreter's teardown: its garbage collection over the objects of vLLM, torch and transformers took 9-10 s on a
+    busy 2-core machine, longer than a launcher's stop grace, so every stop ended in a SIGKILL and every restart of a
+    failed server waited for it."""
     logging.shutdown()  # flushes the log handlers: nothing the server wrote is lost
     sys.stdout.flush()
     sys.stderr.flush()
@@ -228,7 +229,10 @@ def main(argv: list[str] | None = None) -> None:
         uvloop.run(run(args))
     except KeyboardInterrupt:
         pass
-    exit_after_stop(0)  # an error propagates instead: its traceback is printed by the usual teardown
+    except Exception:  # a user's mistake (SystemExit) still exits the usual way, with its one line
+        logger.exception("rollout server %s failed", args.server_id)
+        exit_after_stop(1)
+    exit_after_stop(0)
 
 
 if __name__ == "__main__":
