@@ -64,10 +64,11 @@ async def build_pipeline(config, client, keys, fleet) -> Pipeline:
     tokenizer = load_tokenizer(config.model_path) if needs_tokenizer else None
     executor = ThreadPoolExecutor(cfg.reward_threads, thread_name_prefix="reward")
     task = build_task(cfg, config.rollout.max_model_len, tokenizer, executor)
-    start_version, version_offset = await AsyncVersionBoard(client, keys).version_and_offset()  # read together
+    board = AsyncVersionBoard(client, keys)
+    start_version, version_offset = await startup_read(board.version_and_offset, "the trainer's version and offset")
     queue = TrajectoryStreamWriter(client, keys)
     # version - offset = the steps the trainer has taken (RedisKeys.version_offset)
-    pushed = await queue.pushed_total()
+    pushed = await startup_read(queue.pushed_total, "the groups pushed so far")
     steps_done = max(0, start_version - version_offset)
     total_groups, queued = remaining_groups(config, pushed, steps_done)
     if pushed:
@@ -79,7 +80,9 @@ async def build_pipeline(config, client, keys, fleet) -> Pipeline:
         sets = load_eval_sets(cfg, renderer, config.rollout.max_model_len)
         scorer = ResponseScorer(tokenizer, get_reward_fn(cfg.eval.reward_fn), executor, cfg.reward_timeout_s)
         evals = EvalRunner(config, fleet, sets, scorer, str(config.export_path()))
-        evaluated = await reported_eval_versions(client, keys) if pushed else set()
+        evaluated = (
+            await startup_read(partial(reported_eval_versions, client, keys), "eval rounds") if pushed else set()
+        )
         evals.schedule(eval_versions(cfg.eval, start_version, config.num_steps, steps_done, evaluated))
     logger.info(
         "coordinator: task %s, %d groups of %d, start at trainer v%d, eval at %s",
@@ -122,12 +125,20 @@ def remaining_groups(config, pushed: int, steps_trained: int) -> tuple[int, int]
     return total, queued
 
 
+async def startup_read(read, what: str, timeout_s: float = 120.0):
+    """A read of the coordinator's start, retried through a Redis outage (channels/retry.py): a coordinator started
+    while Redis restarts waits for it instead of failing and being restarted."""
+    from channels.retry import retry_async
+
+    return await retry_async(read, f"coordinator start: reading {what}", timeout_s)
+
+
 async def resume_prompts(task, queue) -> None:
     """A restarted coordinator continues the prompt stream after the groups already pushed (the prompt cursor).
 
     A cursor of another task, seed or dataset size cannot be continued: that task starts from its top, said loudly.
     """
-    cursor = await queue.prompt_cursor()
+    cursor = await startup_read(queue.prompt_cursor, "the prompt cursor")
     if cursor is None:
         logger.warning(
             "coordinator restart: no prompt cursor in Redis; task %s starts from its first prompt", task.name

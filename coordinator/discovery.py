@@ -22,6 +22,7 @@ import time
 
 import grpc
 
+from channels.retry import UNREACHABLE
 from channels.version_board import AsyncVersionBoard
 from coordinator.fleet import Fleet
 from coordinator.rollout_client import RolloutClient, RolloutFailed
@@ -120,7 +121,10 @@ async def wait_for_servers(fleet, discovery, board, timeout_s: float) -> None:
             await asyncio.sleep(0.5)
         await client.info()
     while discovery is not None and not fleet.clients:
-        await discovery.refresh(await board.fleet_reports())
+        try:
+            await discovery.refresh(await board.fleet_reports())
+        except UNREACHABLE as error:  # a poll: its next pass is the retry (channels/retry.py)
+            logger.warning("waiting for rollout servers to register: Redis unreachable: %s", error)
         if not fleet.clients and time.monotonic() > deadline:
             raise TimeoutError(
                 f"no rollout server registered in Redis ({board.keys.fleet}) within {timeout_s}s: start servers "

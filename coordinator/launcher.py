@@ -25,11 +25,13 @@ from pathlib import Path
 import redis
 
 from channels.metrics_stream import MetricsStreamReader
+from channels.retry import UNREACHABLE, retry_sync
 from channels.version_board import VersionBoard
 from coordinator import roles
 from coordinator.demo_agents import demo_agent_commands, prepare_agents
 from coordinator.redis_server import EmbeddedRedis
 from coordinator.roles import RoleSpec
+from coordinator.run_figures import replay_figures, speed_figures
 from coordinator.run_logger import RunLogger, append_step, read_reports
 from coordinator.supervision import RoleFailed, SupervisedProcess, write_roles
 from protos.config import RunConfig
@@ -115,6 +117,7 @@ class DemoLauncher:
         self.redis_server: EmbeddedRedis | None = None
         self.started = time.monotonic()
         self.rollout_rates: list[float] = []  # the coordinator's tokens/s reports (summary median)
+        self.redis_down_since: float | None = None  # monotonic time the monitor lost Redis (None: it reaches it)
 
     # process management --------------------------------------------------------------------
     def spawn(self, make_spec: Callable[[], RoleSpec]) -> None:
@@ -232,7 +235,7 @@ class DemoLauncher:
         try:
             while not done:
                 self.check_children()
-                for report in read_reports(metrics, cursors, block_s=1.0):
+                for report in self.next_reports(metrics, cursors):
                     if isinstance(report, RoleDone):  # the trainer finished
                         done = done or report.role == "trainer"
                     elif report.role == "coordinator":  # periodic figures, and eval rounds (eval/...)
@@ -250,6 +253,22 @@ class DemoLauncher:
             run_logger.finish()
         return self.summary(client, trainer_steps, coordinator_last)
 
+    def next_reports(self, metrics: MetricsStreamReader, cursors: dict[str, str]) -> list:
+        """The reports after ``cursors`` (waiting up to a second); none while Redis is unreachable: the roles ride an
+        outage out on their own, so the launcher only says so and keeps supervising (channels/retry.py, periodic)."""
+        try:
+            reports = read_reports(metrics, cursors, block_s=1.0)
+        except UNREACHABLE as error:
+            if self.redis_down_since is None:
+                self.redis_down_since = time.monotonic()
+                print(f"fleetrl: Redis unreachable, waiting for it ({error})", flush=True)
+            time.sleep(0.5)
+            return []
+        if self.redis_down_since is not None:
+            print(f"fleetrl: Redis back after {time.monotonic() - self.redis_down_since:.1f}s", flush=True)
+            self.redis_down_since = None
+        return reports
+
     def wait_for_coordinator(
         self, metrics: MetricsStreamReader, cursor: str, run_logger: RunLogger, timeout_s: float = 120.0
     ) -> dict:
@@ -263,7 +282,12 @@ class DemoLauncher:
         if self.coordinator_running():
             logger.warning("the coordinator did not exit within %.0fs after the trainer finished", timeout_s)
         self.check_children()
-        for entry in metrics.after("coordinator", cursor):
+        try:  # an idempotent read: retried through an outage for a while, then the summary goes without
+            entries = retry_sync(lambda: metrics.after("coordinator", cursor), "the coordinator's last reports", 30.0)
+        except UNREACHABLE as error:
+            logger.warning("the coordinator's last reports not read, Redis unreachable: %s", error)
+            entries = []
+        for entry in entries:
             if entry.report is not None:
                 values.update(entry.report.values)
                 run_logger.log_coordinator(entry.report)
@@ -276,30 +300,42 @@ class DemoLauncher:
             f"| reward {step['reward_mean']:.3f} | staleness max {step['staleness_max']:.0f} "
             f"(bound {self.config.max_staleness}) | rollout {coordinator.get('tokens_per_s', 0):7.0f} tok/s "
             f"| masked {step.get('geo_mask_masked_ratio', 0):.2f} |dlogp| {step.get('mean_abs_logprob_diff', 0):.3f} "
-            f"| queue {step['queue_depth']:.0f} | servers at {versions}{_replay_figures(step)} "
+            f"| queue {step['queue_depth']:.0f} | servers at {versions}{replay_figures(step)} "
             f"| {time.monotonic() - self.started:5.0f}s",
             flush=True,
         )
 
     def speed_summary(self, client: redis.Redis, steps: list[dict]) -> dict:
-        reports = list(VersionBoard(client, self.keys).fleet_reports().values())
-        return _speed_figures(steps, self.rollout_rates, reports)
+        return speed_figures(steps, self.rollout_rates, list(self.fleet_reports(client).values()))
+
+    def fleet_reports(self, client: redis.Redis) -> dict:
+        """The rollout servers' version reports; none while Redis is unreachable (a step line, a summary figure)."""
+        try:
+            return VersionBoard(client, self.keys).fleet_reports()
+        except UNREACHABLE as error:
+            logger.warning("rollout servers' versions not read, Redis unreachable: %s", error)
+            return {}
 
     def fleet_versions(self, client: redis.Redis) -> dict[str, int]:
-        return {
-            server: report.policy_version for server, report in VersionBoard(client, self.keys).fleet_reports().items()
-        }
+        return {server: report.policy_version for server, report in self.fleet_reports(client).items()}
 
     def wait_for_fleet(self, client: redis.Redis, version: int, timeout_s: float = 30.0) -> None:
+        """Until every rollout server that beats (a report younger than ``coordinator.server_timeout_s``) is on
+        ``version``: a dead server's last report, or a replacement still starting its engine, holds nothing up.
+        Roles are supervised meanwhile."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            versions = self.fleet_versions(client)
-            if versions and min(versions.values()) >= version:
+            self.check_children()
+            beating = [r.policy_version for r in self.fleet_reports(client).values() if self.beats(r)]
+            if beating and min(beating) >= version:
                 return
             time.sleep(0.2)
         logger.warning(
             "not every rollout server reached v%d within %.0fs: %s", version, timeout_s, self.fleet_versions(client)
         )
+
+    def beats(self, report) -> bool:
+        return time.time() - report.time_s <= self.config.coordinator.server_timeout_s
 
     def summary(self, client: redis.Redis, steps: list[dict], coordinator: dict) -> dict:
         rewards = [s["reward_mean"] for s in steps]
@@ -328,42 +364,10 @@ class DemoLauncher:
         }
 
 
-def _speed_figures(steps: list[dict], rollout_rates: list[float], reports) -> dict:
-    """Medians of the run's speed figures (steps after the first, which pays start-up costs)."""
-    later = steps[1:] or steps
-    r3 = [s["on_policy_abs_logprob_diff_r3"] for s in steps if "on_policy_abs_logprob_diff_r3" in s]
-    natural = [s["on_policy_abs_logprob_diff_natural"] for s in steps if "on_policy_abs_logprob_diff_natural" in s]
-    return {
-        "rollout_tokens_per_s": _median([rate for rate in rollout_rates if rate > 0]),
-        "train_s_per_step": _median([s.get("train_s", 0.0) for s in later]),
-        "step_s": _median([s.get("step_s", 0.0) for s in later]),
-        "publish_s": _median([s.get("publish_s", 0.0) for s in later]),
-        "weight_update_s": max((r.update_s for r in reports), default=0.0),
-        "weight_update_paused_s": max((r.paused_s for r in reports), default=0.0),
-        "on_policy_abs_logprob_diff_r3": sum(r3) / len(r3) if r3 else None,
-        "on_policy_abs_logprob_diff_natural": sum(natural) / len(natural) if natural else None,
-    }
-
-
-def _replay_figures(step: dict) -> str:
-    if "on_policy_abs_logprob_diff_r3" not in step:
-        return ""
-    return (
-        f" | on-policy |dlogp| R3 {step['on_policy_abs_logprob_diff_r3']:.4f} "
-        f"natural {step['on_policy_abs_logprob_diff_natural']:.4f}"
-    )
-
-
 def _num_gpus() -> int:
     import torch
 
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
-
-
-def _median(values: list[float]) -> float:
-    import statistics
-
-    return statistics.median(values) if values else 0.0
 
 
 def run_demo(config: RunConfig, out_dir: Path) -> dict:

@@ -12,8 +12,8 @@ and a new prompt is drawn *for the same slot*, so the admission arithmetic above
 replacement is trained at the same step and dispatched under the same version floor.
 
 The trainer keeps ``version_offset = version - steps taken`` in Redis: a restarted trainer that publishes its
-restored weights as latest + 1 raises it (versions skipped), a step that published nothing (a non-finite
-update) lowers it by one. ``set_version_offset`` moves v_0 by each change, so the arithmetic above stays true
+weights as latest + 1 raises it (versions skipped: it restored no checkpoint, or replaying the lost steps gave other
+weights), a step that published nothing (a non-finite update) lowers it by one. ``set_version_offset`` moves v_0 by each change, so the arithmetic above stays true
 (without the lowering, k + 1 non-finite steps would leave no slot admissible: a stalled run).
 
 Eval holds: when an eval round is due at version v_e, admission stops at slot (v_e - v_0) * B. The

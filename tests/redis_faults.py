@@ -45,7 +45,12 @@ class RedisProxy:
             self.refused += 1
             client_writer.close()
             return
-        server_reader, server_writer = await asyncio.open_connection(*self.upstream)
+        try:
+            server_reader, server_writer = await asyncio.open_connection(*self.upstream)
+        except OSError:  # Redis itself is down (restarting): the client sees a refused connection, as without us
+            self.refused += 1
+            client_writer.close()
+            return
         self._writers |= {client_writer, server_writer}
         drop_reply = asyncio.Event()
 
@@ -97,10 +102,13 @@ def redis_proxy(redis_url: str, marker: bytes | None = None) -> Iterator[tuple[s
 
         async def shutdown() -> None:  # every relay ends before the loop does
             holder["server"].close()
+            proxy._cut()  # closed connections end their relays; one still stuck is cancelled
             relays = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
-            for relay in relays:
-                relay.cancel()
-            await asyncio.gather(*relays, return_exceptions=True)
+            if relays:
+                _, stuck = await asyncio.wait(relays, timeout=5)
+                for relay in stuck:
+                    relay.cancel()
+                await asyncio.gather(*relays, return_exceptions=True)
 
         asyncio.run_coroutine_threadsafe(shutdown(), loop).result(timeout=10)
         loop.call_soon_threadsafe(loop.stop)

@@ -105,6 +105,7 @@ def restore(config, stop: threading.Event):
         config.max_staleness,
         state.policy_version,
         ledger=state.ledger,
+        trained_versions=state.trained_versions,
         mini_batches=tcfg.mini_batches,
         measure_replay_mismatch=tcfg.measure_replay_mismatch,
     )
@@ -126,7 +127,7 @@ def run(args: argparse.Namespace, stop: threading.Event) -> None:
     torch.set_num_threads(1)
 
     # 0) restore every rank from the same checkpoint; rank 0 opens Redis and takes over the entries a dead trainer
-    #    left pending; versions published past the checkpoint are caught up
+    #    left pending; the steps of versions published past the checkpoint are replayed (trainer_service/replay.py)
     trainer, checkpoints, side, restored, start_step = restore(config, stop)
     publisher = side.publisher if side else None
 
@@ -134,7 +135,7 @@ def run(args: argparse.Namespace, stop: threading.Event) -> None:
         return ranks.publish_weights(publisher, trainer.backend, trainer.policy_version)
 
     feed = ranks.OrderFeed(side.read_groups if side else None, partial(apply_commands, trainer, publish_current))
-    catch_up_published(side, trainer, publish_current, restored, start_step)
+    replay = catch_up_published(side, trainer, publish_current, restored, start_step)
     for step in range(start_step + 1, config.num_steps + 1):
         started = time.monotonic()
         # 1) one step's new groups: rank 0 pops them (entries already in the ledger are skipped but acknowledged
@@ -146,8 +147,9 @@ def run(args: argparse.Namespace, stop: threading.Event) -> None:
         # 2) check policy lag and 3) take the optimizer step (inside Trainer.step, alike on every rank)
         previous_version = trainer.policy_version
         values = trainer.step(groups)
-        # 4) publish weights v+1 if the step was taken; a step that was not moves the coordinator's slot map back
-        publish_s = publish_step(side, trainer, previous_version, step, publish_current)
+        # 4) publish weights v+1 if the step was taken (a replayed one is out already: checked against it); a step
+        #    that was not moves the coordinator's slot map back
+        publish_s = publish_step(side, trainer, previous_version, step, publish_current, replay)
         # 5) checkpoint (every rank its shard, rank 0 the ledger), then rank 0 acknowledges what it holds
         ckpt_s = checkpoint_step(config, checkpoints, side, trainer, step)
         # 6) log and report
@@ -172,14 +174,48 @@ def export_final(config, trainer) -> None:
     )
 
 
-def publish_step(side, trainer, previous_version: int, step: int, publish_current) -> float:
+def publish_step(side, trainer, previous_version: int, step: int, publish_current, replay) -> float:
     """Step 4: publish the new version if the step was taken (seconds spent); a skipped step instead moves the
-    version offset, so that the coordinator's slot map follows."""
-    if trainer.policy_version != previous_version:
-        return publish_current()
+    version offset, so that the coordinator's slot map follows. A replayed version (``trainer_service.replay``) was
+    published by the trainer that died: it is checked against that one instead, and one that differs goes out as
+    the latest + 1."""
+    if trainer.policy_version == previous_version:
+        if side:
+            record_version_offset(side, trainer.policy_version, step)
+        return 0.0
+    if replay.covers(trainer.policy_version):
+        started, latest = time.monotonic(), replay.target
+        if replay.checked(trainer.policy_version, replayed_differs(side, trainer, replay)):
+            return time.monotonic() - started
+        replay.target = None
+        return publish_new_lineage(side, trainer, latest, step, publish_current)
+    return publish_current()
+
+
+def replayed_differs(side, trainer, replay) -> list[str]:
+    """Every rank exports (a collective); rank 0 compares the export with the manifest of the trainer's version."""
+    from trainer_service import ranks
+    from trainer_service.replay import differing_tensors
+    from weight_bus.packing import WireCodec
+
+    tensors = trainer.backend.export_hf_weights()
+    differing: list[str] = []
+    if side is None:
+        for _name, _tensor in tensors:  # drained: the export is a collective
+            pass
+    else:
+        manifest = side.board.manifest(trainer.policy_version)
+        differing = differing_tensors(manifest, tensors, WireCodec.from_config(side.config.weight_bus))
+    return ranks.broadcast_json(differing) if ranks.world_size() > 1 else differing
+
+
+def publish_new_lineage(side, trainer, published: int, step: int, publish_current) -> float:
+    """The trainer's weights go out as ``published`` + 1 (versions only go up): a lineage of its own, and the version
+    offset rises with it (set before the publish: the coordinator must not see the version without its offset)."""
     if side:
-        record_version_offset(side, trainer.policy_version, step)
-    return 0.0
+        record_version_offset(side, published + 1, step)
+    trainer.policy_version = published + 1
+    return publish_current()
 
 
 def checkpoint_step(config, checkpoints, side, trainer, step: int) -> float:
@@ -200,9 +236,8 @@ def checkpoint_step(config, checkpoints, side, trainer, step: int) -> float:
     if step % tcfg.ckpt_interval != 0 and step != config.num_steps:
         return 0.0
     started = time.monotonic()
-    ranks.save_checkpoint(
-        checkpoints, trainer.backend, TrainerState(step, trainer.policy_version, trainer.ledger, _totals(trainer))
-    )
+    state = TrainerState(step, trainer.policy_version, trainer.ledger, _totals(trainer), trainer.trained_versions)
+    ranks.save_checkpoint(checkpoints, trainer.backend, state)
     if side:
         side.ack_consumed()
     return time.monotonic() - started
@@ -214,10 +249,13 @@ def record_version_offset(side, policy_version: int, step: int) -> None:
     side.board.set_version_offset(policy_version - step)
 
 
-def catch_up_published(side, trainer, publish_current, restored, step: int) -> None:
-    """Versions past the checkpoint died with the previous trainer; versions only go up, so the restored weights
-    go out as the next one and the fleet moves onto them (every rank takes part in the export)."""
+def catch_up_published(side, trainer, publish_current, restored, step: int):
+    """Versions past the checkpoint were published by the previous trainer: restored from a checkpoint, the trainer
+    replays their steps (returns the ``Replay``; trainer_service/replay.py). Without one (a lineage of its own),
+    versions only go up, so its weights go out as the next one and the fleet moves onto them (every rank takes part
+    in the export)."""
     from trainer_service import metrics, ranks
+    from trainer_service.replay import Replay
 
     published = side.published_version() if side else None
     if ranks.world_size() > 1:
@@ -234,17 +272,17 @@ def catch_up_published(side, trainer, publish_current, restored, step: int) -> N
             len(trainer.ledger),
             ranks.world_size(),
         )
-    if published > trainer.policy_version:
-        # before the publish: the coordinator must not see the new version without the offset that goes with it
-        if side:
-            record_version_offset(side, published + 1, step)
-        trainer.policy_version = published + 1
-        publish_current()
+    replay = Replay(published if restored and published > trainer.policy_version else None)
+    if replay.target is not None:
+        logger.info("trainer start: replaying the steps of v%d..v%d", trainer.policy_version + 1, replay.target)
+    elif published > trainer.policy_version:
+        publish_new_lineage(side, trainer, published, step, publish_current)
     elif side:
         record_version_offset(side, trainer.policy_version, step)
     if side:
         side.board.init_version(trainer.policy_version)
         metrics.POLICY_VERSION.set(trainer.policy_version)
+    return replay
 
 
 def _totals(trainer) -> dict[str, float]:

@@ -1,7 +1,7 @@
 """Checkpoints of the trainer: backend state (model, optimizer, scheduler, RNG) plus the trainer state.
 
 The trainer state holds the step, the policy version and the **ledger**: every trajectory group id whose
-step is inside these weights, with its outcome. A queue entry is acknowledged only after the checkpoint
+step is inside these weights, with its outcome (and the policy version that step updated). A queue entry is acknowledged only after the checkpoint
 that contains its group id is on disk, so after a crash the trainer reclaims the unacknowledged entries,
 skips the ids already in the ledger, and trains the rest: every group is consumed exactly once by the
 lineage of weights that survives.
@@ -33,6 +33,9 @@ class TrainerState:
     # group id -> outcome ("trained", "stale", "nonfinite"), in the order consumed
     ledger: dict[str, str] = field(default_factory=dict)
     totals: dict[str, float] = field(default_factory=dict)
+    # group id -> the policy version its step updated (v_trainer of its staleness), for the groups of the ledger:
+    # with the samples' token versions on the stream, each sample's staleness can be audited after the run
+    trained_versions: dict[str, int] = field(default_factory=dict)
 
 
 def _fsync_dir(path: Path) -> None:

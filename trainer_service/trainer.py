@@ -43,6 +43,7 @@ class Trainer:
         ledger: dict[str, str] | None = None,
         mini_batches: int = 1,
         measure_replay_mismatch: bool = False,
+        trained_versions: dict[str, int] | None = None,
     ):
         self.backend = backend
         self.mini_batches = mini_batches
@@ -50,6 +51,7 @@ class Trainer:
         self.max_staleness = max_staleness
         self.policy_version = policy_version
         self.ledger: dict[str, str] = dict(ledger or {})
+        self.trained_versions: dict[str, int] = dict(trained_versions or {})  # group id -> v_trainer of its step
         self.totals = TrainerTotals()
         self.last_staleness: list[int] = []  # per group of the last step (metrics)
 
@@ -105,7 +107,8 @@ class Trainer:
         totals = self.totals
         if not groups or any(g.group_id in self.ledger for g in groups):
             raise ValueError("Trainer.step needs at least one group, none of them in the ledger (filter_new)")
-        staleness = [staleness_of(g, self.policy_version) for g in groups]
+        updated_version = self.policy_version  # v_trainer: the version this step's update starts from
+        staleness = [staleness_of(g, updated_version) for g in groups]
         self.last_staleness = staleness
         fresh = [g for g, s in zip(groups, staleness, strict=True) if s <= self.max_staleness]
         totals.stale_dropped += sum(
@@ -130,6 +133,7 @@ class Trainer:
         trained = "nonfinite" if values["skipped"] else "trained"
         for group, lag in zip(groups, staleness, strict=True):
             self.ledger[group.group_id] = "stale" if lag > self.max_staleness else trained
+            self.trained_versions[group.group_id] = updated_version
         values.update(
             staleness_max=float(max(staleness)),
             staleness_mean=sum(staleness) / len(staleness),

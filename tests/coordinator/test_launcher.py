@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from coordinator.launcher import _speed_figures, check_gpu_layout
+from coordinator.launcher import check_gpu_layout
+from coordinator.run_figures import speed_figures
 from protos.config import load_run_config
 from protos.records import ReportStatus, VersionReport
 
@@ -32,7 +33,7 @@ def test_speed_figures_are_medians_after_the_first_step_with_the_replay_mismatch
         }
     ] + [{"train_s": t, "step_s": 2 * t, "publish_s": 1.0} for t in (1.0, 2.0, 3.0)]
     reports = [VersionReport("rollout-0", "a", 4, ReportStatus.OK, "", 0.0, update_s=0.5, paused_s=0.25)]
-    figures = _speed_figures(steps, [0.0, 100.0, 300.0], reports)
+    figures = speed_figures(steps, [0.0, 100.0, 300.0], reports)
     assert (figures["train_s_per_step"], figures["step_s"], figures["publish_s"]) == (2.0, 4.0, 1.0)
     assert figures["rollout_tokens_per_s"] == 200.0  # idle reports (0 tok/s) left out
     assert (figures["weight_update_s"], figures["weight_update_paused_s"]) == (0.5, 0.25)

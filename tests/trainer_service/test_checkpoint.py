@@ -51,6 +51,25 @@ def test_resume_from_checkpoint_continues_bit_exactly(model_dir, tmp_path):
         assert torch.equal(tensor, final_weights[name]), name
 
 
+def test_the_version_each_group_was_trained_by_is_checkpointed_with_the_ledger(model_dir, tmp_path):
+    """What a sample's staleness is measured against after the run (the chaos soak's audit): v_trainer of its step,
+    across a restore."""
+    checkpoints = CheckpointManager(tmp_path, keep_last=1)
+    trainer = Trainer(TorchBackend(model_dir, CONFIG), max_staleness=100, policy_version=5)
+    _train(trainer, range(2))
+    state = TrainerState(2, trainer.policy_version, trainer.ledger, trained_versions=trainer.trained_versions)
+    checkpoints.save(trainer.backend, state)
+    restored = CheckpointManager.load(checkpoints.latest(), TorchBackend(model_dir, CONFIG))
+    assert restored.trained_versions == {"g0": 5, "g1": 5, "g2": 6, "g3": 6}
+    resumed = Trainer(
+        trainer.backend, 100, restored.policy_version, restored.ledger, trained_versions=restored.trained_versions
+    )
+    _train(resumed, range(2, 3))
+    assert resumed.trained_versions == {**restored.trained_versions, "g4": 7, "g5": 7}
+    legacy = {"step": 1, "policy_version": 1, "ledger": {"g0": "trained"}, "totals": {}}  # saved before the field
+    assert TrainerState(**legacy).trained_versions == {}
+
+
 def test_keeps_the_last_k_and_ignores_partial_checkpoints(model_dir, tmp_path):
     checkpoints = CheckpointManager(tmp_path, keep_last=2)
     backend = TorchBackend(model_dir, TrainerConfig())

@@ -67,6 +67,13 @@ def fresh_run(redis_server, tmp_path):
     client.close()
 
 
+def _last_reported_step(client: redis.Redis, keys: RedisKeys) -> int:
+    from protos.records import decode_metrics
+
+    newest = client.xrevrange(keys.metrics("trainer"), count=1)
+    return decode_metrics(newest[0][1][b"m"]).step if newest and b"m" in newest[0][1] else 0
+
+
 def _pending(client: redis.Redis, keys: RedisKeys) -> int:
     return int(client.xpending(keys.trajectories, keys.trainer_group)["pending"])
 
@@ -109,13 +116,46 @@ def test_sigkill_mid_step_then_restart_trains_every_group_exactly_once(redis_ser
     assert set(final["ledger"].values()) == {"trained"}
     assert final["totals"]["samples_trained"] == 4 * NUM_GROUPS  # the restart counts on from the checkpoint's totals
     assert _pending(client, keys) == 0 and client.llen(keys.dead_letters) == 0
-    assert int(client.get(keys.policy_version)) > version_at_kill  # the restart published past the dead lineage
-    # Versions it skipped are counted for the coordinator: version = steps trained + versions skipped.
-    lost = version_at_kill - killed_at["policy_version"]
-    skipped = int(client.get(keys.version_offset) or 0)
-    assert skipped == (lost + 1 if lost > 0 else 0)
-    assert int(client.get(keys.policy_version)) == final["step"] + skipped
+    # Versions published past the checkpoint were trained again (trainer_service/replay.py), none skipped: the
+    # version is the steps trained, the coordinator's offset stays 0.
+    assert int(client.get(keys.policy_version)) == final["step"] == final["policy_version"]
+    assert int(client.get(keys.version_offset) or 0) == 0
+    if version_at_kill > killed_at["policy_version"]:
+        assert f"replayed v{version_at_kill}: the published weights, bit for bit" in log.read_text()
     assert f"{pending_at_kill} entries reclaimed" in log.read_text()  # the restart took them over
+
+
+def test_a_trainer_killed_between_publish_and_checkpoint_replays_the_step_and_skips_no_version(
+    redis_server, tmp_path, fresh_run
+):
+    """The chaos soak's find: the restart published its older weights as latest + 1, every queued group looked a
+    version staler than it was, and whole steps of on-policy groups were dropped as stale."""
+    keys, client, model_dir = fresh_run
+    ckpt_dir, log = tmp_path / "ckpt", tmp_path / "trainer.log"
+    push_groups(redis_server.url, keys, list(range(4 * GROUPS_PER_STEP)))  # four steps; checkpoints every third
+    first = _start_trainer(model_dir, redis_server.url, ckpt_dir, log)
+    deadline = time.monotonic() + 180
+    while _last_reported_step(client, keys) < 4:  # step 4 published and reported: it waits for step 5's groups now
+        assert first.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+        time.sleep(0.05)
+    os.killpg(first.pid, signal.SIGKILL)
+    first.wait(timeout=30)
+    assert _latest_state(ckpt_dir)["policy_version"] == 3 and _pending(client, keys) == GROUPS_PER_STEP
+
+    push_groups(redis_server.url, keys, list(range(4 * GROUPS_PER_STEP, NUM_GROUPS)))
+    second = _start_trainer(model_dir, redis_server.url, ckpt_dir, log)
+    assert second.wait(timeout=300) == 0, log.read_text()[-3000:]
+    text = log.read_text()
+    assert "replaying the steps of v4..v4" in text and "replayed v4: the published weights, bit for bit" in text
+    final = _latest_state(ckpt_dir)
+    steps = NUM_GROUPS // GROUPS_PER_STEP
+    assert final["policy_version"] == int(client.get(keys.policy_version)) == steps
+    assert int(client.get(keys.version_offset)) == 0  # no version skipped: the coordinator's slot map holds
+    announced = [int(f[b"v"]) for _, f in client.xrange(keys.weight_announcements)]
+    assert sorted(set(announced)) == list(range(1, steps + 1)) and announced.count(4) == 1  # v4 not published again
+    # step 4's groups trained again from the v3 weights, as the first time; every group trained once
+    assert final["trained_versions"]["g6"] == final["trained_versions"]["g7"] == 3
+    assert set(final["ledger"].values()) == {"trained"} and len(final["ledger"]) == NUM_GROUPS
 
 
 def test_a_group_pushed_twice_is_trained_once(redis_server, tmp_path, fresh_run):
