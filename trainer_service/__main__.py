@@ -98,6 +98,7 @@ def run(args: argparse.Namespace, stop: threading.Event) -> None:
     import torch
 
     from trainer_service import ranks
+    from trainer_service.checkpoint import CheckpointWriter
     from trainer_service.redis_side import apply_commands
 
     config = load_config(args)
@@ -113,6 +114,8 @@ def run(args: argparse.Namespace, stop: threading.Event) -> None:
 
     feed = ranks.OrderFeed(side.read_groups if side else None, partial(apply_commands, trainer, publish_current))
     catch_up_published(side, trainer, publish_current, restored, start_step)
+    # one process: checkpoints become durable (fsync, rename) on a thread while the next step trains
+    writer = CheckpointWriter(checkpoints) if ranks.world_size() == 1 else None
     for step in range(start_step + 1, config.num_steps + 1):
         started = time.monotonic()
         # 1) one step's new groups: rank 0 pops them (entries already in the ledger are skipped but acknowledged
@@ -127,12 +130,14 @@ def run(args: argparse.Namespace, stop: threading.Event) -> None:
         # 4) publish weights v+1 if the step was taken; a step that was not moves the coordinator's slot map back
         publish_s = publish_step(side, trainer, previous_version, step, publish_current)
         # 5) checkpoint (every rank its shard, rank 0 the ledger), then rank 0 acknowledges what it holds
-        ckpt_s = checkpoint_step(config, checkpoints, side, trainer, step)
+        ckpt_s = checkpoint_step(config, checkpoints, side, trainer, step, writer)
         # 6) log and report
         if side:
             side.report(
                 step, values, wait_s=wait_s, publish_s=publish_s, checkpoint_s=ckpt_s, step_s=time.monotonic() - started
             )
+    if writer is not None:
+        finish_checkpoints(writer, side)
     if side:
         side.finish(args.linger_s, stop)
 
@@ -147,9 +152,13 @@ def publish_step(side, trainer, previous_version: int, step: int, publish_curren
     return 0.0
 
 
-def checkpoint_step(config, checkpoints, side, trainer, step: int) -> float:
-    """Step 5: at the interval (and the last step) every rank saves its shard and rank 0 the trainer state, then
-    rank 0 acknowledges the entries the checkpoint holds. Returns the seconds spent (0 between checkpoints)."""
+def checkpoint_step(config, checkpoints, side, trainer, step: int, writer=None) -> float:
+    """Step 5: at the interval (and the last step) save the trainer state; the queue entries it holds are
+    acknowledged once it is durable. Returns the seconds the loop spent (0 between checkpoints).
+
+    One process (``writer``): the files are written now and made durable (fsync, rename) on the writer's thread
+    while the next step trains; the next checkpoint (or the run's end) acknowledges its entries. Several ranks:
+    every rank saves its shard at once, then rank 0 acknowledges."""
     from trainer_service import ranks
     from trainer_service.checkpoint import TrainerState
 
@@ -157,12 +166,25 @@ def checkpoint_step(config, checkpoints, side, trainer, step: int) -> float:
     if step % tcfg.ckpt_interval != 0 and step != config.num_steps:
         return 0.0
     started = time.monotonic()
-    ranks.save_checkpoint(
-        checkpoints, trainer.backend, TrainerState(step, trainer.policy_version, trainer.ledger, _totals(trainer))
-    )
-    if side:
-        side.ack_consumed()
+    state = TrainerState(step, trainer.policy_version, trainer.ledger, _totals(trainer))
+    if writer is None:
+        ranks.save_checkpoint(checkpoints, trainer.backend, state)
+        if side:
+            side.ack_consumed()
+    else:
+        pending = checkpoints.write(trainer.backend, state)
+        side.ack(writer.submit(pending, side.take_unacked()))
     return time.monotonic() - started
+
+
+def finish_checkpoints(writer, side, timeout_s: float = 600.0) -> None:
+    """The run's end: wait for the last checkpoint to be durable, then acknowledge what it holds."""
+    try:
+        side.ack(writer.wait(timeout_s))
+    except TimeoutError as error:
+        raise TimeoutError(f"the last checkpoint was not durable (fsync, rename) within {timeout_s:.0f}s") from error
+    finally:
+        writer.close()
 
 
 def record_version_offset(side, policy_version: int, step: int) -> None:
