@@ -1,0 +1,211 @@
+#!/usr/bin/env python
+"""Asynchronous vs synchronous RL: the same run at max staleness 0, 1, 2 and 4, side by side, in one invocation.
+
+Run from the repository root (CPU; the tiny model is built and cached on first use)::
+
+    .venv/bin/python benchmarks/async_speedup.py [--staleness 0,1,2,4] [--target 0.5] [dotted.key=value ...]
+
+Each k runs the whole system as ``fleetrl demo`` does (``coordinator.launcher.run_demo``: every role its own
+process, vLLM CPU engine, torch trainer, tcp weight bus) on ``recipes/bench-async.yaml`` (the demo's echo task at a
+size where one step's rollout and training cost about the same here), with the same seeds, model and batch; only
+``max_staleness`` differs. The runs go one after another. Each gets its own embedded valkey, which outlives the run
+so that its metrics streams can be read afterwards (``pipeline_figures`` says what is computed from them).
+
+Cores: with ``--rollout-cpus 0 --trainer-cpus 1`` (the default on a machine of 2+ cores) every thread of the rollout
+server, its engine, the coordinator and valkey is bound to core 0 and the trainer's to core 1, so that generating
+and training each own one core whatever k is: k = 0 leaves one of them idle at a time, k >= 1 can keep both busy.
+
+Prints a table per k, writes ``<out>/figures.json`` and a plot of reward vs wall time for every k (``--plot``), and
+ends with one JSON line: the speed-ups against k = 0 (to the reward target, to the end, per step), the median
+pipeline overlap and the final reward of every k.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+from pipeline_figures import RunFigures, run_figures, speedups  # noqa: E402
+
+ROLE_MARKERS = {
+    "rollout_service": "rollout",
+    "coordinator": "rollout",
+    "valkey": "rollout",
+    "trainer_service": "trainer",
+}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--staleness", type=k_list, default=[0, 1, 2, 4], help="the k of the runs, e.g. 0,1,2,4")
+    parser.add_argument("--target", type=float, default=0.5, help="reward target (trailing mean of 5 steps)")
+    parser.add_argument("--config", action="append", default=None, help="recipe(s); default recipes/bench-async.yaml")
+    parser.add_argument("--out", default=f"runs/async-speedup-{time.strftime('%Y%m%d-%H%M%S')}")
+    parser.add_argument("--plot", default=str(REPO / "docs" / "images" / "async_speedup.png"))
+    parser.add_argument("--rollout-cpus", default="0", help="cores of the rollout side; '' = no binding")
+    parser.add_argument("--trainer-cpus", default="1", help="cores of the trainer; '' = no binding")
+    parser.add_argument("overrides", nargs="*", help="dotted config overrides for every run, e.g. num_steps=10")
+    args = parser.parse_args(argv)
+    if 0 not in args.staleness:
+        parser.error("--staleness must include 0: the speed-ups are against the synchronous run")
+    return args
+
+
+def k_list(text: str) -> list[int]:
+    values = sorted({int(part) for part in text.split(",") if part.strip()})
+    if not values or values[0] < 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: comma-separated max_staleness values >= 0, e.g. 0,1,2,4")
+    return values
+
+
+def cpu_set(text: str) -> set[int] | None:
+    return {int(part) for part in text.split(",") if part.strip()} or None
+
+
+class RolePinner:
+    """Binds every thread of the launcher's role processes (and their children: vLLM's engine core) to the cores of
+    their side, re-scanning twice a second so that threads and processes started later are bound too."""
+
+    def __init__(self, cpus_by_side: dict[str, set[int] | None]):
+        self.cpus_by_side = cpus_by_side
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="role-pinner", daemon=True)
+
+    def __enter__(self) -> RolePinner:
+        if any(self.cpus_by_side.values()):
+            self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop.set()
+        if self.thread.is_alive():
+            self.thread.join(timeout=5)
+
+    def _run(self) -> None:
+        import psutil
+
+        me = psutil.Process()
+        while not self.stop.wait(0.5):
+            for child in me.children():  # the launcher's role processes (and valkey)
+                try:
+                    cpus = self.cpus_by_side.get(side_of(" ".join(child.cmdline())))
+                    if cpus:
+                        for process in [child, *child.children(recursive=True)]:
+                            bind_threads(process.pid, cpus)
+                except psutil.Error:
+                    continue  # it exited meanwhile
+
+
+def side_of(cmdline: str) -> str:
+    return next((side for marker, side in ROLE_MARKERS.items() if marker in cmdline), "")
+
+
+def bind_threads(pid: int, cpus: set[int]) -> None:
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            if os.sched_getaffinity(int(tid)) != cpus:
+                os.sched_setaffinity(int(tid), cpus)
+        except (ProcessLookupError, PermissionError):
+            continue
+
+
+def run_once(k: int, args: argparse.Namespace) -> RunFigures:
+    """One whole run at max_staleness ``k``: its own valkey, the launcher's run, then its metrics streams read."""
+    import redis
+
+    from coordinator.launcher import run_demo
+    from coordinator.redis_server import EmbeddedRedis
+    from protos.config import load_run_config
+
+    out_dir = Path(args.out) / f"k{k}"
+    recipes = args.config or [str(REPO / "recipes" / "bench-async.yaml")]
+    pins = {"rollout": cpu_set(args.rollout_cpus), "trainer": cpu_set(args.trainer_cpus)}
+    with EmbeddedRedis(appendonly=False) as server, RolePinner(pins):
+        overrides = [*args.overrides, f"max_staleness={k}", f"redis_url={server.url}", f"run_id=bench-k{k}"]
+        config = load_run_config(recipes, [*overrides, "coordinator.admin_port=0"])
+        print(f"--- max_staleness {k}: run dir {out_dir}", flush=True)
+        run_demo(config, out_dir)
+        client = redis.Redis.from_url(server.url)
+        trainer, coordinator = read_reports(client, config.run_id)
+    figures = run_figures(k, trainer, coordinator, args.target)
+    (out_dir / "figures.json").write_text(json.dumps(dataclasses.asdict(figures), indent=2))
+    return figures
+
+
+def read_reports(client, run_id: str) -> tuple[list, list]:
+    """The trainer's ``(step, time_s, values)`` and the coordinator's periodic ``(time_s, values)`` reports."""
+    from protos.records import decode_metrics
+    from protos.redis_keys import RedisKeys
+
+    keys = RedisKeys(run_id)
+
+    def reports(role: str):
+        entries = client.xrange(keys.metrics(role))
+        return [decode_metrics(fields[b"m"]) for _, fields in entries if b"m" in fields]
+
+    trainer = [(r.step, r.time_s, dict(r.values)) for r in reports("trainer")]
+    coordinator = [(r.time_s, dict(r.values)) for r in reports("coordinator") if "eval/version" not in r.values]
+    return trainer, coordinator
+
+
+def print_table(runs: list[RunFigures], target: float) -> None:
+    header = (
+        f"{'k':>2} {'to target s':>11} {'steps':>5} {'to end s':>8} {'step s':>6} {'rollout s':>9} {'train s':>7} "
+        f"{'overlap':>7} {'rollout busy':>12} {'trainer busy':>12} {'final reward':>12}"
+    )
+    print(f"reward target {target} (trailing mean of 5 steps); medians over steps 2..N")
+    print(header)
+    for r in runs:
+        to_target = "-" if r.wall_to_target_s is None else f"{r.wall_to_target_s:.1f}"
+        print(
+            f"{r.max_staleness:>2} {to_target:>11} {r.steps_to_target or '-':>5} {r.wall_to_end_s:>8.1f} "
+            f"{r.median_step_s:>6.2f} {r.median_rollout_s:>9.2f} {r.median_train_s:>7.2f} {r.median_overlap:>7.2f} "
+            f"{r.rollout_busy_fraction:>12.2f} {r.trainer_busy_fraction:>12.2f} {r.final_reward:>12.3f}"
+        )
+
+
+def plot(runs: list[RunFigures], target: float, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(figsize=(8, 4.5))
+    for run in runs:
+        label = "k = 0 (synchronous)" if run.max_staleness == 0 else f"k = {run.max_staleness}"
+        axes.plot([s.end_s for s in run.steps], [s.reward for s in run.steps], marker=".", label=label)
+    axes.axhline(target, color="grey", linestyle="--", linewidth=1, label=f"target {target}")
+    axes.set_xlabel("wall time since the coordinator started (s)")
+    axes.set_ylabel("mean reward of the step's batch")
+    axes.set_title("fleetrl echo task on CPU: reward vs wall time per max staleness k")
+    axes.grid(alpha=0.3)
+    axes.legend()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    if (os.cpu_count() or 1) < 2:
+        args.rollout_cpus = args.trainer_cpus = ""  # one core: nothing to split
+    runs = [run_once(k, args) for k in args.staleness]
+    print_table(runs, args.target)
+    plot(runs, args.target, Path(args.plot))
+    print(f"plot: {args.plot}", flush=True)
+    print(json.dumps({"target": args.target, **speedups(runs)}))
+
+
+if __name__ == "__main__":
+    main()

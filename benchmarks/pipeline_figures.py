@@ -1,0 +1,170 @@
+"""The async benchmark's figures, computed from what the roles report on their metrics streams.
+
+Inputs are the trainer's ``MetricsReport`` per step (``step_s``, ``wait_s``, ``reward_mean``, the wall time it was
+sent) and the coordinator's periodic reports (about one a second: the cumulative ``rollout_busy_s`` and
+``uptime_s``). Per step ``i``, ending at the trainer's report ``i`` and starting at report ``i - 1`` (the first at
+the coordinator's start, when admission opens):
+
+- step time: the wall time between those two reports;
+- trainer busy: ``step_s - wait_s`` (train, publish, checkpoint: everything but waiting for groups);
+- rollout busy: the growth of the coordinator's ``rollout_busy_s`` over the step, interpolated linearly between its
+  reports (the seconds the servers had a Generate call of the coordinator open);
+- pipeline overlap: step time / max(rollout busy, trainer busy). 1.0: the busier side never waited, a perfect
+  pipeline; a synchronous run (generate, then train) sits near (rollout + train) / max(rollout, train).
+
+A run's wall times count from the coordinator's start, so engine start-up is left out alike for every k.
+"""
+
+from __future__ import annotations
+
+import bisect
+import statistics
+from dataclasses import dataclass
+
+REWARD_WINDOW = 5  # steps in the trailing mean that must reach the target, and in the final reward
+
+
+@dataclass(frozen=True)
+class StepFigures:
+    step: int
+    end_s: float  # seconds from the run's start to the trainer's report of this step
+    step_s: float
+    trainer_busy_s: float
+    rollout_busy_s: float
+    overlap: float
+    reward: float
+    # the trainer's own split of its step (seconds): waiting for groups, training, publishing, checkpointing
+    wait_s: float = 0.0
+    train_s: float = 0.0
+    publish_s: float = 0.0
+    checkpoint_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class RunFigures:
+    max_staleness: int
+    steps: list[StepFigures]
+    wall_to_end_s: float
+    wall_to_target_s: float | None  # None: the trailing mean never reached the target
+    steps_to_target: int | None
+    rollout_busy_fraction: float
+    trainer_busy_fraction: float
+    median_step_s: float
+    median_rollout_s: float
+    median_train_s: float
+    median_overlap: float
+    final_reward: float
+
+
+def run_start_s(coordinator_reports: list[tuple[float, dict[str, float]]]) -> float:
+    """Wall time the coordinator started admitting: its first report's time minus its uptime then."""
+    if not coordinator_reports:
+        raise ValueError("no coordinator metrics reports: the run's start is unknown")
+    time_s, values = coordinator_reports[0]
+    return time_s - values["uptime_s"]
+
+
+def busy_at(points: list[tuple[float, float]], time_s: float) -> float:
+    """The cumulative rollout busy seconds at ``time_s``, linear between the reported ``(time, busy)`` points (flat
+    after the last one: the coordinator's final report holds its totals)."""
+    times = [t for t, _ in points]
+    index = bisect.bisect_right(times, time_s)
+    if index == 0:
+        return points[0][1] if points else 0.0
+    if index == len(points):
+        return points[-1][1]
+    (t0, b0), (t1, b1) = points[index - 1], points[index]
+    return b0 + (b1 - b0) * (time_s - t0) / (t1 - t0) if t1 > t0 else b1
+
+
+def step_figures(
+    trainer_reports: list[tuple[int, float, dict[str, float]]],
+    coordinator_reports: list[tuple[float, dict[str, float]]],
+) -> list[StepFigures]:
+    """Per-step figures from the trainer's ``(step, time_s, values)`` and the coordinator's ``(time_s, values)``
+    reports; a step reported twice (a retried XADD) counts once, with its last report."""
+    start = run_start_s(coordinator_reports)
+    busy_points = [(start, 0.0)] + [(t, v["rollout_busy_s"]) for t, v in coordinator_reports if "rollout_busy_s" in v]
+    by_step = {step: (time_s, values) for step, time_s, values in trainer_reports}
+    figures, previous_end = [], start
+    for step in sorted(by_step):
+        time_s, values = by_step[step]
+        step_s = time_s - previous_end
+        trainer_busy = values.get("busy_s", values["step_s"] - values["wait_s"])
+        rollout_busy = busy_at(busy_points, time_s) - busy_at(busy_points, previous_end)
+        bottleneck = max(trainer_busy, rollout_busy)
+        figures.append(
+            StepFigures(
+                step=step,
+                end_s=time_s - start,
+                step_s=step_s,
+                trainer_busy_s=trainer_busy,
+                rollout_busy_s=rollout_busy,
+                overlap=step_s / bottleneck if bottleneck > 0 else float("inf"),
+                reward=values["reward_mean"],
+                wait_s=values["wait_s"],
+                train_s=values.get("train_s", 0.0),
+                publish_s=values.get("publish_s", 0.0),
+                checkpoint_s=values.get("checkpoint_s", 0.0),
+            )
+        )
+        previous_end = time_s
+    return figures
+
+
+def first_step_at_target(rewards: list[float], target: float) -> int | None:
+    """Index of the first step whose trailing mean over ``REWARD_WINDOW`` steps (fewer at the start) is >= target."""
+    for i in range(len(rewards)):
+        window = rewards[max(0, i + 1 - REWARD_WINDOW) : i + 1]
+        if sum(window) / len(window) >= target:
+            return i
+    return None
+
+
+def run_figures(
+    max_staleness: int,
+    trainer_reports: list[tuple[int, float, dict[str, float]]],
+    coordinator_reports: list[tuple[float, dict[str, float]]],
+    target: float,
+) -> RunFigures:
+    """One run's figures; medians leave out the first step (it pays the first requests' warm-up)."""
+    steps = step_figures(trainer_reports, coordinator_reports)
+    if not steps:
+        raise ValueError("no trainer step reports: the run trained nothing")
+    wall = steps[-1].end_s
+    at_target = first_step_at_target([s.reward for s in steps], target)
+    later = steps[1:] or steps
+    return RunFigures(
+        max_staleness=max_staleness,
+        steps=steps,
+        wall_to_end_s=wall,
+        wall_to_target_s=None if at_target is None else steps[at_target].end_s,
+        steps_to_target=None if at_target is None else steps[at_target].step,
+        rollout_busy_fraction=sum(s.rollout_busy_s for s in steps) / wall,
+        trainer_busy_fraction=sum(s.trainer_busy_s for s in steps) / wall,
+        median_step_s=statistics.median(s.step_s for s in later),
+        median_rollout_s=statistics.median(s.rollout_busy_s for s in later),
+        median_train_s=statistics.median(s.trainer_busy_s for s in later),
+        median_overlap=statistics.median(s.overlap for s in later),
+        final_reward=statistics.fmean(s.reward for s in steps[-REWARD_WINDOW:]),
+    )
+
+
+def speedups(runs: list[RunFigures]) -> dict:
+    """Every run against the synchronous one (max_staleness 0): wall time to the target and to the end, median step
+    time; plus each run's median overlap and final reward, keyed by k. A ratio is None where a time is missing."""
+    by_k = {run.max_staleness: run for run in runs}
+    if 0 not in by_k:
+        raise ValueError("speed-ups need the synchronous run (max_staleness 0) among the runs")
+    sync = by_k[0]
+
+    def ratio(base: float | None, value: float | None) -> float | None:
+        return None if base is None or not value else round(base / value, 3)
+
+    return {
+        "speedup_to_target": {str(k): ratio(sync.wall_to_target_s, r.wall_to_target_s) for k, r in by_k.items()},
+        "speedup_to_end": {str(k): ratio(sync.wall_to_end_s, r.wall_to_end_s) for k, r in by_k.items()},
+        "speedup_step": {str(k): ratio(sync.median_step_s, r.median_step_s) for k, r in by_k.items()},
+        "overlap": {str(k): round(r.median_overlap, 3) for k, r in by_k.items()},
+        "final_reward": {str(k): round(r.final_reward, 4) for k, r in by_k.items()},
+    }

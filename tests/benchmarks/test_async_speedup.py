@@ -1,0 +1,121 @@
+"""benchmarks/async_speedup.py's figures from recorded metrics reports (the trainer's per step, the coordinator's
+about once a second), and its plot: the computed fields, not timings."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+
+from async_speedup import parse_args, plot, side_of  # noqa: E402
+from pipeline_figures import busy_at, first_step_at_target, run_figures, speedups, step_figures  # noqa: E402
+
+pytestmark = pytest.mark.unit
+
+START = 1000.0  # wall time the coordinator started (its first report minus its uptime)
+
+
+def coordinator_reports(busy_by_time: dict[float, float]) -> list[tuple[float, dict[str, float]]]:
+    """Periodic reports at START + t holding the cumulative rollout busy seconds at that time."""
+    return [(START + t, {"uptime_s": t, "rollout_busy_s": busy}) for t, busy in sorted(busy_by_time.items())]
+
+
+def trainer_report(step: int, end: float, step_s: float, wait_s: float, reward: float) -> tuple[int, float, dict]:
+    values = {"step_s": step_s, "wait_s": wait_s, "reward_mean": reward, "train_s": step_s - wait_s - 0.1}
+    return (step, START + end, {**values, "publish_s": 0.05, "checkpoint_s": 0.05})
+
+
+def synchronous_run() -> tuple[list, list]:
+    """Generate 2 s, then train 1 s, each step (k = 0): the servers are busy 2 s of every 3."""
+    busy = {0.5: 0.5, 2.0: 2.0, 3.0: 2.0, 5.0: 4.0, 6.0: 4.0, 8.0: 6.0, 9.0: 6.0}
+    trainer = [trainer_report(i, 3.0 * i, 3.0, 2.0, 0.2 * i) for i in (1, 2, 3)]
+    return trainer, coordinator_reports(busy)
+
+
+def pipelined_run() -> tuple[list, list]:
+    """The servers always busy, the trainer 1 s of every 2-s step (k >= 1): a perfect pipeline."""
+    busy = {float(t): float(t) for t in range(0, 7)}
+    trainer = [trainer_report(i, 2.0 * i, 2.0, 1.0, 0.2 * i) for i in (1, 2, 3)]
+    return trainer, coordinator_reports(busy)
+
+
+def test_step_figures_split_each_step_between_rollout_and_trainer_and_compute_the_overlap():
+    steps = step_figures(*synchronous_run())
+    assert [s.step for s in steps] == [1, 2, 3]
+    assert [s.end_s for s in steps] == [3.0, 6.0, 9.0]
+    assert [s.step_s for s in steps] == [3.0, 3.0, 3.0]
+    assert [s.trainer_busy_s for s in steps] == [1.0, 1.0, 1.0]  # step_s - wait_s
+    assert [s.rollout_busy_s for s in steps] == pytest.approx([2.0, 2.0, 2.0])
+    assert [s.overlap for s in steps] == pytest.approx([1.5, 1.5, 1.5])  # (2 + 1) / max(2, 1)
+    assert steps[0].publish_s == 0.05 and steps[0].train_s == pytest.approx(0.9)
+    assert [s.overlap for s in step_figures(*pipelined_run())] == pytest.approx([1.0, 1.0, 1.0])
+
+
+def test_rollout_busy_is_interpolated_between_reports_and_flat_after_the_last():
+    points = [(0.0, 0.0), (2.0, 1.0), (4.0, 3.0)]
+    assert busy_at(points, 1.0) == 0.5
+    assert busy_at(points, 3.0) == 2.0
+    assert busy_at(points, 9.0) == 3.0  # the coordinator's final report holds its totals
+    assert busy_at(points, -1.0) == 0.0
+
+
+def test_a_step_reported_twice_counts_once_with_its_last_report():
+    trainer, coordinator = synchronous_run()
+    again = trainer_report(2, 6.0, 3.0, 2.5, 0.9)  # a retried XADD landed twice
+    steps = step_figures([*trainer[:2], again, trainer[2]], coordinator)
+    assert [s.step for s in steps] == [1, 2, 3] and steps[1].reward == 0.9
+
+
+def test_the_target_is_reached_by_the_trailing_mean_of_five_steps():
+    assert first_step_at_target([0.1, 0.9, 0.1, 0.1, 0.1, 0.1], 0.5) == 1  # the mean of the first two is 0.5
+    assert first_step_at_target([0.1] * 5 + [0.9] * 5, 0.5) == 7  # (0.1 * 2 + 0.9 * 3) / 5 = 0.58
+    assert first_step_at_target([0.1] * 10, 0.5) is None
+
+
+def test_run_figures_and_speedups_against_the_synchronous_run():
+    sync = run_figures(0, *synchronous_run(), target=0.4)
+    piped = run_figures(2, *pipelined_run(), target=0.4)
+    assert sync.wall_to_end_s == 9.0 and piped.wall_to_end_s == 6.0
+    assert sync.steps_to_target == piped.steps_to_target == 3  # rewards 0.2, 0.4, 0.6: trailing means 0.2, 0.3, 0.4
+    assert sync.wall_to_target_s == 9.0 and piped.wall_to_target_s == 6.0
+    assert sync.rollout_busy_fraction == pytest.approx(6.0 / 9.0)
+    assert sync.trainer_busy_fraction == pytest.approx(3.0 / 9.0)
+    assert piped.rollout_busy_fraction == pytest.approx(1.0)
+    assert sync.median_overlap == pytest.approx(1.5) and piped.median_overlap == pytest.approx(1.0)
+    assert sync.final_reward == pytest.approx(0.4)  # the mean of the (only three) steps
+    figures = speedups([sync, piped])
+    assert figures["speedup_to_target"] == {"0": 1.0, "2": 1.5}
+    assert figures["speedup_to_end"] == {"0": 1.0, "2": 1.5}
+    assert figures["speedup_step"] == {"0": 1.0, "2": 1.5}
+    assert figures["overlap"] == {"0": 1.5, "2": 1.0}
+    assert figures["final_reward"] == {"0": 0.4, "2": 0.4}
+
+
+def test_a_run_that_never_reaches_the_target_has_no_speedup_and_k0_is_required():
+    never = run_figures(1, *pipelined_run(), target=0.5)
+    assert never.wall_to_target_s is None and never.steps_to_target is None
+    sync = run_figures(0, *synchronous_run(), target=0.4)
+    assert speedups([sync, never])["speedup_to_target"]["1"] is None
+    with pytest.raises(ValueError, match="synchronous run"):
+        speedups([never])
+    with pytest.raises(ValueError, match="no coordinator metrics"):
+        step_figures(synchronous_run()[0], [])
+
+
+def test_roles_are_bound_by_their_side_and_the_plot_is_written(tmp_path):
+    assert side_of("python -m rollout_service serve --port 0") == "rollout"
+    assert side_of("python -m coordinator run --servers a") == "rollout"
+    assert side_of("valkey-server --port 1") == "rollout"
+    assert side_of("python -m trainer_service train --config c") == "trainer"
+    assert side_of("python -c pass") == ""
+    args = parse_args(["--staleness", "2,0,1", "num_steps=5"])
+    assert args.staleness == [0, 1, 2] and args.overrides == ["num_steps=5"]
+    for bad in ("1,2", "x", "-1,0"):  # no synchronous run to compare with; not numbers; negative
+        with pytest.raises(SystemExit):
+            parse_args(["--staleness", bad])
+    path = tmp_path / "images" / "plot.png"
+    plot([run_figures(0, *synchronous_run(), 0.5), run_figures(2, *pipelined_run(), 0.5)], 0.5, path)
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
