@@ -7,6 +7,8 @@ Keys (names: protos/redis_keys.py; records: protos/records.py):
 * ``weights:<v>`` (``WeightManifest``) and ``weights:<v>:ipc`` (``CudaIpcVersion``): where version v's bytes are.
 * ``weights:announce`` (stream, field ``v``): one entry per publish; rollout servers and ``fleetrl sync`` follow it.
 * ``fleet`` (hash server id -> ``VersionReport``): the version each rollout server has put in force.
+* ``fleet:changes`` (stream, field ``s``): one entry per report; the coordinator's fleet watcher wakes on it and on
+  ``weights:announce`` instead of waiting for its next poll.
 * ``metrics:<role>`` field ``d`` (``RoleDone``): a role's end-of-run marker, after its last metrics report.
 
 ``VersionBoard`` takes a sync client (the trainer's rank 0, the weight bus's publishers and the nccl subscriber's
@@ -41,6 +43,7 @@ logger = logging.getLogger(__name__)
 # it must load.
 MANIFEST_TTL_S = 3600
 MAX_ANNOUNCEMENTS = 1000
+MAX_FLEET_CHANGES = 1000  # entries kept on fleet_changes: only its newest ids matter (a wake-up, not a log)
 MAX_METRICS_ENTRIES = 100000
 
 
@@ -176,8 +179,27 @@ class AsyncVersionBoard:
         return as_text(newest_id), int(fields[b"v"])
 
     async def report_version(self, report: VersionReport) -> None:
-        """Rollout side: record which version ``report.server_id`` serves and what its last weight update cost."""
-        await self.client.hset(self.keys.fleet, report.server_id, encode(report))
+        """Rollout side: record which version ``report.server_id`` serves and what its last weight update cost, and
+        say so on ``fleet_changes`` (the coordinator routes to it from then on, without waiting for a poll)."""
+        async with self.client.pipeline(transaction=False) as pipe:
+            pipe.hset(self.keys.fleet, report.server_id, encode(report))
+            pipe.xadd(self.keys.fleet_changes, {"s": report.server_id}, maxlen=MAX_FLEET_CHANGES, approximate=True)
+            await pipe.execute()
+
+    async def last_change_ids(self) -> dict[str, str]:
+        """The newest entry ids of the streams ``wait_for_change`` watches ("0-0" for an empty one)."""
+        ids = {}
+        for stream in (self.keys.weight_announcements, self.keys.fleet_changes):
+            last = await self.client.xrevrange(stream, count=1)
+            ids[stream] = as_text(last[0][0]) if last else "0-0"
+        return ids
+
+    async def wait_for_change(self, last_ids: dict[str, str], timeout_s: float) -> dict[str, str]:
+        """Block up to ``timeout_s`` for a version announced or a server report made after ``last_ids`` (from
+        ``last_change_ids`` or an earlier call); returns the ids to wait after next (``last_ids`` on timeout)."""
+        block_ms = max(1, int(timeout_s * 1000))  # BLOCK 0 would wait forever
+        reply = await self.client.xread(last_ids, block=block_ms)
+        return {**last_ids, **{as_text(stream): as_text(entries[-1][0]) for stream, entries in reply or []}}
 
     async def fleet_reports(self) -> dict[str, VersionReport]:
         """Every server's latest VersionReport; an undecodable entry is skipped with a warning, not fatal."""
