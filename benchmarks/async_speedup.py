@@ -15,9 +15,11 @@ Cores: with ``--rollout-cpus 0 --trainer-cpus 1`` (the default on a machine of 2
 server, its engine, the coordinator and valkey is bound to core 0 and the trainer's to core 1, so that generating
 and training each own one core whatever k is: k = 0 leaves one of them idle at a time, k >= 1 can keep both busy.
 
-Prints a table per k, writes ``<out>/figures.json`` and a plot of reward vs wall time for every k (``--plot``), and
-ends with one JSON line: the speed-ups against k = 0 (to the reward target, to the end, per step), the median
-pipeline overlap and the final reward of every k.
+Wall times count from the end of the first ``--warmup-steps`` steps (default 1: a fresh engine's and trainer's first
+batches take many times a later step here; ``pipeline_figures`` says what that leaves out). Prints a table per k
+(with the machine's load average around each run), writes ``<out>/k<k>/figures.json`` and a plot of reward vs wall
+time for every k (``--plot``), and ends with one JSON line: the speed-ups against k = 0 (to the reward target, to the
+end, per step), the median pipeline overlap, the final reward and the load of every k.
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--staleness", type=k_list, default=[0, 1, 2, 4], help="the k of the runs, e.g. 0,1,2,4")
     parser.add_argument("--target", type=float, default=0.5, help="reward target (trailing mean of 5 steps)")
+    parser.add_argument("--warmup-steps", type=int, default=1, help="steps before the clock starts (see below)")
     parser.add_argument("--config", action="append", default=None, help="recipe(s); default recipes/bench-async.yaml")
     parser.add_argument("--out", default=f"runs/async-speedup-{time.strftime('%Y%m%d-%H%M%S')}")
     parser.add_argument("--plot", default=str(REPO / "docs" / "images" / "async_speedup.png"))
@@ -119,8 +122,9 @@ def bind_threads(pid: int, cpus: set[int]) -> None:
             continue
 
 
-def run_once(k: int, args: argparse.Namespace) -> RunFigures:
-    """One whole run at max_staleness ``k``: its own valkey, the launcher's run, then its metrics streams read."""
+def run_once(k: int, args: argparse.Namespace) -> tuple[RunFigures, tuple[float, float]]:
+    """One whole run at max_staleness ``k``: its own valkey, the launcher's run, then its metrics streams read.
+    Returns its figures and the machine's 1-minute load average before and after it."""
     import redis
 
     from coordinator.launcher import run_demo
@@ -134,12 +138,14 @@ def run_once(k: int, args: argparse.Namespace) -> RunFigures:
         overrides = [*args.overrides, f"max_staleness={k}", f"redis_url={server.url}", f"run_id=bench-k{k}"]
         config = load_run_config(recipes, [*overrides, "coordinator.admin_port=0"])
         print(f"--- max_staleness {k}: run dir {out_dir}", flush=True)
+        load = os.getloadavg()[0]
         run_demo(config, out_dir)
+        load = (load, os.getloadavg()[0])
         client = redis.Redis.from_url(server.url)
         trainer, coordinator = read_reports(client, config.run_id)
-    figures = run_figures(k, trainer, coordinator, args.target)
-    (out_dir / "figures.json").write_text(json.dumps(dataclasses.asdict(figures), indent=2))
-    return figures
+    figures = run_figures(k, trainer, coordinator, args.target, args.warmup_steps, config.groups_per_step)
+    (out_dir / "figures.json").write_text(json.dumps({**dataclasses.asdict(figures), "load_avg_1m": load}, indent=2))
+    return figures, load
 
 
 def read_reports(client, run_id: str) -> tuple[list, list]:
@@ -158,19 +164,23 @@ def read_reports(client, run_id: str) -> tuple[list, list]:
     return trainer, coordinator
 
 
-def print_table(runs: list[RunFigures], target: float) -> None:
-    header = (
-        f"{'k':>2} {'to target s':>11} {'steps':>5} {'to end s':>8} {'step s':>6} {'rollout s':>9} {'train s':>7} "
-        f"{'overlap':>7} {'rollout busy':>12} {'trainer busy':>12} {'final reward':>12}"
+def print_table(runs: list[RunFigures], loads: list[tuple[float, float]], args: argparse.Namespace) -> None:
+    print(
+        f"reward target {args.target} (trailing mean of 5 steps); wall times and medians count from the end of step "
+        f"{args.warmup_steps}; ahead = groups pushed but not yet trained then; load = 1-minute load average"
     )
-    print(f"reward target {target} (trailing mean of 5 steps); medians over steps 2..N")
-    print(header)
-    for r in runs:
+    print(
+        f"{'k':>2} {'to target s':>11} {'steps':>5} {'to end s':>8} {'step s':>6} {'rollout s':>9} {'train s':>7} "
+        f"{'overlap':>7} {'rollout busy':>12} {'trainer busy':>12} {'final reward':>12} {'ahead':>5} {'load':>9}"
+    )
+    for r, (before, after) in zip(runs, loads, strict=True):
         to_target = "-" if r.wall_to_target_s is None else f"{r.wall_to_target_s:.1f}"
+        ahead = "-" if r.groups_ahead_at_start is None else r.groups_ahead_at_start
         print(
             f"{r.max_staleness:>2} {to_target:>11} {r.steps_to_target or '-':>5} {r.wall_to_end_s:>8.1f} "
             f"{r.median_step_s:>6.2f} {r.median_rollout_s:>9.2f} {r.median_train_s:>7.2f} {r.median_overlap:>7.2f} "
-            f"{r.rollout_busy_fraction:>12.2f} {r.trainer_busy_fraction:>12.2f} {r.final_reward:>12.3f}"
+            f"{r.rollout_busy_fraction:>12.2f} {r.trainer_busy_fraction:>12.2f} {r.final_reward:>12.3f} {ahead:>5} "
+            f"{before:>4.1f}-{after:<4.1f}"
         )
 
 
@@ -183,9 +193,11 @@ def plot(runs: list[RunFigures], target: float, path: Path) -> None:
     figure, axes = plt.subplots(figsize=(8, 4.5))
     for run in runs:
         label = "k = 0 (synchronous)" if run.max_staleness == 0 else f"k = {run.max_staleness}"
-        axes.plot([s.end_s for s in run.steps], [s.reward for s in run.steps], marker=".", label=label)
+        times = [s.end_s - run.clock_start_s for s in run.steps]
+        axes.plot(times, [s.reward for s in run.steps], marker=".", label=label)
     axes.axhline(target, color="grey", linestyle="--", linewidth=1, label=f"target {target}")
-    axes.set_xlabel("wall time since the coordinator started (s)")
+    axes.axvline(0.0, color="grey", linewidth=0.5)
+    axes.set_xlabel("wall time since the clock started, after the warm-up steps (s)")
     axes.set_ylabel("mean reward of the step's batch")
     axes.set_title("fleetrl echo task on CPU: reward vs wall time per max staleness k")
     axes.grid(alpha=0.3)
@@ -200,11 +212,13 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if (os.cpu_count() or 1) < 2:
         args.rollout_cpus = args.trainer_cpus = ""  # one core: nothing to split
-    runs = [run_once(k, args) for k in args.staleness]
-    print_table(runs, args.target)
+    results = [run_once(k, args) for k in args.staleness]
+    runs, loads = [figures for figures, _ in results], [load for _, load in results]
+    print_table(runs, loads, args)
     plot(runs, args.target, Path(args.plot))
     print(f"plot: {args.plot}", flush=True)
-    print(json.dumps({"target": args.target, **speedups(runs)}))
+    load_avg = {str(r.max_staleness): [round(x, 1) for x in load] for r, load in zip(runs, loads, strict=True)}
+    print(json.dumps({"target": args.target, **speedups(runs), "load_avg_1m": load_avg}))
 
 
 if __name__ == "__main__":

@@ -12,7 +12,11 @@ the coordinator's start, when admission opens):
 - pipeline overlap: step time / max(rollout busy, trainer busy). 1.0: the busier side never waited, a perfect
   pipeline; a synchronous run (generate, then train) sits near (rollout + train) / max(rollout, train).
 
-A run's wall times count from the coordinator's start, so engine start-up is left out alike for every k.
+A run's wall times count from the end of its first ``warmup_steps`` steps (the trainer's report of the last one):
+engine start-up is left out alike for every k, and so are the first steps, whose first batches through a fresh
+engine and trainer take 5 to 40 times a later step's time on the 2-core machine. At k >= 1 the servers may have
+generated later steps' groups during those steps, as they do in steady state: ``groups_ahead_at_start`` says how
+many groups beyond the ones trained were on the stream when the clock started (at most k steps' worth).
 """
 
 from __future__ import annotations
@@ -44,6 +48,8 @@ class StepFigures:
 class RunFigures:
     max_staleness: int
     steps: list[StepFigures]
+    clock_start_s: float  # end of the warm-up steps, seconds after the coordinator's start
+    groups_ahead_at_start: int | None  # pushed but not yet trained when the clock started (None: unknown)
     wall_to_end_s: float
     wall_to_target_s: float | None  # None: the trailing mean never reached the target
     steps_to_target: int | None
@@ -126,28 +132,43 @@ def run_figures(
     trainer_reports: list[tuple[int, float, dict[str, float]]],
     coordinator_reports: list[tuple[float, dict[str, float]]],
     target: float,
+    warmup_steps: int = 1,
+    groups_per_step: int = 0,
 ) -> RunFigures:
-    """One run's figures; medians leave out the first step (it pays the first requests' warm-up)."""
+    """One run's figures; wall times and medians count from the end of step ``warmup_steps`` (0: from the start)."""
     steps = step_figures(trainer_reports, coordinator_reports)
-    if not steps:
-        raise ValueError("no trainer step reports: the run trained nothing")
-    wall = steps[-1].end_s
+    if len(steps) <= warmup_steps:
+        raise ValueError(f"{len(steps)} trainer step reports: none after the {warmup_steps} warm-up steps")
+    clock = steps[warmup_steps - 1].end_s if warmup_steps else 0.0
+    measured = steps[warmup_steps:]
+    wall = steps[-1].end_s - clock
     at_target = first_step_at_target([s.reward for s in steps], target)
-    later = steps[1:] or steps
     return RunFigures(
         max_staleness=max_staleness,
         steps=steps,
+        clock_start_s=clock,
+        groups_ahead_at_start=groups_ahead(coordinator_reports, clock, groups_per_step * warmup_steps),
         wall_to_end_s=wall,
-        wall_to_target_s=None if at_target is None else steps[at_target].end_s,
+        wall_to_target_s=None if at_target is None else max(0.0, steps[at_target].end_s - clock),
         steps_to_target=None if at_target is None else steps[at_target].step,
-        rollout_busy_fraction=sum(s.rollout_busy_s for s in steps) / wall,
-        trainer_busy_fraction=sum(s.trainer_busy_s for s in steps) / wall,
-        median_step_s=statistics.median(s.step_s for s in later),
-        median_rollout_s=statistics.median(s.rollout_busy_s for s in later),
-        median_train_s=statistics.median(s.trainer_busy_s for s in later),
-        median_overlap=statistics.median(s.overlap for s in later),
+        rollout_busy_fraction=sum(s.rollout_busy_s for s in measured) / wall,
+        trainer_busy_fraction=sum(s.trainer_busy_s for s in measured) / wall,
+        median_step_s=statistics.median(s.step_s for s in measured),
+        median_rollout_s=statistics.median(s.rollout_busy_s for s in measured),
+        median_train_s=statistics.median(s.trainer_busy_s for s in measured),
+        median_overlap=statistics.median(s.overlap for s in measured),
         final_reward=statistics.fmean(s.reward for s in steps[-REWARD_WINDOW:]),
     )
+
+
+def groups_ahead(coordinator_reports: list[tuple[float, dict[str, float]]], clock_s: float, trained: int) -> int | None:
+    """Groups pushed by ``clock_s`` (seconds after the start; the last report before it) beyond the ``trained``
+    ones; None without ``groups_pushed`` in the reports or ``trained`` (0: the clock starts with the run)."""
+    if not trained:
+        return None
+    start = run_start_s(coordinator_reports)
+    pushed = [v["groups_pushed"] for t, v in coordinator_reports if t - start <= clock_s and "groups_pushed" in v]
+    return int(pushed[-1]) - trained if pushed else None
 
 
 def speedups(runs: list[RunFigures]) -> dict:

@@ -18,9 +18,12 @@ pytestmark = pytest.mark.unit
 START = 1000.0  # wall time the coordinator started (its first report minus its uptime)
 
 
-def coordinator_reports(busy_by_time: dict[float, float]) -> list[tuple[float, dict[str, float]]]:
-    """Periodic reports at START + t holding the cumulative rollout busy seconds at that time."""
-    return [(START + t, {"uptime_s": t, "rollout_busy_s": busy}) for t, busy in sorted(busy_by_time.items())]
+def coordinator_reports(busy_by_time: dict[float, tuple[float, int]]) -> list[tuple[float, dict[str, float]]]:
+    """Periodic reports at START + t: the cumulative rollout busy seconds and groups pushed at that time."""
+    return [
+        (START + t, {"uptime_s": t, "rollout_busy_s": busy, "groups_pushed": pushed})
+        for t, (busy, pushed) in sorted(busy_by_time.items())
+    ]
 
 
 def trainer_report(step: int, end: float, step_s: float, wait_s: float, reward: float) -> tuple[int, float, dict]:
@@ -29,29 +32,31 @@ def trainer_report(step: int, end: float, step_s: float, wait_s: float, reward: 
 
 
 def synchronous_run() -> tuple[list, list]:
-    """Generate 2 s, then train 1 s, each step (k = 0): the servers are busy 2 s of every 3."""
-    busy = {0.5: 0.5, 2.0: 2.0, 3.0: 2.0, 5.0: 4.0, 6.0: 4.0, 8.0: 6.0, 9.0: 6.0}
-    trainer = [trainer_report(i, 3.0 * i, 3.0, 2.0, 0.2 * i) for i in (1, 2, 3)]
+    """Generate 2 s (4 groups), then train 1 s, each step (k = 0): the servers are busy 2 s of every 3."""
+    busy = {0.5: (0.5, 0)} | {3.0 * i - 1: (2.0 * i, 4 * i) for i in (1, 2, 3, 4)}
+    busy |= {3.0 * i: (2.0 * i, 4 * i) for i in (1, 2, 3, 4)}
+    trainer = [trainer_report(i, 3.0 * i, 3.0, 2.0, 0.2 * i) for i in (1, 2, 3, 4)]
     return trainer, coordinator_reports(busy)
 
 
 def pipelined_run() -> tuple[list, list]:
-    """The servers always busy, the trainer 1 s of every 2-s step (k >= 1): a perfect pipeline."""
-    busy = {float(t): float(t) for t in range(0, 7)}
-    trainer = [trainer_report(i, 2.0 * i, 2.0, 1.0, 0.2 * i) for i in (1, 2, 3)]
+    """The servers always busy, a step's 4 groups ready one step ahead, the trainer busy 1 s of every 2-s step
+    (k >= 1): a perfect pipeline."""
+    busy = {float(t): (float(t), 4 * (t // 2 + 1)) for t in range(0, 9)}
+    trainer = [trainer_report(i, 2.0 * i, 2.0, 1.0, 0.2 * i) for i in (1, 2, 3, 4)]
     return trainer, coordinator_reports(busy)
 
 
 def test_step_figures_split_each_step_between_rollout_and_trainer_and_compute_the_overlap():
     steps = step_figures(*synchronous_run())
-    assert [s.step for s in steps] == [1, 2, 3]
-    assert [s.end_s for s in steps] == [3.0, 6.0, 9.0]
-    assert [s.step_s for s in steps] == [3.0, 3.0, 3.0]
-    assert [s.trainer_busy_s for s in steps] == [1.0, 1.0, 1.0]  # step_s - wait_s
-    assert [s.rollout_busy_s for s in steps] == pytest.approx([2.0, 2.0, 2.0])
-    assert [s.overlap for s in steps] == pytest.approx([1.5, 1.5, 1.5])  # (2 + 1) / max(2, 1)
+    assert [s.step for s in steps] == [1, 2, 3, 4]
+    assert [s.end_s for s in steps] == [3.0, 6.0, 9.0, 12.0]
+    assert [s.step_s for s in steps] == [3.0] * 4
+    assert [s.trainer_busy_s for s in steps] == [1.0] * 4  # step_s - wait_s
+    assert [s.rollout_busy_s for s in steps] == pytest.approx([2.0] * 4)
+    assert [s.overlap for s in steps] == pytest.approx([1.5] * 4)  # (2 + 1) / max(2, 1)
     assert steps[0].publish_s == 0.05 and steps[0].train_s == pytest.approx(0.9)
-    assert [s.overlap for s in step_figures(*pipelined_run())] == pytest.approx([1.0, 1.0, 1.0])
+    assert [s.overlap for s in step_figures(*pipelined_run())] == pytest.approx([1.0] * 4)
 
 
 def test_rollout_busy_is_interpolated_between_reports_and_flat_after_the_last():
@@ -65,8 +70,8 @@ def test_rollout_busy_is_interpolated_between_reports_and_flat_after_the_last():
 def test_a_step_reported_twice_counts_once_with_its_last_report():
     trainer, coordinator = synchronous_run()
     again = trainer_report(2, 6.0, 3.0, 2.5, 0.9)  # a retried XADD landed twice
-    steps = step_figures([*trainer[:2], again, trainer[2]], coordinator)
-    assert [s.step for s in steps] == [1, 2, 3] and steps[1].reward == 0.9
+    steps = step_figures([*trainer[:2], again, *trainer[2:]], coordinator)
+    assert [s.step for s in steps] == [1, 2, 3, 4] and steps[1].reward == 0.9
 
 
 def test_the_target_is_reached_by_the_trailing_mean_of_five_steps():
@@ -75,27 +80,32 @@ def test_the_target_is_reached_by_the_trailing_mean_of_five_steps():
     assert first_step_at_target([0.1] * 10, 0.5) is None
 
 
-def test_run_figures_and_speedups_against_the_synchronous_run():
-    sync = run_figures(0, *synchronous_run(), target=0.4)
-    piped = run_figures(2, *pipelined_run(), target=0.4)
+def test_run_figures_count_from_the_end_of_the_warmup_and_speedups_compare_with_the_synchronous_run():
+    sync = run_figures(0, *synchronous_run(), target=0.4, warmup_steps=1, groups_per_step=4)
+    piped = run_figures(2, *pipelined_run(), target=0.4, warmup_steps=1, groups_per_step=4)
+    assert sync.clock_start_s == 3.0 and piped.clock_start_s == 2.0  # the end of step 1
+    assert sync.groups_ahead_at_start == 0 and piped.groups_ahead_at_start == 4  # step 2's groups ready already
     assert sync.wall_to_end_s == 9.0 and piped.wall_to_end_s == 6.0
     assert sync.steps_to_target == piped.steps_to_target == 3  # rewards 0.2, 0.4, 0.6: trailing means 0.2, 0.3, 0.4
-    assert sync.wall_to_target_s == 9.0 and piped.wall_to_target_s == 6.0
+    assert sync.wall_to_target_s == 6.0 and piped.wall_to_target_s == 4.0
     assert sync.rollout_busy_fraction == pytest.approx(6.0 / 9.0)
     assert sync.trainer_busy_fraction == pytest.approx(3.0 / 9.0)
     assert piped.rollout_busy_fraction == pytest.approx(1.0)
     assert sync.median_overlap == pytest.approx(1.5) and piped.median_overlap == pytest.approx(1.0)
-    assert sync.final_reward == pytest.approx(0.4)  # the mean of the (only three) steps
+    assert sync.final_reward == pytest.approx(0.5)  # the mean of the (only four) steps
     figures = speedups([sync, piped])
     assert figures["speedup_to_target"] == {"0": 1.0, "2": 1.5}
     assert figures["speedup_to_end"] == {"0": 1.0, "2": 1.5}
     assert figures["speedup_step"] == {"0": 1.0, "2": 1.5}
     assert figures["overlap"] == {"0": 1.5, "2": 1.0}
-    assert figures["final_reward"] == {"0": 0.4, "2": 0.4}
+    assert figures["final_reward"] == {"0": 0.5, "2": 0.5}
+    from_start = run_figures(0, *synchronous_run(), target=0.4, warmup_steps=0)
+    assert from_start.clock_start_s == 0.0 and from_start.wall_to_end_s == 12.0
+    assert from_start.groups_ahead_at_start is None
 
 
 def test_a_run_that_never_reaches_the_target_has_no_speedup_and_k0_is_required():
-    never = run_figures(1, *pipelined_run(), target=0.5)
+    never = run_figures(1, *pipelined_run(), target=0.9)
     assert never.wall_to_target_s is None and never.steps_to_target is None
     sync = run_figures(0, *synchronous_run(), target=0.4)
     assert speedups([sync, never])["speedup_to_target"]["1"] is None
@@ -103,6 +113,8 @@ def test_a_run_that_never_reaches_the_target_has_no_speedup_and_k0_is_required()
         speedups([never])
     with pytest.raises(ValueError, match="no coordinator metrics"):
         step_figures(synchronous_run()[0], [])
+    with pytest.raises(ValueError, match="warm-up"):
+        run_figures(0, synchronous_run()[0][:1], synchronous_run()[1], target=0.4, warmup_steps=1)
 
 
 def test_roles_are_bound_by_their_side_and_the_plot_is_written(tmp_path):
