@@ -52,6 +52,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--staleness", type=k_list, default=[0, 1, 2, 4], help="the k of the runs, e.g. 0,1,2,4")
     parser.add_argument("--target", type=float, default=0.5, help="reward target (trailing mean of 5 steps)")
     parser.add_argument("--warmup-steps", type=int, default=1, help="steps before the clock starts (see below)")
+    parser.add_argument("--rounds", type=int, default=1, help="run every k this many times, interleaved; medians")
     parser.add_argument("--config", action="append", default=None, help="recipe(s); default recipes/bench-async.yaml")
     parser.add_argument("--out", default=f"runs/async-speedup-{time.strftime('%Y%m%d-%H%M%S')}")
     parser.add_argument("--plot", default=str(REPO / "docs" / "images" / "async_speedup.png"))
@@ -122,7 +123,7 @@ def bind_threads(pid: int, cpus: set[int]) -> None:
             continue
 
 
-def run_once(k: int, args: argparse.Namespace) -> tuple[RunFigures, tuple[float, float]]:
+def run_once(k: int, args: argparse.Namespace, round_index: int = 0) -> tuple[RunFigures, tuple[float, float]]:
     """One whole run at max_staleness ``k``: its own valkey, the launcher's run, then its metrics streams read.
     Returns its figures and the machine's 1-minute load average before and after it."""
     import redis
@@ -131,7 +132,7 @@ def run_once(k: int, args: argparse.Namespace) -> tuple[RunFigures, tuple[float,
     from coordinator.redis_server import EmbeddedRedis
     from protos.config import load_run_config
 
-    out_dir = Path(args.out) / f"k{k}"
+    out_dir = Path(args.out) / (f"k{k}" if args.rounds == 1 else f"round{round_index}-k{k}")
     recipes = args.config or [str(REPO / "recipes" / "bench-async.yaml")]
     pins = {"rollout": cpu_set(args.rollout_cpus), "trainer": cpu_set(args.trainer_cpus)}
     with EmbeddedRedis(appendonly=False) as server, RolePinner(pins):
@@ -143,7 +144,7 @@ def run_once(k: int, args: argparse.Namespace) -> tuple[RunFigures, tuple[float,
         load = (load, os.getloadavg()[0])
         client = redis.Redis.from_url(server.url)
         trainer, coordinator = read_reports(client, config.run_id)
-    figures = run_figures(k, trainer, coordinator, args.target, args.warmup_steps, config.groups_per_step)
+    figures = run_figures(k, trainer, coordinator, args.target, args.warmup_steps)
     (out_dir / "figures.json").write_text(json.dumps({**dataclasses.asdict(figures), "load_avg_1m": load}, indent=2))
     return figures, load
 
@@ -167,7 +168,8 @@ def read_reports(client, run_id: str) -> tuple[list, list]:
 def print_table(runs: list[RunFigures], loads: list[tuple[float, float]], args: argparse.Namespace) -> None:
     print(
         f"reward target {args.target} (trailing mean of 5 steps); wall times and medians count from the end of step "
-        f"{args.warmup_steps}; ahead = groups pushed but not yet trained then; load = 1-minute load average"
+        f"{args.warmup_steps}; ahead = groups on the stream not yet read by the trainer then; load = 1-minute load "
+        "average before-after the run; speed-ups: medians over rounds"
     )
     print(
         f"{'k':>2} {'to target s':>11} {'steps':>5} {'to end s':>8} {'step s':>6} {'rollout s':>9} {'train s':>7} "
@@ -175,7 +177,7 @@ def print_table(runs: list[RunFigures], loads: list[tuple[float, float]], args: 
     )
     for r, (before, after) in zip(runs, loads, strict=True):
         to_target = "-" if r.wall_to_target_s is None else f"{r.wall_to_target_s:.1f}"
-        ahead = "-" if r.groups_ahead_at_start is None else r.groups_ahead_at_start
+        ahead = r.groups_ahead_at_start
         print(
             f"{r.max_staleness:>2} {to_target:>11} {r.steps_to_target or '-':>5} {r.wall_to_end_s:>8.1f} "
             f"{r.median_step_s:>6.2f} {r.median_rollout_s:>9.2f} {r.median_train_s:>7.2f} {r.median_overlap:>7.2f} "
@@ -191,10 +193,13 @@ def plot(runs: list[RunFigures], target: float, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     figure, axes = plt.subplots(figsize=(8, 4.5))
-    for run in runs:
-        label = "k = 0 (synchronous)" if run.max_staleness == 0 else f"k = {run.max_staleness}"
+    colors: dict[int, str] = {}
+    for run in runs:  # a k's later rounds in its colour, unlabelled
+        k = run.max_staleness
+        label = None if k in colors else "k = 0 (synchronous)" if k == 0 else f"k = {k}"
         times = [s.end_s - run.clock_start_s for s in run.steps]
-        axes.plot(times, [s.reward for s in run.steps], marker=".", label=label)
+        (line,) = axes.plot(times, [s.reward for s in run.steps], marker=".", label=label, color=colors.get(k))
+        colors.setdefault(k, line.get_color())
     axes.axhline(target, color="grey", linestyle="--", linewidth=1, label=f"target {target}")
     axes.axvline(0.0, color="grey", linewidth=0.5)
     axes.set_xlabel("wall time since the clock started, after the warm-up steps (s)")
@@ -212,12 +217,16 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if (os.cpu_count() or 1) < 2:
         args.rollout_cpus = args.trainer_cpus = ""  # one core: nothing to split
-    results = [run_once(k, args) for k in args.staleness]
+    # rounds alternate the order of k, so that a slow spell of the machine does not always fall on the same k
+    order = [(i, k) for i in range(args.rounds) for k in (args.staleness if i % 2 == 0 else args.staleness[::-1])]
+    results = [run_once(k, args, i) for i, k in order]
     runs, loads = [figures for figures, _ in results], [load for _, load in results]
     print_table(runs, loads, args)
     plot(runs, args.target, Path(args.plot))
     print(f"plot: {args.plot}", flush=True)
-    load_avg = {str(r.max_staleness): [round(x, 1) for x in load] for r, load in zip(runs, loads, strict=True)}
+    load_avg: dict[str, list] = {}
+    for run, load in zip(runs, loads, strict=True):
+        load_avg.setdefault(str(run.max_staleness), []).append([round(x, 1) for x in load])
     print(json.dumps({"target": args.target, **speedups(runs), "load_avg_1m": load_avg}))
 
 

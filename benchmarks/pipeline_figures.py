@@ -16,7 +16,8 @@ A run's wall times count from the end of its first ``warmup_steps`` steps (the t
 engine start-up is left out alike for every k, and so are the first steps, whose first batches through a fresh
 engine and trainer take 5 to 40 times a later step's time on the 2-core machine. At k >= 1 the servers may have
 generated later steps' groups during those steps, as they do in steady state: ``groups_ahead_at_start`` says how
-many groups beyond the ones trained were on the stream when the clock started (at most k steps' worth).
+many were on the stream, not yet read by the trainer, when the clock started (the trainer's ``queue_depth`` then;
+at most k steps' worth).
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ class StepFigures:
     train_s: float = 0.0
     publish_s: float = 0.0
     checkpoint_s: float = 0.0
+    queue_depth: float = 0.0  # groups on the stream not yet read by the trainer when it reported the step
 
 
 @dataclass(frozen=True)
@@ -49,7 +51,7 @@ class RunFigures:
     max_staleness: int
     steps: list[StepFigures]
     clock_start_s: float  # end of the warm-up steps, seconds after the coordinator's start
-    groups_ahead_at_start: int | None  # pushed but not yet trained when the clock started (None: unknown)
+    groups_ahead_at_start: int  # on the stream, not yet read by the trainer, when the clock started
     wall_to_end_s: float
     wall_to_target_s: float | None  # None: the trailing mean never reached the target
     steps_to_target: int | None
@@ -112,6 +114,7 @@ def step_figures(
                 train_s=values.get("train_s", 0.0),
                 publish_s=values.get("publish_s", 0.0),
                 checkpoint_s=values.get("checkpoint_s", 0.0),
+                queue_depth=values.get("queue_depth", 0.0),
             )
         )
         previous_end = time_s
@@ -133,7 +136,6 @@ def run_figures(
     coordinator_reports: list[tuple[float, dict[str, float]]],
     target: float,
     warmup_steps: int = 1,
-    groups_per_step: int = 0,
 ) -> RunFigures:
     """One run's figures; wall times and medians count from the end of step ``warmup_steps`` (0: from the start)."""
     steps = step_figures(trainer_reports, coordinator_reports)
@@ -147,7 +149,7 @@ def run_figures(
         max_staleness=max_staleness,
         steps=steps,
         clock_start_s=clock,
-        groups_ahead_at_start=groups_ahead(coordinator_reports, clock, groups_per_step * warmup_steps),
+        groups_ahead_at_start=int(steps[warmup_steps - 1].queue_depth) if warmup_steps else 0,
         wall_to_end_s=wall,
         wall_to_target_s=None if at_target is None else max(0.0, steps[at_target].end_s - clock),
         steps_to_target=None if at_target is None else steps[at_target].step,
@@ -161,31 +163,29 @@ def run_figures(
     )
 
 
-def groups_ahead(coordinator_reports: list[tuple[float, dict[str, float]]], clock_s: float, trained: int) -> int | None:
-    """Groups pushed by ``clock_s`` (seconds after the start; the last report before it) beyond the ``trained``
-    ones; None without ``groups_pushed`` in the reports or ``trained`` (0: the clock starts with the run)."""
-    if not trained:
-        return None
-    start = run_start_s(coordinator_reports)
-    pushed = [v["groups_pushed"] for t, v in coordinator_reports if t - start <= clock_s and "groups_pushed" in v]
-    return int(pushed[-1]) - trained if pushed else None
-
-
 def speedups(runs: list[RunFigures]) -> dict:
-    """Every run against the synchronous one (max_staleness 0): wall time to the target and to the end, median step
-    time; plus each run's median overlap and final reward, keyed by k. A ratio is None where a time is missing."""
-    by_k = {run.max_staleness: run for run in runs}
+    """Every k against the synchronous runs (max_staleness 0): wall time to the target and to the end, median step
+    time; plus each k's pipeline overlap and final reward. With several runs of a k (rounds) each figure is the
+    median over them; a time missing from half or more of them (the target never reached) makes its ratio None."""
+    by_k: dict[int, list[RunFigures]] = {}
+    for run in runs:
+        by_k.setdefault(run.max_staleness, []).append(run)
     if 0 not in by_k:
         raise ValueError("speed-ups need the synchronous run (max_staleness 0) among the runs")
-    sync = by_k[0]
 
-    def ratio(base: float | None, value: float | None) -> float | None:
+    def median(k: int, field: str) -> float | None:
+        values = [getattr(run, field) for run in by_k[k] if getattr(run, field) is not None]
+        return statistics.median(values) if len(values) * 2 > len(by_k[k]) else None
+
+    def ratio(k: int, field: str) -> float | None:
+        base, value = median(0, field), median(k, field)
         return None if base is None or not value else round(base / value, 3)
 
     return {
-        "speedup_to_target": {str(k): ratio(sync.wall_to_target_s, r.wall_to_target_s) for k, r in by_k.items()},
-        "speedup_to_end": {str(k): ratio(sync.wall_to_end_s, r.wall_to_end_s) for k, r in by_k.items()},
-        "speedup_step": {str(k): ratio(sync.median_step_s, r.median_step_s) for k, r in by_k.items()},
-        "overlap": {str(k): round(r.median_overlap, 3) for k, r in by_k.items()},
-        "final_reward": {str(k): round(r.final_reward, 4) for k, r in by_k.items()},
+        "speedup_to_target": {str(k): ratio(k, "wall_to_target_s") for k in by_k},
+        "speedup_to_end": {str(k): ratio(k, "wall_to_end_s") for k in by_k},
+        "speedup_step": {str(k): ratio(k, "median_step_s") for k in by_k},
+        "overlap": {str(k): round(median(k, "median_overlap"), 3) for k in by_k},
+        "final_reward": {str(k): round(median(k, "final_reward"), 4) for k in by_k},
+        "runs_per_k": {str(k): len(by_k[k]) for k in by_k},
     }

@@ -18,32 +18,29 @@ pytestmark = pytest.mark.unit
 START = 1000.0  # wall time the coordinator started (its first report minus its uptime)
 
 
-def coordinator_reports(busy_by_time: dict[float, tuple[float, int]]) -> list[tuple[float, dict[str, float]]]:
-    """Periodic reports at START + t: the cumulative rollout busy seconds and groups pushed at that time."""
-    return [
-        (START + t, {"uptime_s": t, "rollout_busy_s": busy, "groups_pushed": pushed})
-        for t, (busy, pushed) in sorted(busy_by_time.items())
-    ]
+def coordinator_reports(busy_by_time: dict[float, float]) -> list[tuple[float, dict[str, float]]]:
+    """Periodic reports at START + t holding the cumulative rollout busy seconds at that time."""
+    return [(START + t, {"uptime_s": t, "rollout_busy_s": busy}) for t, busy in sorted(busy_by_time.items())]
 
 
-def trainer_report(step: int, end: float, step_s: float, wait_s: float, reward: float) -> tuple[int, float, dict]:
+def trainer_report(step: int, end: float, step_s: float, wait_s: float, reward: float, queued: int = 0):
     values = {"step_s": step_s, "wait_s": wait_s, "reward_mean": reward, "train_s": step_s - wait_s - 0.1}
-    return (step, START + end, {**values, "publish_s": 0.05, "checkpoint_s": 0.05})
+    return (step, START + end, {**values, "publish_s": 0.05, "checkpoint_s": 0.05, "queue_depth": float(queued)})
 
 
-def synchronous_run() -> tuple[list, list]:
-    """Generate 2 s (4 groups), then train 1 s, each step (k = 0): the servers are busy 2 s of every 3."""
-    busy = {0.5: (0.5, 0)} | {3.0 * i - 1: (2.0 * i, 4 * i) for i in (1, 2, 3, 4)}
-    busy |= {3.0 * i: (2.0 * i, 4 * i) for i in (1, 2, 3, 4)}
-    trainer = [trainer_report(i, 3.0 * i, 3.0, 2.0, 0.2 * i) for i in (1, 2, 3, 4)]
+def synchronous_run(step_s: float = 3.0) -> tuple[list, list]:
+    """Generate 2/3 of a step, then train 1/3 (k = 0): the servers are busy 2 s of every 3 (at ``step_s`` 3)."""
+    busy = {0.5: 0.5} | {step_s * i - step_s / 3: 2 * step_s / 3 * i for i in (1, 2, 3, 4)}
+    busy |= {step_s * i: 2 * step_s / 3 * i for i in (1, 2, 3, 4)}
+    trainer = [trainer_report(i, step_s * i, step_s, 2 * step_s / 3, 0.2 * i) for i in (1, 2, 3, 4)]
     return trainer, coordinator_reports(busy)
 
 
 def pipelined_run() -> tuple[list, list]:
-    """The servers always busy, a step's 4 groups ready one step ahead, the trainer busy 1 s of every 2-s step
-    (k >= 1): a perfect pipeline."""
-    busy = {float(t): (float(t), 4 * (t // 2 + 1)) for t in range(0, 9)}
-    trainer = [trainer_report(i, 2.0 * i, 2.0, 1.0, 0.2 * i) for i in (1, 2, 3, 4)]
+    """The servers always busy, the next step's 4 groups ready when a step ends, the trainer busy 1 s of every 2-s
+    step (k >= 1): a perfect pipeline."""
+    busy = {float(t): float(t) for t in range(0, 9)}
+    trainer = [trainer_report(i, 2.0 * i, 2.0, 1.0, 0.2 * i, queued=4) for i in (1, 2, 3, 4)]
     return trainer, coordinator_reports(busy)
 
 
@@ -81,8 +78,8 @@ def test_the_target_is_reached_by_the_trailing_mean_of_five_steps():
 
 
 def test_run_figures_count_from_the_end_of_the_warmup_and_speedups_compare_with_the_synchronous_run():
-    sync = run_figures(0, *synchronous_run(), target=0.4, warmup_steps=1, groups_per_step=4)
-    piped = run_figures(2, *pipelined_run(), target=0.4, warmup_steps=1, groups_per_step=4)
+    sync = run_figures(0, *synchronous_run(), target=0.4, warmup_steps=1)
+    piped = run_figures(2, *pipelined_run(), target=0.4, warmup_steps=1)
     assert sync.clock_start_s == 3.0 and piped.clock_start_s == 2.0  # the end of step 1
     assert sync.groups_ahead_at_start == 0 and piped.groups_ahead_at_start == 4  # step 2's groups ready already
     assert sync.wall_to_end_s == 9.0 and piped.wall_to_end_s == 6.0
@@ -101,7 +98,16 @@ def test_run_figures_count_from_the_end_of_the_warmup_and_speedups_compare_with_
     assert figures["final_reward"] == {"0": 0.5, "2": 0.5}
     from_start = run_figures(0, *synchronous_run(), target=0.4, warmup_steps=0)
     assert from_start.clock_start_s == 0.0 and from_start.wall_to_end_s == 12.0
-    assert from_start.groups_ahead_at_start is None
+    assert from_start.groups_ahead_at_start == 0
+
+
+def test_several_rounds_of_a_k_give_medians():
+    syncs = [run_figures(0, *synchronous_run(step_s), target=0.4) for step_s in (3.0, 3.0, 6.0)]
+    piped = run_figures(2, *pipelined_run(), target=0.4)
+    figures = speedups([*syncs, piped])
+    assert figures["runs_per_k"] == {"0": 3, "2": 1}
+    assert figures["speedup_to_end"]["2"] == 1.5  # the median synchronous run (9 s), not the mean (12 s)
+    assert figures["speedup_step"]["2"] == 1.5
 
 
 def test_a_run_that_never_reaches_the_target_has_no_speedup_and_k0_is_required():

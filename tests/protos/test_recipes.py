@@ -231,7 +231,7 @@ EXPECTED: dict[str, dict[str, object]] = {
     },
     "bench-async.yaml": {
         "run_id": "bench-async",
-        "num_steps": 40,
+        "num_steps": 60,
         "groups_per_step": 32,
         "max_staleness": 1,
         "temperature": 1.0,
@@ -241,7 +241,7 @@ EXPECTED: dict[str, dict[str, object]] = {
         "coordinator.task": "echo",
         "rollout.num_servers": 1,
         "trainer.geo_mask": None,
-        "trainer.lr": 0.005,
+        "trainer.lr": 0.002,
         "trainer.micro_batch_tokens": 48,
         "trainer.mini_batches": 1,
         "trainer.token_tis_cap": 2.0,
