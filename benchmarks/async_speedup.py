@@ -106,8 +106,8 @@ class RolePinner:
                     if cpus:
                         for process in [child, *child.children(recursive=True)]:
                             bind_threads(process.pid, cpus)
-                except psutil.Error:
-                    continue  # it exited meanwhile
+                except (psutil.Error, OSError):
+                    continue  # it exited meanwhile (its /proc entry went away)
 
 
 def side_of(cmdline: str) -> str:
@@ -115,12 +115,13 @@ def side_of(cmdline: str) -> str:
 
 
 def bind_threads(pid: int, cpus: set[int]) -> None:
+    """Every thread of ``pid`` onto ``cpus``; raises FileNotFoundError when the process is gone."""
     for tid in os.listdir(f"/proc/{pid}/task"):
         try:
             if os.sched_getaffinity(int(tid)) != cpus:
                 os.sched_setaffinity(int(tid), cpus)
         except (ProcessLookupError, PermissionError):
-            continue
+            continue  # the thread ended meanwhile
 
 
 def run_once(k: int, args: argparse.Namespace, round_index: int = 0) -> tuple[RunFigures, tuple[float, float]]:

@@ -10,7 +10,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
-from async_speedup import parse_args, plot, side_of  # noqa: E402
+from async_speedup import bind_threads, parse_args, plot, side_of  # noqa: E402
 from pipeline_figures import busy_at, first_step_at_target, run_figures, speedups, step_figures  # noqa: E402
 
 pytestmark = pytest.mark.unit
@@ -137,3 +137,19 @@ def test_roles_are_bound_by_their_side_and_the_plot_is_written(tmp_path):
     path = tmp_path / "images" / "plot.png"
     plot([run_figures(0, *synchronous_run(), 0.5), run_figures(2, *pipelined_run(), 0.5)], 0.5, path)
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_threads_are_bound_to_their_cores_and_a_process_gone_meanwhile_raises_what_the_pinner_skips(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        bind_threads(child.pid, {0})
+        assert os.sched_getaffinity(child.pid) == {0}
+    finally:
+        child.kill()
+        child.wait()
+    with pytest.raises(FileNotFoundError):  # RolePinner skips it (an OSError), and keeps binding the others
+        bind_threads(child.pid, {0})
