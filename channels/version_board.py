@@ -8,6 +8,8 @@ Keys (names: protos/redis_keys.py; records: protos/records.py):
 * ``weights:announce`` (stream, field ``v``): one entry per publish; rollout servers and ``fleetrl sync`` follow it.
 * ``fleet`` (hash server id -> ``VersionReport``): the registry of rollout servers: each one's address, the version
   it has put in force and its load, re-sent as a heartbeat; a server removes its entry when it stops.
+* ``fleet:changes`` (stream, field ``s``): one entry per report; the coordinator's fleet watcher wakes on it and on
+  ``weights:announce`` instead of waiting for its next poll.
 
 ``VersionBoard`` takes a sync client (the trainer's rank 0, the weight bus's publishers and the nccl subscriber's
 threads); ``AsyncVersionBoard`` an asyncio one (coordinator, rollout servers, dashboard). Outages: writes that are
@@ -40,6 +42,7 @@ logger = logging.getLogger(__name__)
 # it must load.
 MANIFEST_TTL_S = 3600
 MAX_ANNOUNCEMENTS = 1000
+MAX_FLEET_CHANGES = 1000  # entries kept on fleet_changes: only its newest ids matter (a wake-up, not a log)
 
 
 class VersionBoard:
@@ -161,8 +164,27 @@ class AsyncVersionBoard:
         return as_text(newest_id), int(fields[b"v"])
 
     async def report_version(self, report: VersionReport) -> None:
-        """Rollout side: record which version ``report.server_id`` serves and what its last weight update cost."""
-        await self.client.hset(self.keys.fleet, report.server_id, encode(report))
+        """Rollout side: record which version ``report.server_id`` serves and what its last weight update cost, and
+        say so on ``fleet_changes`` (the coordinator routes to it from then on, without waiting for a poll)."""
+        async with self.client.pipeline(transaction=False) as pipe:
+            pipe.hset(self.keys.fleet, report.server_id, encode(report))
+            pipe.xadd(self.keys.fleet_changes, {"s": report.server_id}, maxlen=MAX_FLEET_CHANGES, approximate=True)
+            await pipe.execute()
+
+    async def last_change_ids(self) -> dict[str, str]:
+        """The newest entry ids of the streams ``wait_for_change`` watches ("0-0" for an empty one)."""
+        ids = {}
+        for stream in (self.keys.weight_announcements, self.keys.fleet_changes):
+            last = await self.client.xrevrange(stream, count=1)
+            ids[stream] = as_text(last[0][0]) if last else "0-0"
+        return ids
+
+    async def wait_for_change(self, last_ids: dict[str, str], timeout_s: float) -> dict[str, str]:
+        """Block up to ``timeout_s`` for a version announced or a server report made after ``last_ids`` (from
+        ``last_change_ids`` or an earlier call); returns the ids to wait after next (``last_ids`` on timeout)."""
+        block_ms = max(1, int(timeout_s * 1000))  # BLOCK 0 would wait forever
+        reply = await self.client.xread(last_ids, block=block_ms)
+        return {**last_ids, **{as_text(stream): as_text(entries[-1][0]) for stream, entries in reply or []}}
 
     async def deregister(self, server_id: str) -> None:
         """Rollout side, at shutdown: remove ``server_id``'s report, so discovery stops routing to it at once."""

@@ -164,7 +164,7 @@ FULL_READ_S = 1.0  # longest time between two reads of the fleet's version repor
 
 
 class FleetWatcher:
-    """Polls Redis for the trainer's version and the servers' reports (and hands those to discovery), and
+    """Follows the trainer's version and the servers' reports in Redis (and hands those to discovery), and
     health-checks the servers."""
 
     def __init__(
@@ -232,20 +232,37 @@ class FleetWatcher:
                 self.fleet.notify_changed()
 
     async def run(self, stop: asyncio.Event) -> None:
-        ticks = 0
+        """Refresh as soon as a version is announced or a server reports (``AsyncVersionBoard.wait_for_change``),
+        and at least every ``interval_s``; health-check the servers every ``HEALTH_EVERY_TICKS`` wake-ups.
+
+        Waking on the reports matters on-policy (max_staleness 0): a step's groups may go only to a server on the
+        new version, and a poll would leave the servers idle for up to ``interval_s`` after they loaded it."""
+        last_ids: dict[str, str] | None = None
+        next_health_check = 0.0
         try:
             while not stop.is_set():
                 try:
+                    last_ids = last_ids or await self.board.last_change_ids()  # before the refresh: none is missed
                     await self.refresh()
                 except UNREACHABLE as error:  # periodic: the next tick is the retry
                     logger.warning("fleet refresh skipped, Redis unreachable: %s", error)
-                if ticks % HEALTH_EVERY_TICKS == 0:
+                if time.monotonic() >= next_health_check:
                     self.health_watches.reconcile(stop)  # servers added or removed since
                     await self.check_health(proven_within_s=HEALTH_EVERY_TICKS * self.interval_s)
-                ticks += 1
-                try:
-                    await asyncio.wait_for(stop.wait(), timeout=self.interval_s)
-                except TimeoutError:
-                    pass
+                    next_health_check = time.monotonic() + HEALTH_EVERY_TICKS * self.interval_s
+                last_ids = await self._wait_for_change(last_ids, stop)
         finally:
             await self.health_watches.close()
+
+    async def _wait_for_change(self, last_ids: dict[str, str] | None, stop: asyncio.Event) -> dict[str, str] | None:
+        """Until a change after ``last_ids``, ``interval_s``, or ``stop``; returns the ids to wait after next."""
+        if last_ids is not None:
+            try:
+                return await self.board.wait_for_change(last_ids, self.interval_s)
+            except UNREACHABLE as error:
+                logger.warning("waiting for fleet changes failed, Redis unreachable: %s", error)
+        try:
+            await asyncio.wait_for(stop.wait(), timeout=self.interval_s)
+        except TimeoutError:
+            pass
+        return last_ids

@@ -73,6 +73,7 @@ class MetricsReporter:
             "agent_turns_lost": stats.agent_turns_lost,
             "prompts_too_long": getattr(s.task, "prompts_too_long", 0),
             "uptime_s": time.monotonic() - self.started,
+            "rollout_busy_s": rollout_busy_s(s.fleet.clients),
         }
         if self.evals is not None:
             values["eval_samples_discarded"] = self.evals.samples_discarded
@@ -111,6 +112,13 @@ class MetricsReporter:
             await self.report()
             if stop.is_set():  # one last report after the stop so the totals are final
                 return
+
+
+def rollout_busy_s(clients) -> float:
+    """Seconds the routable servers had a call of ours open, averaged over them (cumulative since start): with the
+    uptime, the fraction of the run the rollout side was generating."""
+    now = time.monotonic()
+    return sum(client.busy_s(now) for client in clients) / max(1, len(clients))
 
 
 class CoordinatorCollector:

@@ -45,12 +45,33 @@ class RolloutClient:
         self.stub = pb_grpc.RolloutServiceStub(self.channel)
         self.health = health_pb2_grpc.HealthStub(self.channel)
         self.inflight = 0
+        self._busy_closed_s = 0.0  # seconds with >= 1 call open, over the intervals that ended
+        self._busy_since: float | None = None  # monotonic start of the interval open now
         self.requests = 0  # Generate calls sent
         self.failures = 0  # of which failed
         self.last_success_s = float("-inf")  # monotonic time the last call completed (FleetWatcher skips checks)
         self.healthy = True
         self.policy_version = 0
         self.server_id = ""
+
+    def busy_s(self, now: float | None = None) -> float:
+        """Seconds this server had at least one Generate call of this client open (the one open now counted to
+        ``now``, monotonic): how long it was generating for the coordinator (the async benchmark's rollout-busy)."""
+        if self._busy_since is None:
+            return self._busy_closed_s
+        return self._busy_closed_s + (time.monotonic() if now is None else now) - self._busy_since
+
+    def _open_call(self) -> None:
+        if self.inflight == 0:
+            self._busy_since = time.monotonic()
+        self.inflight += 1
+        self.requests += 1
+
+    def _close_call(self) -> None:
+        self.inflight -= 1
+        if self.inflight == 0 and self._busy_since is not None:
+            self._busy_closed_s += time.monotonic() - self._busy_since
+            self._busy_since = None
 
     async def check_health(self, timeout_s: float = 2.0) -> bool:
         try:
@@ -87,8 +108,7 @@ class RolloutClient:
         )
         samples = [SampleResult() for _ in range(n)]
         finished = 0
-        self.inflight += 1
-        self.requests += 1
+        self._open_call()
         try:
             async for chunk in self.stub.Generate(request, timeout=timeout_s):
                 sample = samples[chunk.sample_index]
@@ -104,7 +124,7 @@ class RolloutClient:
         except grpc.aio.AioRpcError as error:
             raise self._failure(error) from error
         finally:
-            self.inflight -= 1
+            self._close_call()
         if finished != n:
             self.failures += 1
             raise RolloutFailed(f"{self.address}: stream ended with {finished} of {n} samples finished")
@@ -139,15 +159,14 @@ class RolloutClient:
                 stream_interval=stream_interval,
             ),
         )
-        self.inflight += 1
-        self.requests += 1
+        self._open_call()
         try:
             async for chunk in self.stub.Generate(request, timeout=timeout_s):
                 yield chunk
         except grpc.aio.AioRpcError as error:
             raise self._failure(error) from error
         finally:
-            self.inflight -= 1
+            self._close_call()
         self.last_success_s = time.monotonic()
 
     def _failure(self, error: grpc.aio.AioRpcError) -> RolloutFailed | RolloutRejected:

@@ -80,6 +80,11 @@ class RedisKeys:
         """Hash server_id -> encoded VersionReport."""
         return self._key("fleet")
 
+    @property
+    def fleet_changes(self) -> str:
+        """Stream of the server ids whose VersionReport just changed (field ``s``): the coordinator wakes on it."""
+        return self._key("fleet:changes")
+
     def metrics(self, role: str) -> str:
         """Stream of encoded MetricsReport records of ``role`` (field ``m``), ended by a RoleDone (field ``d``)."""
         return self._key(f"metrics:{role}")

@@ -119,6 +119,9 @@ class RolloutEngine:
         self._spans = VersionSpanTracker()  # used where vLLM keeps no weight versions (0.26)
         self._committed = asyncio.Event()  # cleared while a commit runs: new requests wait (see generate)
         self._committed.set()
+        self._generating = 0  # generate() calls past that gate and not finished
+        self.last_commit_paused = False  # whether the last commit had to pause the engine (see commit_weights)
+        self._prefix_caching = False  # set at start: cached KV blocks must be dropped at every commit
         # With fleetrl's spans forced on a vLLM that keeps its own: label versions in the engine too and hand its
         # spans along (SampleChunk.engine_version_spans), so tests compare the two on the same samples.
         self.cross_check_spans = False
@@ -133,6 +136,7 @@ class RolloutEngine:
         from vllm.v1.engine.async_llm import AsyncLLM
 
         args = AsyncEngineArgs(**self.engine_kwargs(on_cpu))
+        self._prefix_caching = self.config.prefix_caching_enabled(on_cpu)
         started = time.monotonic()
         self._load_tracker = make_load_tracker()
         self._llm = AsyncLLM.from_engine_args(args, stat_loggers=[self._load_tracker])
@@ -260,6 +264,7 @@ class RolloutEngine:
             request_id,
             priority=request.priority,
         )
+        self._generating += 1  # no await since the gate: a commit that starts from here on sees this request
         own_spans = not features.engine_weight_versions
         if own_spans:
             self._spans.open(request_id, request.n, self.policy_version)
@@ -288,8 +293,11 @@ class RolloutEngine:
         finally:
             if own_spans:
                 self._spans.close(request_id)
-            if finished < request.n:
-                await self.llm.abort(request_id)
+            try:
+                if finished < request.n:
+                    await self.llm.abort(request_id)
+            finally:
+                self._generating -= 1
 
     def _chunk(self, request_id: str, completion, received: list[int], own_spans: bool) -> SampleChunk:
         logprobs = []
@@ -341,14 +349,19 @@ class RolloutEngine:
         resume and label them ``version``.
 
         In-flight requests survive; tokens sampled after this call carry the new version. An engine an operator
-        paused stays paused. Returns the time the engine was paused, in seconds. Raises IpcUnavailable, with the
-        engine unchanged, when a worker cannot open the IPC buckets.
+        paused stays paused. Returns the seconds generation was held (paused, and new requests kept waiting).
+        Raises IpcUnavailable, with the engine unchanged, when a worker cannot open the IPC buckets.
+
+        With nothing generating (on-policy, between steps) and no prefix cache to drop, no request can see the weights
+        change: no pause then (vLLM's pause and resume cost two engine-core round trips and a 20 ms sleep).
         """
         async with self._update_lock:
             started = time.monotonic()
-            self._committed.clear()
+            self._committed.clear()  # from here on new requests wait: the count below stays true
+            paused = self.last_commit_paused = self._generating > 0 or self._prefix_caching
             try:
-                await self._pause_engine("keep")
+                if paused:
+                    await self._pause_engine("keep")
                 counts = await self._count_tokens_before_commit()
                 load_started = time.monotonic()
                 if ipc_record is None:
@@ -367,7 +380,7 @@ class RolloutEngine:
                 self.policy_version = version
             finally:
                 self._committed.set()
-                if not self.held_by_operator:  # an operator's pause outlasts the update
+                if paused and not self.held_by_operator:  # an operator's pause outlasts the update
                     await self.llm.resume_generation()
             return time.monotonic() - started
 

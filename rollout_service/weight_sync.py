@@ -149,11 +149,12 @@ class WeightFollower:
             paused_s = await self._commit_locked(pending, started)
             metrics.UPDATE_SECONDS.observe(self.last_update_s)
             logger.info(
-                "server %s policy_version=%d committed in %.2fs (paused %.2fs)",
+                "server %s policy_version=%d committed in %.2fs (generation held %.2fs, engine %s)",
                 self.engine.server_id,
                 target,
                 self.last_update_s,
                 paused_s,
+                "paused" if self.engine.last_commit_paused else "idle: not paused",
             )
             return target
 

@@ -121,6 +121,7 @@ def run(args: argparse.Namespace, stop: threading.Event) -> None:
     import torch
 
     from trainer_service import ranks
+    from trainer_service.checkpoint import CheckpointWriter
     from trainer_service.redis_side import apply_commands
 
     config = load_config(args)
@@ -136,6 +137,9 @@ def run(args: argparse.Namespace, stop: threading.Event) -> None:
 
     feed = ranks.OrderFeed(side.read_groups if side else None, partial(apply_commands, trainer, publish_current))
     replay = catch_up_published(side, trainer, publish_current, restored, start_step)
+    # one process: checkpoints become durable (fsync, rename) on a thread while the next step trains
+    writer = CheckpointWriter(checkpoints) if ranks.world_size() == 1 else None
+    completed = False  # every step taken (a stop ends the loop early)
     for step in range(start_step + 1, config.num_steps + 1):
         started = time.monotonic()
         # 1) one step's new groups: rank 0 pops them (entries already in the ledger are skipped but acknowledged
@@ -151,14 +155,18 @@ def run(args: argparse.Namespace, stop: threading.Event) -> None:
         #    that was not moves the coordinator's slot map back
         publish_s = publish_step(side, trainer, previous_version, step, publish_current, replay)
         # 5) checkpoint (every rank its shard, rank 0 the ledger), then rank 0 acknowledges what it holds
-        ckpt_s = checkpoint_step(config, checkpoints, side, trainer, step)
+        ckpt_s = checkpoint_step(config, checkpoints, side, trainer, step, writer)
         # 6) log and report
         if side:
             side.report(
                 step, values, wait_s=wait_s, publish_s=publish_s, checkpoint_s=ckpt_s, step_s=time.monotonic() - started
             )
     else:
-        # 7) every step is done: the final policy as an HF checkpoint (and LoRA's adapters) under the export path
+        completed = True  # also a trainer restored after its last step
+    if writer is not None:  # the last checkpoint durable and its entries acknowledged before the export
+        finish_checkpoints(writer, side)
+    if completed:
+        # 7) the final policy as an HF checkpoint (and LoRA's adapters) under the export path
         export_final(config, trainer)
     if side:
         side.finish(args.linger_s, stop)
@@ -218,9 +226,13 @@ def publish_new_lineage(side, trainer, published: int, step: int, publish_curren
     return publish_current()
 
 
-def checkpoint_step(config, checkpoints, side, trainer, step: int) -> float:
-    """Step 5: at the interval (and the last step) every rank saves its shard and rank 0 the trainer state, then
-    rank 0 acknowledges the entries the checkpoint holds. Returns the seconds spent (0 between checkpoints).
+def checkpoint_step(config, checkpoints, side, trainer, step: int, writer=None) -> float:
+    """Step 5: at the interval (and the last step) save the trainer state; the queue entries it holds are
+    acknowledged once it is durable. Returns the seconds the loop spent (0 between checkpoints).
+
+    One process (``writer``): the files are written now and made durable (fsync, rename) on the writer's thread
+    while the next step trains; the next checkpoint (or the run's end) acknowledges its entries. Several ranks:
+    every rank saves its shard at once, then rank 0 acknowledges.
 
     ``trainer.ckpt_interval`` 0 saves nothing: the entries are acknowledged after the last step only. A trainer
     restarted before then starts from model_path with an empty ledger and gets every entry of the run again, so
@@ -237,10 +249,24 @@ def checkpoint_step(config, checkpoints, side, trainer, step: int) -> float:
         return 0.0
     started = time.monotonic()
     state = TrainerState(step, trainer.policy_version, trainer.ledger, _totals(trainer), trainer.trained_versions)
-    ranks.save_checkpoint(checkpoints, trainer.backend, state)
-    if side:
-        side.ack_consumed()
+    if writer is None:
+        ranks.save_checkpoint(checkpoints, trainer.backend, state)
+        if side:
+            side.ack_consumed()
+    else:
+        pending = checkpoints.write(trainer.backend, state)
+        side.ack(writer.submit(pending, side.take_unacked()))
     return time.monotonic() - started
+
+
+def finish_checkpoints(writer, side, timeout_s: float = 600.0) -> None:
+    """The run's end: wait for the last checkpoint to be durable, then acknowledge what it holds."""
+    try:
+        side.ack(writer.wait(timeout_s))
+    except TimeoutError as error:
+        raise TimeoutError(f"the last checkpoint was not durable (fsync, rename) within {timeout_s:.0f}s") from error
+    finally:
+        writer.close()
 
 
 def record_version_offset(side, policy_version: int, step: int) -> None:

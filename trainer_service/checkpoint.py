@@ -8,6 +8,11 @@ lineage of weights that survives.
 
 Layout: ``<root>/step-000042/{trainer_state.json, <backend files>}`` written as ``step-000042.partial``
 and renamed when complete; ``<root>/latest`` names the newest complete one (replaced atomically).
+
+A save is two halves: ``write`` puts the files in the partial directory (the page cache: milliseconds), and
+``make_durable`` fsyncs them, renames the directory and moves ``latest`` (the disk: most of a save's time). The
+files hold the state of the moment ``write`` ran, so the second half can run while training goes on:
+``CheckpointWriter`` runs it on a thread, and the entries a checkpoint holds are acknowledged once it is durable.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import json
 import logging
 import os
 import shutil
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -38,6 +44,14 @@ class TrainerState:
     trained_versions: dict[str, int] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class PendingCheckpoint:
+    """A checkpoint written into ``partial`` but not yet durable; ``make_durable`` turns it into ``final``."""
+
+    partial: Path
+    final: Path
+
+
 def _fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -58,6 +72,11 @@ class CheckpointManager:
 
     def save(self, backend, state: TrainerState) -> Path:
         """Write a complete checkpoint of ``backend`` and ``state``; durable when this returns."""
+        return self.make_durable(self.write(backend, state))
+
+    def write(self, backend, state: TrainerState) -> PendingCheckpoint:
+        """The first half of a save: ``backend`` and ``state`` as they are now, into the partial directory (not
+        durable, not found by ``latest`` until ``make_durable``)."""
         final = self.root / f"step-{state.step:06d}"
         partial = final.with_suffix(".partial")
         shutil.rmtree(partial, ignore_errors=True)
@@ -65,19 +84,21 @@ class CheckpointManager:
         backend.save_checkpoint(partial)
         with open(partial / STATE_FILE, "w") as handle:
             json.dump(asdict(state), handle)
-            handle.flush()
-            os.fsync(handle.fileno())
-        for file in partial.iterdir():  # the backend's files too: the rename below must not outrun them
+        return PendingCheckpoint(partial, final)
+
+    def make_durable(self, pending: PendingCheckpoint) -> Path:
+        """The second half: fsync every file, rename the directory, point ``latest`` at it, prune old ones."""
+        for file in pending.partial.iterdir():  # the rename below must not outrun the files' bytes
             with open(file, "rb") as handle:
                 os.fsync(handle.fileno())
-        shutil.rmtree(final, ignore_errors=True)  # a same-step leftover of an earlier incarnation
-        os.rename(partial, final)
+        shutil.rmtree(pending.final, ignore_errors=True)  # a same-step leftover of an earlier incarnation
+        os.rename(pending.partial, pending.final)
         pointer = self.root / "latest.tmp"
-        pointer.write_text(final.name)
+        pointer.write_text(pending.final.name)
         os.replace(pointer, self.root / "latest")
         _fsync_dir(self.root)
         self._prune()
-        return final
+        return pending.final
 
     def latest(self) -> Path | None:
         """The newest complete checkpoint, or None."""
@@ -116,3 +137,34 @@ class CheckpointManager:
         complete = sorted(p for p in self.root.glob("step-*") if p.suffix != ".partial")
         for old in complete[: -self.keep_last]:
             shutil.rmtree(old, ignore_errors=True)
+
+
+class CheckpointWriter:
+    """Makes written checkpoints durable on a thread while training goes on.
+
+    One checkpoint is in flight at a time. ``submit`` and ``wait`` first wait for the one before: they return the
+    queue entry ids it holds, now safe to acknowledge (on the caller's thread, which owns the queue), and re-raise
+    its error there, so a failed save stops the trainer as a synchronous one would.
+    """
+
+    def __init__(self, manager: CheckpointManager):
+        self.manager = manager
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="checkpoint")
+        self._in_flight: tuple[Future, list[str]] | None = None
+
+    def submit(self, pending: PendingCheckpoint, entry_ids: list[str]) -> list[str]:
+        """Make ``pending`` (holding ``entry_ids``) durable in the background; returns the previous one's ids."""
+        durable = self.wait()
+        self._in_flight = (self._executor.submit(self.manager.make_durable, pending), entry_ids)
+        return durable
+
+    def wait(self, timeout_s: float | None = None) -> list[str]:
+        """Until the checkpoint in flight (if any) is durable; returns the entry ids it holds ([] without one)."""
+        if self._in_flight is None:
+            return []
+        (future, entry_ids), self._in_flight = self._in_flight, None
+        future.result(timeout=timeout_s)
+        return entry_ids
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=True)

@@ -95,8 +95,16 @@ class RedisSide:
 
     def ack_consumed(self) -> None:
         """After the checkpoint that holds them is complete on every rank (``ranks.save_checkpoint``)."""
-        self.queue.ack(self.unacked)
-        self.unacked.clear()
+        self.ack(self.take_unacked())
+
+    def take_unacked(self) -> list[str]:
+        """The entries consumed since the last call: the ones the checkpoint being written holds."""
+        taken, self.unacked = self.unacked, []
+        return taken
+
+    def ack(self, entry_ids: list[str]) -> None:
+        """Acknowledge ``entry_ids``, once the checkpoint that holds them is durable."""
+        self.queue.ack(entry_ids)
 
     def report(self, step: int, values: dict[str, float], **seconds: float) -> None:
         from protos.records import MetricsReport

@@ -1,5 +1,5 @@
 """The version board against the real embedded Redis: the version pointer and offset, manifests and their expiry,
-announcements, IPC records and the fleet's version reports."""
+announcements, IPC records, the fleet's version reports and the waits for them."""
 
 from __future__ import annotations
 
@@ -175,3 +175,26 @@ def test_report_version_and_fleet_reports_round_trip(redis_url, client):
     assert zero.status is ReportStatus.STALE and zero.message == "fetch timed out"
     assert (one.policy_version, one.status, one.message) == (2, ReportStatus.OK, "")
     assert abs(one.time_s - time.time()) < 60
+
+
+def test_wait_for_change_returns_on_a_server_report_or_an_announcement_made_after_the_ids(redis_url, client):
+    keys = RedisKeys("changes")
+    board = VersionBoard(client, keys)
+    board.publish_manifest(_manifest(1))  # an announcement before the ids: not a change
+
+    async def scenario(async_board: AsyncVersionBoard):
+        ids = await async_board.last_change_ids()
+        quiet = await async_board.wait_for_change(ids, timeout_s=0.05)  # nothing since: the same ids back
+        await async_board.report_version(_report("rollout-0", "127.0.0.1:7000", 1))
+        after_report = await async_board.wait_for_change(ids, timeout_s=30)
+        await asyncio.to_thread(board.publish_manifest, _manifest(2))
+        after_publish = await async_board.wait_for_change(after_report, timeout_s=30)
+        return ids, quiet, after_report, after_publish
+
+    ids, quiet, after_report, after_publish = _run(scenario, redis_url, keys)
+    announce, changes = keys.weight_announcements, keys.fleet_changes
+    assert ids[changes] == "0-0" and ids[announce] != "0-0" and quiet == ids
+    assert after_report[announce] == ids[announce] and after_report[changes] != "0-0"
+    assert after_publish[changes] == after_report[changes] and after_publish[announce] != ids[announce]
+    ((_entry_id, fields),) = client.xrange(changes)
+    assert fields == {b"s": b"rollout-0"}

@@ -9,18 +9,21 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import redis
 import redis.asyncio as aioredis
 
 from channels.trajectory_stream import TrajectoryStreamWriter
+from channels.version_board import AsyncVersionBoard, VersionBoard
 from coordinator.evaluation import EvalRunner, eval_versions, pass_at_k, spans_match
-from coordinator.fleet import Fleet
+from coordinator.fleet import Fleet, FleetWatcher
 from coordinator.rewards import get_reward_fn
-from coordinator.rollout_client import SampleResult
+from coordinator.rollout_client import RolloutClient, SampleResult
 from coordinator.runtime_config import FixedSetting, UnknownSetting, apply_setting
 from coordinator.scheduler import RunState, Scheduler
 from coordinator.tasks import DatasetTask, EchoTask, PromptRenderer, ResponseScorer, build_task
 from modeling.tiny_model import build_tokenizer
 from protos.config import load_run_config
+from protos.records import ReportStatus, VersionReport, WeightManifest
 from protos.redis_keys import RedisKeys
 
 pytestmark = pytest.mark.integration
@@ -195,6 +198,41 @@ def test_pause_stops_admission_resume_restarts_it_and_drain_is_final():
     assert scheduler.state == RunState.DRAINED
     with pytest.raises(ValueError, match="drain"):
         scheduler.resume()
+
+
+def test_the_fleet_watcher_takes_a_servers_new_version_when_it_reports_not_at_its_next_poll(redis_url):
+    """On-policy, a step's groups wait for a server on the new version: a poll would leave it idle meanwhile."""
+    keys = RedisKeys("watch")
+
+    async def until(condition, what: str, timeout_s: float = 10.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not condition():
+            assert time.monotonic() < deadline, f"waited {timeout_s}s for {what}"
+            await asyncio.sleep(0.01)
+
+    async def scenario():
+        client = aioredis.Redis.from_url(redis_url)
+        server = RolloutClient("127.0.0.1:1")  # never generates here; the watcher only reads its reports
+        versions: list[int] = []
+        watcher = FleetWatcher(Fleet([server]), versions.append, client, keys, interval_s=300.0)
+        task = asyncio.create_task(watcher.run(asyncio.Event()))
+        try:
+            await until(lambda: versions, "the watcher's first refresh")
+            board = AsyncVersionBoard(client, keys)
+            await board.report_version(VersionReport("r0", "127.0.0.1:1", 3, ReportStatus.OK, "", time.time()))
+            await until(lambda: server.policy_version == 3, "the report of v3 to reach the fleet (poll: 300 s)")
+            sync_client = redis.Redis.from_url(redis_url)
+            manifest = WeightManifest(4, [], [], "127.0.0.1:1", "tcp", 0.0)
+            await asyncio.to_thread(VersionBoard(sync_client, keys).publish_manifest, manifest)  # the trainer's publish
+            sync_client.close()
+            await until(lambda: versions[-1] == 4, "the announcement of v4 to reach admission (poll: 300 s)")
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            await server.close()
+            await client.aclose()
+
+    asyncio.run(scenario())
 
 
 def test_eval_versions_every_interval_steps_and_at_start():

@@ -202,6 +202,42 @@ def test_a_request_added_during_a_commit_is_labelled_with_the_new_version(engine
     assert late[0]["final"].version_spans == [(version, 0, 8)]
 
 
+def test_a_commit_pauses_the_engine_only_while_a_request_generates_and_both_load_and_label_the_weights(
+    engine_on_loop, tmp_path
+):
+    import torch
+
+    engine, loop, model, _ = engine_on_loop
+    backend = TorchBackend(model, TrainerConfig())
+    with torch.no_grad():
+        for param in backend.model.parameters():
+            param.add_(0.01)  # not the engine's weights: the checksum shows that they arrived
+    idle = engine.policy_version + 1
+    manifest, buckets = packing.pack(backend.export_hf_weights(), idle, 64 * 2**20)
+    path = tmp_path / "staged-idle"
+    path.write_bytes(b"".join(np.asarray(b).tobytes() for b in buckets))
+    before = loop.run(engine.state_checksum())
+    loop.run(engine.commit_weights(idle, str(path), encode(manifest)))  # on-policy: nothing generating
+    assert not engine.last_commit_paused and loop.run(engine.state_checksum()) != before
+    assert loop.run(_collect(engine, _request(8)))[0]["final"].version_spans == [(idle, 0, 8)]
+
+    busy = idle + 1
+    staged = _staging_file(tmp_path, model, busy)
+    request = dataclasses.replace(_request(200, temperature=1.0), request_id="commit-while-generating", seed=None)
+
+    async def commit_while_generating():
+        task = asyncio.create_task(_collect(engine, request))
+        while not sum(vllm_adapter.generated_token_counts(engine.llm, [request.request_id]).values()):
+            assert not task.done(), "the request finished before the commit"
+            await asyncio.sleep(0.005)
+        await engine.commit_weights(busy, *staged)
+        return await task
+
+    samples = loop.run(commit_while_generating())
+    assert engine.last_commit_paused
+    assert [v for v, _, _ in samples[0]["final"].version_spans] == [idle, busy]
+
+
 # -- weights over the nccl transport ------------------------------------------------------------------------
 
 

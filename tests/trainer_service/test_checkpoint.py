@@ -1,8 +1,11 @@
-"""Checkpoints: bit-exact resume of model, optimizer, LR schedule and ledger; pruning; bad resume paths."""
+"""Checkpoints: bit-exact resume of model, optimizer, LR schedule and ledger; pruning; bad resume paths; the durable
+half of a save on the writer's thread."""
 
 from __future__ import annotations
 
 import json
+import shutil
+import threading
 
 import pytest
 import torch
@@ -10,7 +13,7 @@ from synthetic import make_group
 
 from modeling.tiny_model import init_tiny
 from protos.config import TrainerConfig
-from trainer_service.checkpoint import CheckpointManager, TrainerState
+from trainer_service.checkpoint import CheckpointManager, CheckpointWriter, TrainerState
 from trainer_service.torch_backend import TorchBackend
 from trainer_service.trainer import Trainer
 
@@ -89,3 +92,50 @@ def test_resume_setting_none_latest_and_bad_path(tmp_path):
     assert checkpoints.resolve("latest") is None and checkpoints.resolve("none") is None
     with pytest.raises(FileNotFoundError, match="trainer.resume_path"):
         checkpoints.resolve(str(tmp_path / "missing"))
+
+
+class GatedCheckpoints(CheckpointManager):
+    """The real manager with a gate before its durable half (fsync, rename), which holds the writer's thread at a
+    known point, as the fault tests freeze a process with SIGSTOP."""
+
+    def __init__(self, root, gate: threading.Event):
+        super().__init__(root, keep_last=2)
+        self.gate = gate
+
+    def make_durable(self, pending):
+        assert self.gate.wait(timeout=60), "the test never opened the gate"
+        return super().make_durable(pending)
+
+
+def test_the_next_step_trains_while_a_checkpoint_becomes_durable_and_its_entries_wait_for_that(model_dir, tmp_path):
+    gate = threading.Event()
+    checkpoints = GatedCheckpoints(tmp_path, gate)
+    writer = CheckpointWriter(checkpoints)
+    trainer = Trainer(TorchBackend(model_dir, CONFIG), max_staleness=100)
+    _train(trainer, range(2))
+    at_save = {k: v.clone() for k, v in trainer.backend.model.state_dict().items()}
+    pending = checkpoints.write(trainer.backend, TrainerState(2, trainer.policy_version, trainer.ledger))
+    assert writer.submit(pending, ["1-0", "2-0"]) == []  # nothing durable before it
+    _train(trainer, range(2, 4))  # training goes on while the checkpoint of step 2 is not durable
+    assert checkpoints.latest() is None  # a crash now restores nothing of step 2: its entries stay pending
+    gate.set()
+    assert writer.wait(timeout_s=60) == ["1-0", "2-0"]  # durable now: these may be acknowledged
+    assert checkpoints.latest() == tmp_path / "step-000002"
+    restored = TorchBackend(model_dir, CONFIG)
+    state = CheckpointManager.load(checkpoints.latest(), restored)
+    assert state.step == 2 and list(state.ledger) == ["g0", "g1", "g2", "g3"]  # step 2's ledger, not step 4's
+    for name, tensor in restored.model.state_dict().items():
+        assert torch.equal(tensor, at_save[name]), name  # the weights of the moment of the write
+    writer.close()
+
+
+def test_a_failed_durable_half_raises_on_the_training_thread(model_dir, tmp_path):
+    checkpoints = CheckpointManager(tmp_path)
+    writer = CheckpointWriter(checkpoints)
+    pending = checkpoints.write(TorchBackend(model_dir, CONFIG), TrainerState(1, 1, {}))
+    shutil.rmtree(pending.partial)  # the files are gone before they could be made durable
+    writer.submit(pending, ["1-0"])
+    with pytest.raises(FileNotFoundError):
+        writer.wait(timeout_s=60)
+    assert checkpoints.latest() is None and writer.wait() == []
+    writer.close()
