@@ -188,17 +188,18 @@ class FleetWatcher:
         self.health_watches = HealthWatches(fleet)
         self._reports_read: tuple[float, int] = (float("-inf"), -1)  # (monotonic time, trainer version) of last read
 
-    async def refresh(self) -> None:
-        """The trainer's version and offset every tick; the fleet's reports when they can have changed: after a new
-        trainer version, while a server is behind it, and at least every ``FULL_READ_S`` (a restarted server is
-        asked its version as its health returns, ``health_watch.py``; an added one by ``Fleet.add``)."""
+    async def refresh(self, reported: bool = False) -> None:
+        """The trainer's version and offset every tick; the fleet's reports when they can have changed: after a
+        server ``reported`` (a ``fleet:changes`` entry), after a new trainer version, while a server is behind it,
+        and at least every ``FULL_READ_S`` (a restarted server is asked its version as its health returns,
+        ``health_watch.py``; an added one by ``Fleet.add``)."""
         version, offset = await self.board.version_and_offset()
         if self.on_version_offset is not None:  # first: the shift must be in place before the new version counts
             self.on_version_offset(offset)
         self.on_version(version)
         read_at, read_version = self._reports_read
         behind = any(client.policy_version < version for client in self.fleet.clients)
-        if not behind and read_version == version and time.monotonic() - read_at < FULL_READ_S:
+        if not (reported or behind) and read_version == version and time.monotonic() - read_at < FULL_READ_S:
             return  # at 256 servers a read costs the coordinator about 1 ms (HGETALL parsed in Python)
         self._reports_read = (time.monotonic(), version)
         reports = await self.board.fleet_reports()
@@ -238,19 +239,23 @@ class FleetWatcher:
         Waking on the reports matters on-policy (max_staleness 0): a step's groups may go only to a server on the
         new version, and a poll would leave the servers idle for up to ``interval_s`` after they loaded it."""
         last_ids: dict[str, str] | None = None
+        reported = True
         next_health_check = 0.0
         try:
             while not stop.is_set():
                 try:
                     last_ids = last_ids or await self.board.last_change_ids()  # before the refresh: none is missed
-                    await self.refresh()
+                    await self.refresh(reported)
                 except UNREACHABLE as error:  # periodic: the next tick is the retry
                     logger.warning("fleet refresh skipped, Redis unreachable: %s", error)
                 if time.monotonic() >= next_health_check:
                     self.health_watches.reconcile(stop)  # servers added or removed since
                     await self.check_health(proven_within_s=HEALTH_EVERY_TICKS * self.interval_s)
                     next_health_check = time.monotonic() + HEALTH_EVERY_TICKS * self.interval_s
+                seen = last_ids
                 last_ids = await self._wait_for_change(last_ids, stop)
+                changes = self.keys.fleet_changes
+                reported = seen is None or last_ids is None or last_ids[changes] != seen[changes]
         finally:
             await self.health_watches.close()
 

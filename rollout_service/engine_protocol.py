@@ -26,6 +26,7 @@ class GenerationEngine(Protocol):
     routed_experts_available: bool
     held_by_operator: bool  # paused through the API: a weight update must not resume it
     last_load_s: float  # seconds the last commit spent loading weights (reported; 0 where none are loaded)
+    last_commit_paused: bool  # whether the last commit paused generation (logged by the weight follower)
     # False: a commit labels the version without loading bytes, so the weight follower fetches none
     loads_weight_bytes: bool
 

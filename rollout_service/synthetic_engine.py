@@ -79,6 +79,7 @@ class SyntheticEngine:
         self.routed_experts_available = self.settings.moe_layers > 0
         self.held_by_operator = False
         self.last_load_s = 0.0  # no weights are ever loaded
+        self.last_commit_paused = False  # every commit pauses the stand-in (set by the first)
         self._admitting = asyncio.Event()  # cleared by any pause: new requests wait
         self._running = asyncio.Event()  # cleared by pause(keep|abort) and commits: no token is emitted
         self._admitting.set()
@@ -236,6 +237,7 @@ class SyntheticEngine:
             started = time.monotonic()
             self._admitting.clear()
             self._running.clear()
+            self.last_commit_paused = True
             try:
                 if self.settings.commit_s:
                     await asyncio.sleep(self.settings.commit_s)
