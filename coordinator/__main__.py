@@ -29,6 +29,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument(
         "--model", default=None, help="alias of the config key model_path (its tokenizer renders dataset prompts)"
     )
+    parser.add_argument(
+        "--linger-s",
+        type=float,
+        default=0.0,
+        help="keep /metrics and the admin API up this long after the last group (for a last Prometheus scrape)",
+    )
     parser.add_argument("overrides", nargs="*")
     return parser.parse_intermixed_args(argv)
 
@@ -333,6 +339,11 @@ async def run(args: argparse.Namespace) -> None:
         await asyncio.sleep(0.05)
     # 5) finish: say how much was produced, stop everything, report once more, close servers and clients
     logger.info("coordinator %s: %s", scheduler.state.name.lower(), scheduler.stats)
+    if args.linger_s > 0 and not stop.is_set():
+        try:  # the final counters stay scrapable a while (an early stop signal ends the wait)
+            await asyncio.wait_for(stop.wait(), timeout=args.linger_s)
+        except TimeoutError:
+            pass
     stop.set()
     if agents is not None:
         await agents.server.stop(grace=0.5)

@@ -148,7 +148,9 @@ def test_prometheus_scrapes_a_run_and_holds_every_series_the_grafana_dashboard_q
                 -3000:
             ]
             time.sleep(0.2)
-        coordinator = _spawn(tmp_path / "coordinator.log", "coordinator", "run", "--servers", server.address, *common)
+        coordinator = _spawn(
+            tmp_path / "coordinator.log", "coordinator", "run", "--servers", server.address, "--linger-s", "3", *common
+        )
         processes.append(coordinator)
         assert coordinator.wait(timeout=400) == 0, (tmp_path / "coordinator.log").read_text()[-3000:]
         assert trainer.wait(timeout=120) == 0, (tmp_path / "trainer.log").read_text()[-3000:]

@@ -221,6 +221,10 @@ def test_the_server_reports_throughput_load_and_update_durations_to_the_runs_met
     from channels.metrics_stream import MetricsStreamReader
 
     stub = server.stub
+    client = redis.Redis.from_url(redis_server.url)
+    # other modules' servers reported as test-0 to this run too: only the reports made from here on count
+    newest = client.xrevrange(RedisKeys(RUN_ID).metrics("rollout"), count=1)
+    start_id = newest[0][0].decode() if newest else "0"
     version = server_info(stub).policy_version + 1
     backend = TorchBackend(model_dir, TrainerConfig())
     publish_and_update(stub, redis_server, version, backend.export_hf_weights())
@@ -232,12 +236,12 @@ def test_the_server_reports_throughput_load_and_update_durations_to_the_runs_met
         for s in f.samples
         if s.name == "rollout_generated_tokens_total"
     )
-    reader = MetricsStreamReader(redis.Redis.from_url(redis_server.url), RedisKeys(RUN_ID))
+    reader = MetricsStreamReader(client, RedisKeys(RUN_ID))
     deadline, reports = time.monotonic() + 30, []
     while not any(r.values["tokens_generated"] >= generated for r in reports):  # a report after the generation
         assert time.monotonic() < deadline, f"no rollout report with {generated} tokens in 30 s: {reports[-1:]}"
         time.sleep(0.5)
-        reports = [e.report for e in reader.after("rollout", "0") if e.report and e.report.source == "test-0"]
+        reports = [e.report for e in reader.after("rollout", start_id) if e.report and e.report.source == "test-0"]
     latest = reports[-1]
     assert latest.role == "rollout" and latest.policy_version == version == latest.values["policy_version"]
     assert [r.step for r in reports] == sorted(r.step for r in reports)  # the server's report count
