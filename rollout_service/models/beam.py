@@ -301,8 +301,8 @@ def split_q_and_gate_adapters(tensors: dict[str, torch.Tensor], config) -> dict[
             per_head = tensor.view(heads, head_dim + gate_dim, tensor.shape[-1])
             split[name] = per_head[:, :head_dim].reshape(-1, tensor.shape[-1])
             split[name.replace(".q_proj.", ".output_gate.")] = per_head[:, head_dim:].reshape(-1, tensor.shape[-1])
-        elif ".self_attn.q_proj.lora_A." in name:
-            split[name] = split[name.replace(".q_proj.", ".output_gate.")] = tensor
+        elif ".self_attn.q_proj.lora_A." in name:  # a copy: a safetensors file holds no shared storage
+            split[name], split[name.replace(".q_proj.", ".output_gate.")] = tensor, tensor.clone()
         else:
             split[name] = tensor
     return split
