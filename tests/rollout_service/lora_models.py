@@ -8,35 +8,12 @@ from pathlib import Path
 import torch
 
 from modeling.beam.tiny import init_tiny_beam
-from modeling.tiny_model import BOS_ID, EOS_ID, PAD_ID, save_tiny_checkpoint
+from modeling.tiny_model import init_tiny_dense
 from protos.config import LoraConfig, TrainerConfig
 from trainer_service.torch_backend import TorchBackend
 
 DENSE_MODELS = ["qwen3", "beam"]
 RANK, ALPHA = 8, 16.0
-
-
-def init_tiny_dense(path: Path, seed: int = 0) -> Path:
-    """A tiny Qwen3 (dense, 2 layers, hidden 64, GQA 2/1 x 32, vocabulary 64, untied head) with the char tokenizer."""
-    from transformers import AutoModelForCausalLM, Qwen3Config
-
-    torch.manual_seed(seed)
-    config = Qwen3Config(
-        vocab_size=64,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=32,
-        max_position_embeddings=256,
-        tie_word_embeddings=False,
-        bos_token_id=BOS_ID,
-        eos_token_id=EOS_ID,
-        pad_token_id=PAD_ID,
-        torch_dtype="float32",
-    )
-    return save_tiny_checkpoint(AutoModelForCausalLM.from_config(config, dtype=torch.float32), Path(path))
 
 
 def make_dense_model(name: str, path: Path) -> str:
