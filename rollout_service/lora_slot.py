@@ -136,6 +136,14 @@ class LoraSlot:
         self.model_path = model_path
         self.root = Path(root)
         self.current: Path | None = None  # the directory of the adapter in force
+        self._hf_config = None
+
+    @property
+    def hf_config(self):
+        """The checkpoint's transformers config (read once)."""
+        if self._hf_config is None:
+            self._hf_config = read_hf_config(self.model_path)
+        return self._hf_config
 
     def request(self, path: Path | None = None, load_inplace: bool = False):
         """The ``LoRARequest`` of the policy adapter (at ``path``, default the one in force)."""
@@ -147,7 +155,7 @@ class LoraSlot:
         """Load the zero adapter (the base model itself) so that every request carries the policy id from v0."""
         self.root.mkdir(parents=True, exist_ok=True)
         directory = self.root / "v0"
-        write_zero_adapter(directory, read_hf_config(self.model_path))
+        write_zero_adapter(directory, self.hf_config)
         await llm.add_lora(self.request(directory))
         self.current = directory
 
@@ -155,7 +163,7 @@ class LoraSlot:
         """Write ``version``'s adapter from its staged bytes into a PEFT directory (outside the pause)."""
         check_adapter_fits(self.config, manifest)
         directory = self.root / f"v{version}"
-        write_adapter_dir(directory, manifest, staging_path, read_hf_config(self.model_path))
+        write_adapter_dir(directory, manifest, staging_path, self.hf_config)
         return directory
 
     async def swap(self, llm, directory: Path) -> None:
