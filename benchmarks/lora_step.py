@@ -13,13 +13,18 @@ every 6, soft-cap 30, vocab 32768), random-initialises it through megatron-bridg
 Expert adapters get rank / top_k with ``--normalize-moe-lora`` (the default, as SkyRL's Beam LoRA recipe).
 Times ``train_step`` alternately on the same random batch and reports, per mode: step time, the memory the
 backend holds after it is built (weights, gradient buffers, optimizer state), the step's peak on top of that,
-the trainable parameter count and the bytes a weight publish sends. A mode that fails is reported in the JSON
-with its error; the others run.
+the trainable parameter count and the bytes a weight publish sends: ``publish_gib`` with
+``trainer.lora.sync='merged'`` (the adapted layers merged), ``adapter_publish_gib`` with ``'adapters'`` (the
+adapters in PEFT names, as vLLM's LoRA slot takes them). A mode that fails is reported in the JSON with its error;
+the others run.
 
 Prints one line per round and mode, then one JSON object with the ratios to full. On a CUDA machine:
     PYTHONPATH=. python3 -u benchmarks/lora_step.py
 CPU smoke run (tiny sizes, fp32):
     .venv/bin/python benchmarks/lora_step.py --tiny
+The full Beam's publish bytes (501B, bf16, rank 64 / expert rank 8), counted from the exports' shapes on the meta
+device (no training, no weights; about a minute on a CPU):
+    .venv/bin/python benchmarks/lora_step.py --beam-501b-bytes --lora-rank 64
 """
 
 from __future__ import annotations
@@ -104,11 +109,16 @@ def build(model_dir: str, config, cuda: bool) -> tuple[object, dict]:
     backend = MegatronBackend(model_dir, config, device="cuda" if cuda else "cpu", random_init=True)
     parameters = list(backend.model[0].parameters())
     published = sum(t.numel() * t.element_size() for _, t in backend.export_hf_weights())
+    adapters = (
+        sum(t.numel() * t.element_size() for _, t in backend.export_adapter_weights()) if config.lora.enabled else 0
+    )
     facts = {
         "build_s": round(time.perf_counter() - started, 1),
         "params_b": round(sum(p.numel() for p in parameters) / 1e9, 3),
         "trainable_m": round(sum(p.numel() for p in parameters if p.requires_grad) / 1e6, 2),
         "publish_gib": round(published / 2**30, 3),
+        "adapter_publish_gib": round(adapters / 2**30, 6) if adapters else None,
+        "adapter_over_merged": round(adapters / published, 5) if adapters else None,
         "held_gib": round((torch.cuda.memory_allocated() - allocated) / 2**30, 2) if cuda else None,
     }
     return backend, facts
@@ -185,14 +195,57 @@ def timed_rounds(backends: dict, result: dict, batch, args, cuda: bool) -> None:
             print(f"round {round_index} {mode}: median {statistics.median(round_times):.4f} s/step", flush=True)
 
 
+def beam_501b_publish_bytes(rank: int, alpha: float) -> dict:
+    """What one publish sends for the full Beam (``BeamConfig`` defaults, bf16) under LoRA rank ``rank`` on every
+    target with normalize_moe_lora: the torch backend's own exports on the meta device (shapes only), merged
+    adapted layers vs adapters; plus the size of vLLM's MoE LoRA slots at the dense rank against the expert rank."""
+    from transformers import AutoModelForCausalLM
+    from transformers.core_model_loading import revert_weight_conversion
+
+    from modeling.beam import BeamConfig
+    from protos.config import LoraConfig
+    from trainer_service import lora
+
+    config = BeamConfig()
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    full = sum(p.numel() * p.element_size() for p in model.parameters())
+    lora_config = LoraConfig(rank=rank, alpha=alpha, normalize_moe_lora=True, sync="adapters")
+    lora.apply_lora(model, lora_config)
+    adapters = sum(t.numel() * t.element_size() for _, t in lora.adapter_weights(model, lora_config))
+    state = revert_weight_conversion(model, lora.merged_state(model))
+    merged = sum(t.numel() * t.element_size() for _, t in lora.published(iter(state.items()), lora_config))
+    expert_rank = lora.expert_adapter_rank(model, lora_config)
+    moe_layers = config.num_hidden_layers - config.first_k_dense_replace
+    # vLLM's FusedMoEWithLoRA slot per layer: w1 / w3 A [E, r, H], B [E, I, r]; w2 A [E, r, I], B [E, H, r].
+    hidden, width, experts = config.hidden_size, config.moe_intermediate_size, config.n_routed_experts
+    slot_elements = experts * (2 * (hidden + width) + width + hidden) * moe_layers
+    return {
+        "rank": rank,
+        "expert_rank": expert_rank,
+        "full_gib": round(full / 2**30, 2),
+        "merged_publish_gib": round(merged / 2**30, 2),
+        "adapter_publish_gib": round(adapters / 2**30, 3),
+        "adapter_over_merged": round(adapters / merged, 5),
+        "moe_lora_slot_gib_at_rank": round(slot_elements * rank * 2 / 2**30, 2),
+        "moe_lora_slot_gib_at_expert_rank": round(slot_elements * expert_rank * 2 / 2**30, 2),
+    }
+
+
 def ratios_to_full(result: dict, cuda: bool) -> dict:
+    """Each LoRA mode's figures over full's; ``adapter_publish_gib`` over full's ``publish_gib`` (what a full
+    fine-tuning publish sends)."""
     keys = ["step_s", "trainable_m", "publish_gib"] + (["held_gib", "step_peak_gib"] if cuda else [])
     full = result.get("full", {})
-    return {
-        f"{mode}_over_full": {key: round(result[mode][key] / full[key], 4) for key in keys if full.get(key)}
-        for mode in result["modes"]
-        if mode != "full" and "error" not in result[mode] and "error" not in full
-    }
+    ratios = {}
+    for mode in result["modes"]:
+        if mode == "full" or "error" in result[mode] or "error" in full:
+            continue
+        ratios[f"{mode}_over_full"] = {key: round(result[mode][key] / full[key], 4) for key in keys if full.get(key)}
+        if result[mode].get("adapter_publish_gib") and full.get("publish_gib"):
+            ratio = result[mode]["adapter_publish_gib"] / full["publish_gib"]
+            ratios[f"{mode}_over_full"]["adapter_publish_gib"] = round(ratio, 5)
+    return ratios
 
 
 def main() -> None:
@@ -207,7 +260,13 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=2, help="alternate the modes this often (order effects)")
     parser.add_argument("--profile", action="store_true", help="then profile one step per mode (top ops)")
+    parser.add_argument(
+        "--beam-501b-bytes", action="store_true", help="only count the full Beam's publish bytes (meta device)"
+    )
     args = parser.parse_args()
+    if args.beam_501b_bytes:
+        print(json.dumps(beam_501b_publish_bytes(args.lora_rank, float(args.lora_rank))))
+        return
     args.modes = args.modes or ["full", "lora", "lora_per_expert"]
     size = SIZES["tiny" if args.tiny else "full"]
     cuda = torch.cuda.is_available() and not args.tiny

@@ -74,6 +74,33 @@ def tiny_config(
     )
 
 
+def init_tiny_dense(path: str | Path, seed: int = 0) -> Path:
+    """A tiny dense Qwen3 (2 layers, hidden 64, GQA 2/1 x 32, MLP 128, untied head) with the char tokenizer: vLLM's
+    CPU engine serves LoRA adapters only on models without MoE layers."""
+    import torch
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    torch.manual_seed(seed)
+    config = Qwen3Config(
+        vocab_size=64,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=32,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+        bos_token_id=BOS_ID,
+        eos_token_id=EOS_ID,
+        pad_token_id=PAD_ID,
+        torch_dtype="float32",
+    )
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    return save_tiny_checkpoint(AutoModelForCausalLM.from_config(config, dtype=torch.float32), path)
+
+
 # The GPU demo's model (``tiny_model: qwen3-moe-1b``): the same vocabulary and task, 0.94 B parameters (12 layers,
 # hidden 1024, 48 experts top-4 of FFN 512, GQA 8/2 x 128), stored in bf16: large enough that the H200 runs real
 # kernels (FlashAttention, fused MoE, CUDA graphs) and R3 has routing to replay.

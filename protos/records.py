@@ -111,6 +111,20 @@ class TensorEntry(msgspec.Struct, array_like=True, gc=False, frozen=True):
     checksum: int  # crc32 of the tensor bytes
 
 
+class LoraAdapter(msgspec.Struct, array_like=True, gc=False, frozen=True):
+    """What a manifest's tensors are when they are a LoRA adapter rather than weights: PEFT names
+    (``base_model.model.<HF module>.lora_A.weight`` [r, in], ``lora_B.weight`` [out, r]; routed experts one module
+    per expert), served in vLLM's LoRA slot on the frozen base. Inside ``WeightManifest`` (trainer -> rollout servers).
+    """
+
+    rank: int  # adapter_config.json ``r``: the dense adapters' rank
+    alpha: float  # ``lora_alpha``: vLLM scales every delta by alpha / rank
+    target_modules: list[str]  # the HF module names adapted (q_proj, o_proj, gate_proj, ...)
+    # The routed experts' rank (rank / top_k with normalize_moe_lora; 0 = no expert adapters). Their lora_B carries
+    # the factor rank / expert_rank, so vLLM's one scale alpha / rank gives the trainer's alpha / expert_rank.
+    expert_rank: int = 0
+
+
 class WeightManifest(msgspec.Struct, array_like=True, gc=False, frozen=True):
     """A published policy version. Producer: trainer (weight bus) -> rollout servers."""
 
@@ -120,6 +134,7 @@ class WeightManifest(msgspec.Struct, array_like=True, gc=False, frozen=True):
     publisher_address: str  # "host:port" of the tcp publisher holding the buckets
     transport: str  # "tcp" | "nccl"
     created_s: float
+    adapter: LoraAdapter | None = None  # added in v2: the tensors are this LoRA adapter (None: weights)
 
 
 class ReportStatus(enum.IntEnum):

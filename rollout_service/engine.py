@@ -15,8 +15,10 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from protos.config import RolloutConfig
+from protos.records import decode_manifest
 from rollout_service import vllm_adapter
-from rollout_service.vllm_adapter import ChunkBuffer, VersionSpanTracker
+from rollout_service.lora_slot import LoraSlot, adapter_to_load, check_engine_supports, engine_lora_kwargs, lora_root
+from rollout_service.vllm_adapter import ChunkBuffer, VersionSpanTracker, current_platform_is_cpu, make_load_tracker
 from weight_bus.ipc import IpcUnavailable
 
 logger = logging.getLogger(__name__)
@@ -67,32 +69,6 @@ class SampleChunk:
     engine_version_spans: list[tuple[int, int, int]] | None = None  # vLLM's own, when cross-checking (tests)
 
 
-def make_load_tracker():
-    """A vLLM stat-logger factory whose loggers keep the scheduler's latest figures (running, waiting)."""
-    from vllm.v1.metrics.loggers import StatLoggerBase
-
-    class LoadTracker(StatLoggerBase):
-        latest = None  # the last SchedulerStats; class-level so the engine can read it without a handle
-
-        def __init__(self, vllm_config, engine_index: int = 0):
-            pass
-
-        def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx: int = 0):
-            if scheduler_stats is not None:
-                LoadTracker.latest = scheduler_stats
-
-        def log_engine_initialized(self):
-            pass
-
-    return LoadTracker
-
-
-def current_platform_is_cpu() -> bool:
-    from vllm.platforms import current_platform
-
-    return current_platform.is_cpu()
-
-
 def _version_label(label: str, initial_version: int) -> int:
     # vLLM labels weights "default" until the first update_weight_version call.
     return initial_version if label == "default" else int(label)
@@ -125,6 +101,8 @@ class RolloutEngine:
         # With fleetrl's spans forced on a vLLM that keeps its own: label versions in the engine too and hand its
         # spans along (SampleChunk.engine_version_spans), so tests compare the two on the same samples.
         self.cross_check_spans = False
+        # rollout.lora: the policy's adapter in vLLM's LoRA slot, attached to every request (None: weights only)
+        self.lora_slot = LoraSlot(config.lora, model_path, lora_root(self.server_id)) if config.lora.enabled else None
 
     async def start(self) -> None:
         """Start the engine (tens of seconds on CPU, about a minute on a GPU with CUDA graphs)."""
@@ -135,6 +113,7 @@ class RolloutEngine:
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
+        check_engine_supports(self.config.lora, self.model_path, on_cpu)
         args = AsyncEngineArgs(**self.engine_kwargs(on_cpu))
         self._prefix_caching = self.config.prefix_caching_enabled(on_cpu)
         started = time.monotonic()
@@ -150,6 +129,8 @@ class RolloutEngine:
             await self._llm.collective_rpc("fleetrl_allocate_pipeline_receive_buffer")
         if self.features.engine_weight_versions:
             await self._llm.update_weight_version(str(self.policy_version))
+        if self.lora_slot is not None:
+            await self.lora_slot.start(self._llm)
         logger.info(
             "engine %s up in %.1fs (vLLM %s%s, vocab %d, routed experts %s)",
             self.server_id,
@@ -184,6 +165,7 @@ class RolloutEngine:
             # default is those of the raw logits, which at temperature != 1 is not the rollout policy.
             "logprobs_mode": "processed_logprobs",
         }
+        kwargs.update(engine_lora_kwargs(config.lora))
         if config.load_format != "auto":
             kwargs["load_format"] = config.load_format
         if config.kv_cache_dtype != "auto":
@@ -262,6 +244,7 @@ class RolloutEngine:
             TokensPrompt(prompt_token_ids=request.prompt_token_ids),
             self._sampling_params(request),
             request_id,
+            lora_request=self.lora_slot.request() if self.lora_slot is not None else None,
             priority=request.priority,
         )
         self._generating += 1  # no await since the gate: a commit that starts from here on sees this request
@@ -355,6 +338,8 @@ class RolloutEngine:
         With nothing generating (on-policy, between steps) and no prefix cache to drop, no request can see the weights
         change: no pause then (vLLM's pause and resume cost two engine-core round trips and a 20 ms sleep).
         """
+        # A LoRA adapter's PEFT directory is written before the pause (None for weights).
+        adapter_dir = adapter_to_load(self.lora_slot, version, staging_path, decode_manifest(manifest_bytes))
         async with self._update_lock:
             started = time.monotonic()
             self._committed.clear()  # from here on new requests wait: the count below stays true
@@ -364,7 +349,9 @@ class RolloutEngine:
                     await self._pause_engine("keep")
                 counts = await self._count_tokens_before_commit()
                 load_started = time.monotonic()
-                if ipc_record is None:
+                if adapter_dir is not None:
+                    await self.lora_slot.swap(self.llm, adapter_dir)
+                elif ipc_record is None:
                     await self.llm.collective_rpc("fleetrl_load_staged_weights", args=(staging_path, manifest_bytes))
                 else:
                     loaded = await self.llm.collective_rpc(
@@ -380,6 +367,8 @@ class RolloutEngine:
                 self.policy_version = version
             finally:
                 self._committed.set()
+                if adapter_dir is not None:
+                    self.lora_slot.discard(adapter_dir)  # kept only when it went into force
                 if paused and not self.held_by_operator:  # an operator's pause outlasts the update
                     await self.llm.resume_generation()
             return time.monotonic() - started
@@ -404,3 +393,5 @@ class RolloutEngine:
         if self._llm is not None:
             self._llm.shutdown()
             self._llm = None
+        if self.lora_slot is not None:
+            self.lora_slot.close()

@@ -152,6 +152,32 @@ def moe_factory():
     return getattr(fused_moe, "FusedMoEFactory", None) or fused_moe.FusedMoE
 
 
+def make_load_tracker():
+    """A vLLM stat-logger factory whose loggers keep the scheduler's latest figures (running, waiting)."""
+    from vllm.v1.metrics.loggers import StatLoggerBase
+
+    class LoadTracker(StatLoggerBase):
+        latest = None  # the last SchedulerStats; class-level so the engine can read it without a handle
+
+        def __init__(self, vllm_config, engine_index: int = 0):
+            pass
+
+        def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx: int = 0):
+            if scheduler_stats is not None:
+                LoadTracker.latest = scheduler_stats
+
+        def log_engine_initialized(self):
+            pass
+
+    return LoadTracker
+
+
+def current_platform_is_cpu() -> bool:
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu()
+
+
 # -- version spans without engine support -------------------------------------------------------------------
 
 

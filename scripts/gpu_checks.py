@@ -19,6 +19,9 @@ its output) and the next one runs. Results also go to DIR/gpu_checks.json as eac
   beam      the tiny Beam in vLLM's Beam plugin: routes over every decoder layer, the dense first layers' rows
             and the MoE layers' agreement with the HF reference
   overhead  ``benchmarks/rollout_overhead.py`` on the GPU (gRPC / in-process tokens/s, 1024 sequences)
+  lora_adapter_sync  adapter-only LoRA sync against merged weights with expert adapters (tiny Qwen3-MoE and tiny
+            Beam, fp32): greedy tokens equal and |dlogp| < 2e-4 through the LoRA slot and through merged weights,
+            pinned host staging, bytes each publish sent (scripts/gpu_check_lora.py)
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ LIMITS_S = {
     "loop": 420,
     "beam": 150,
     "overhead": 420,
+    "lora_adapter_sync": 420,
 }
 
 
@@ -94,6 +98,7 @@ def run_one(args: argparse.Namespace) -> None:
     import asyncio
 
     from gpu_check_helpers import Result
+    from gpu_check_lora import section_lora_adapter_sync
     from gpu_check_sections import (
         section_beam,
         section_engine,
@@ -123,6 +128,8 @@ def run_one(args: argparse.Namespace) -> None:
         asyncio.run(section_beam(result))
     elif name == "overhead":
         section_overhead(result)
+    elif name == "lora_adapter_sync":
+        asyncio.run(section_lora_adapter_sync(result))
 
 
 def main() -> None:

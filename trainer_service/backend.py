@@ -13,6 +13,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
+from protos.records import LoraAdapter
 from trainer_service.batch import TrainBatch
 
 
@@ -29,6 +30,13 @@ class Backend(Protocol):
 
     def export_hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """The weights in the HF checkpoint layout vLLM loads; a collective on several ranks (every rank iterates)."""
+
+    def export_adapter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """LoRA only: the adapters alone in PEFT names, as vLLM's LoRA slot loads them (a collective, like
+        ``export_hf_weights``); published under ``trainer.lora.sync='adapters'``."""
+
+    def adapter_record(self) -> LoraAdapter:
+        """LoRA only: what ``export_adapter_weights`` yields (rank, alpha, HF modules, expert rank)."""
 
     def save_checkpoint(self, directory: Path) -> None:
         """Model, optimizer and RNG state into ``directory`` (this rank's shard)."""

@@ -11,6 +11,10 @@ some of its tensors is rebuilt with garbage in the rest (vllm model_loader/reloa
 fresh layer). ``is_published`` therefore picks whole vLLM layers: q/k/v together (one QKVParallelLinear), and
 a MoE block whole (experts + router + correction bias: FusedMoE holds gate_up and down together) as soon as
 either expert projection is adapted. Everything else equals the base checkpoint every server started from.
+
+Adapter-only sync (``trainer.lora.sync='adapters'``): ``adapter_weights`` names each adapter as PEFT does
+(``base_model.model.<HF module>.lora_A.weight`` [r, in], ``lora_B.weight`` [out, r]; fused expert tensors split
+per expert and gate / up) and ``adapter_record`` describes them; vLLM serves them in its LoRA slot.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from protos.config import LoraConfig
+from protos.records import LoraAdapter
 
 # HF parameter names of each megatron-core target (dense MLP, per-expert modules and fused expert tensors).
 _TARGET_PATTERNS = {
@@ -33,6 +38,14 @@ _TARGET_PATTERNS = {
     "linear_fc2": re.compile(r"\.mlp\.((experts\.\d+\.)?down_proj\.weight|experts\.down_proj)$"),
 }
 _MOE_BLOCK = re.compile(r"\.mlp\.(experts|gate|shared_expert|shared_expert_gate)\.")
+# HF module names of each megatron-core target (what a PEFT adapter_config.json lists).
+HF_MODULES = {
+    "linear_qkv": ("q_proj", "k_proj", "v_proj"),
+    "linear_proj": ("o_proj",),
+    "linear_fc1": ("gate_proj", "up_proj"),
+    "linear_fc2": ("down_proj",),
+}
+PEFT_PREFIX = "base_model.model."
 _ROUTED_EXPERTS = re.compile(r"\.mlp\.experts\.")
 
 
@@ -134,3 +147,65 @@ def published(named_tensors: Iterator[tuple[str, torch.Tensor]], config: LoraCon
     for name, tensor in named_tensors:
         if is_published(name, config.target_modules):
             yield name, tensor
+
+
+# -- adapter-only sync -----------------------------------------------------------------------------------------
+
+
+def peft_names(hf_module: str) -> tuple[str, str]:
+    """The PEFT (and vLLM) names of one module's A and B: ``base_model.model.<module>.lora_{A,B}.weight``."""
+    return f"{PEFT_PREFIX}{hf_module}.lora_A.weight", f"{PEFT_PREFIX}{hf_module}.lora_B.weight"
+
+
+def vllm_lora_b(lora_b: torch.Tensor, config: LoraConfig) -> torch.Tensor:
+    """``lora_b`` [..., out, r] as vLLM applies it: vLLM scales every module by one ``alpha / rank``, an adapter of
+    another rank (a routed expert's ``rank / top_k``) keeps its own ``alpha / r`` through the factor ``rank / r``."""
+    factor = config.rank / lora_b.shape[-1]
+    return lora_b if factor == 1 else lora_b * factor
+
+
+def adapter_record(config: LoraConfig, expert_rank: int) -> LoraAdapter:
+    """What a published adapter is (``WeightManifest.adapter``); ``expert_rank`` 0 when no expert is adapted."""
+    modules = [name for target in config.target_modules for name in HF_MODULES[target]]
+    return LoraAdapter(config.rank, float(config.alpha), modules, expert_rank)
+
+
+def adapter_weights(model: nn.Module, config: LoraConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    """The torch backend's adapters in PEFT names (``adapter_record`` describes them), in module order.
+
+    A fused expert tensor's adapter (transformers' ``experts.gate_up_proj`` [E, 2I, H], ``experts.down_proj``)
+    becomes one adapter per expert and projection, as vLLM's MoE LoRA loader expects: gate_proj and up_proj share
+    the expert's A and take the first and second half of its B rows (the tensor's gate-then-up layout).
+    """
+    for module_name, module in model.named_modules():
+        if not parametrize.is_parametrized(module):
+            continue
+        for leaf, parametrizations in module.parametrizations.items():
+            delta = parametrizations[0]
+            name = f"{module_name}.{leaf}" if module_name else leaf
+            lora_a, lora_b = delta.lora_A.detach(), vllm_lora_b(delta.lora_B.detach(), config)
+            yield from _per_module(name, lora_a, lora_b)
+
+
+def _per_module(name: str, lora_a: torch.Tensor, lora_b: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
+    if name.endswith(".weight"):
+        yield from zip(peft_names(name.removesuffix(".weight")), (lora_a, lora_b), strict=True)
+    elif name.endswith(".experts.gate_up_proj"):
+        prefix, rows = name.removesuffix("gate_up_proj"), lora_b.shape[1] // 2
+        for expert, (a_RH, b_NR) in enumerate(zip(lora_a, lora_b, strict=True)):
+            yield from zip(peft_names(f"{prefix}{expert}.gate_proj"), (a_RH, b_NR[:rows]), strict=True)
+            yield from zip(peft_names(f"{prefix}{expert}.up_proj"), (a_RH, b_NR[rows:]), strict=True)
+    elif name.endswith(".experts.down_proj"):
+        prefix = name.removesuffix("down_proj")
+        for expert, (a_RI, b_HR) in enumerate(zip(lora_a, lora_b, strict=True)):
+            yield from zip(peft_names(f"{prefix}{expert}.down_proj"), (a_RI, b_HR), strict=True)
+    else:
+        raise ValueError(f"{name}: no PEFT module name for this adapted tensor (trainer.lora.sync='adapters')")
+
+
+def expert_adapter_rank(model: nn.Module, config: LoraConfig) -> int:
+    """The rank of the routed experts' adapters (torch backend); 0 when no expert weight is adapted."""
+    adapted = (name for name, module in model.named_modules() if parametrize.is_parametrized(module))
+    if not any(_ROUTED_EXPERTS.search(f"{name}.") for name in adapted):
+        return 0
+    return adapter_rank(config, ".mlp.experts.", getattr(model.config, "num_experts_per_tok", None))

@@ -177,9 +177,12 @@ class OrderFeed:
 
 def publish_weights(publisher, backend, version: int) -> float:
     """Every rank iterates the (collective) export; rank 0 hands it to ``publisher``, the others drain it."""
+    from trainer_service.publisher import policy_update
+
+    tensors, adapter = policy_update(backend)
     if publisher is not None:
-        return publisher.publish(version, backend.export_hf_weights())
-    for _name, _tensor in backend.export_hf_weights():
+        return publisher.publish(version, tensors, adapter)
+    for _name, _tensor in tensors:
         pass
     return 0.0
 

@@ -2,7 +2,7 @@
 
 Runs on CPU (the demo's default) and on GPU. ``trainer.lora.rank > 0`` trains low-rank adapters on a frozen
 base (``trainer_service.lora``): the optimizer holds only the adapters, checkpoints hold only the adapters, and
-the export is the merged weights of the adapted layers.
+the export is the merged weights of the adapted layers, or the adapters alone (``export_adapter_weights``).
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import torch
 from torch.nn.utils import parametrize
 
 from protos.config import TrainerConfig
+from protos.records import LoraAdapter
 from trainer_service import lora
 from trainer_service.batch import TrainBatch, logit_divisors, split_micro_batches
 from trainer_service.fused_logprobs import fused_token_logprobs, per_token_divisors
@@ -191,6 +192,14 @@ class TorchBackend:
 
         state = lora.merged_state(self.model)
         yield from lora.published(iter(revert_weight_conversion(self.model, state).items()), self.config.lora)
+
+    def export_adapter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """LoRA only: the adapters alone in PEFT names, as vLLM's LoRA slot loads them (``lora.adapter_weights``)."""
+        yield from lora.adapter_weights(self.model, self.config.lora)
+
+    def adapter_record(self) -> LoraAdapter:
+        """LoRA only: what ``export_adapter_weights`` yields (rank, alpha, HF modules, expert rank)."""
+        return lora.adapter_record(self.config.lora, lora.expert_adapter_rank(self.model, self.config.lora))
 
     def save_checkpoint(self, directory: Path) -> None:
         """Model (LoRA: the adapters) as safetensors; optimizer, LR schedule and RNG as a tensors-only torch file."""

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from protos.records import TensorEntry, WeightManifest
+from protos.records import LoraAdapter, TensorEntry, WeightManifest
 from weight_bus.codecs import mxfp8
 
 ALIGN_BYTES = 64
@@ -188,8 +188,13 @@ def iter_buckets(
 
 
 def make_manifest(
-    version: int, buckets: list[PackedBucket], publisher_address: str = "", transport: str = "tcp"
+    version: int,
+    buckets: list[PackedBucket],
+    publisher_address: str = "",
+    transport: str = "tcp",
+    adapter: LoraAdapter | None = None,
 ) -> WeightManifest:
+    """The manifest of packed ``buckets``; ``adapter`` says they hold a LoRA adapter, not weights."""
     return WeightManifest(
         version=version,
         tensors=[entry for bucket in buckets for entry in bucket.entries],
@@ -197,6 +202,7 @@ def make_manifest(
         publisher_address=publisher_address,
         transport=transport,
         created_s=time.time(),
+        adapter=adapter,
     )
 
 
@@ -207,10 +213,11 @@ def pack(
     publisher_address: str = "",
     transport: str = "tcp",
     codec: WireCodec = RAW,
+    adapter: LoraAdapter | None = None,
 ) -> tuple[WeightManifest, list[np.ndarray]]:
     """Encode and copy tensors into buckets; returns the manifest and the bucket buffers (uint8)."""
     buckets = list(iter_buckets(named_tensors, bytes_per_bucket, codec))
-    return make_manifest(version, buckets, publisher_address, transport), [b.data for b in buckets]
+    return make_manifest(version, buckets, publisher_address, transport, adapter), [b.data for b in buckets]
 
 
 def bucket_offsets(manifest: WeightManifest) -> list[int]:

@@ -17,7 +17,7 @@ import redis
 import torch
 
 from channels.version_board import VersionBoard
-from protos.records import WeightManifest
+from protos.records import LoraAdapter, WeightManifest
 from protos.redis_keys import RedisKeys
 from weight_bus import packing
 from weight_bus.pipeline import SendPipeline
@@ -54,8 +54,9 @@ class WeightSender:
         )
         self.snapshots = SnapshotWriter(config.snapshot_dir, config.keep_snapshots) if config.snapshot_dir else None
 
-    def pack(self, version: int, named_tensors: Iterable[tuple[str, torch.Tensor]]):
-        """Pack one version through the two-buffer pipeline; returns (manifest, bucket buffers)."""
+    def pack(self, version: int, named_tensors: Iterable[tuple[str, torch.Tensor]], adapter: LoraAdapter | None = None):
+        """Pack one version through the two-buffer pipeline; returns (manifest, bucket buffers). ``adapter``: the
+        tensors are that LoRA adapter (PEFT names), which travels as it is (no wire codec)."""
         buckets: list[packing.PackedBucket] = []
         if self.snapshots is not None:
             self.snapshots.begin(version)
@@ -64,7 +65,8 @@ class WeightSender:
             if self.snapshots is not None:
                 self.snapshots.write_bucket(bucket.data)
 
-        source = packing.iter_buckets(named_tensors, self.bytes_per_bucket, self.codec, alloc=self.tcp.allocate)
+        codec = packing.RAW if adapter is not None else self.codec
+        source = packing.iter_buckets(named_tensors, self.bytes_per_bucket, codec, alloc=self.tcp.allocate)
         try:
             with SendPipeline(send) as pipe:
                 while True:
@@ -79,23 +81,27 @@ class WeightSender:
             if self.snapshots is not None:
                 self.snapshots.abort()
             raise
-        manifest = packing.make_manifest(version, buckets, self.tcp.address, self.transport_name)
+        # An adapter is always fetched over tcp, whatever transport carries full versions.
+        transport = "tcp" if adapter is not None else self.transport_name
+        manifest = packing.make_manifest(version, buckets, self.tcp.address, transport, adapter)
         return manifest, [bucket.data for bucket in buckets]
 
-    def publish(self, version: int, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> PublishStats:
+    def publish(
+        self, version: int, named_tensors: Iterable[tuple[str, torch.Tensor]], adapter: LoraAdapter | None = None
+    ) -> PublishStats:
         started = time.monotonic()
-        manifest, buckets = self.pack(version, named_tensors)
+        manifest, buckets = self.pack(version, named_tensors, adapter)
         self.announce(manifest, buckets)
         stats = PublishStats(
             version, time.monotonic() - started, len(manifest.tensors), packing.total_nbytes(manifest), len(buckets)
         )
         logger.info(
-            "weight bus: published v%d (%d tensors, %.1f MiB in %d buckets, codec %s) in %.2fs",
+            "weight bus: published v%d (%d tensors, %.1f MiB in %d buckets, %s) in %.2fs",
             version,
             stats.num_tensors,
             stats.num_bytes / 2**20,
             stats.num_buckets,
-            self.codec.name,
+            "LoRA adapter" if adapter is not None else f"codec {self.codec.name}",
             stats.seconds,
         )
         return stats

@@ -27,7 +27,7 @@ from protos.config.loading import (
     read_config_file,
 )
 from protos.config.logger import LoggerConfig
-from protos.config.rollout import RolloutConfig, SyntheticEngineConfig
+from protos.config.rollout import RolloutConfig, RolloutLoraConfig, SyntheticEngineConfig
 from protos.config.run import RunConfig
 from protos.config.trainer import LoraConfig, MegatronConfig, TrainerConfig
 from protos.config.weight_bus import WeightBusConfig
@@ -45,6 +45,7 @@ __all__ = [
     "RayConfig",
     "RestartPolicy",
     "RolloutConfig",
+    "RolloutLoraConfig",
     "RunConfig",
     "SamplingConfig",
     "SyntheticEngineConfig",

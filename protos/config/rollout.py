@@ -45,6 +45,50 @@ class SyntheticEngineConfig(Strict):
         return self
 
 
+# vLLM's LoRA slot sizes (vllm.config.lora.MaxLoRARanks, the same in 0.26 and 0.32).
+LoraSlotRank = Literal[1, 8, 16, 32, 64, 128, 256, 320, 512]
+
+
+class RolloutLoraConfig(Strict):
+    """vLLM's LoRA slot that serves the trainer's adapters on the frozen base (``trainer.lora.sync='adapters'``).
+
+    Every training request is served with the policy adapter; each new version replaces it in place between a
+    pause(keep) and a resume, as full weights are.
+    """
+
+    enabled: bool = Field(False, description="Start the engine with LoRA slots (vLLM enable_lora).")
+    max_rank: LoraSlotRank = Field(
+        64, description="vLLM max_lora_rank, the slot's rank: at least trainer.lora.rank (the dense adapters' rank)."
+    )
+    max_expert_rank: int = Field(
+        0,
+        ge=0,
+        description="The routed experts' adapter rank the slots are meant for: trainer.lora.rank / top_k with "
+        "normalize_moe_lora (the launch guide's max_expert_lora_rank); 0 = max_rank. vLLM 0.26 and 0.32 size "
+        "their MoE LoRA slots at max_rank and have no expert size of their own, so this only bounds the expert "
+        "rank an adapter may carry.",
+    )
+    max_loras: int = Field(
+        1,
+        ge=1,
+        le=2,
+        description="vLLM max_loras: adapters in one batch. 1 holds the policy adapter (replaced in place at each "
+        "version); 2 leaves a slot for another adapter next to it.",
+    )
+
+    @model_validator(mode="after")
+    def _expert_rank_fits(self) -> RolloutLoraConfig:
+        if self.max_expert_rank > self.max_rank:
+            raise ValueError(
+                f"rollout.lora.max_expert_rank ({self.max_expert_rank}) exceeds rollout.lora.max_rank "
+                f"({self.max_rank}): expert adapters live in the same slots; raise max_rank or lower it"
+            )
+        return self
+
+    def expert_rank_limit(self) -> int:
+        return self.max_expert_rank or self.max_rank
+
+
 class RolloutConfig(Strict):
     """One vLLM AsyncLLM engine behind gRPC (per server)."""
 
@@ -132,6 +176,10 @@ class RolloutConfig(Strict):
     )
     synthetic: SyntheticEngineConfig = Field(
         default_factory=SyntheticEngineConfig, description="The stand-in engine's settings (engine=synthetic)."
+    )
+    lora: RolloutLoraConfig = Field(
+        default_factory=RolloutLoraConfig,
+        description="LoRA slots serving the trainer's adapters (trainer.lora.sync='adapters'); off by default.",
     )
 
     @model_validator(mode="after")

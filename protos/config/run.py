@@ -143,6 +143,27 @@ class RunConfig(Strict):
             )
         return self
 
+    @model_validator(mode="after")
+    def _lora_sync_fits_the_engine(self) -> RunConfig:
+        lora, slot = self.trainer.lora, self.rollout.lora
+        if lora.sync == "adapters" and not slot.enabled:
+            raise ValueError(
+                "trainer.lora.sync='adapters' sends adapters only: set rollout.lora.enabled=true so the engines "
+                "serve them in LoRA slots (or trainer.lora.sync='merged')"
+            )
+        if slot.enabled and lora.sync != "adapters":
+            raise ValueError(
+                "rollout.lora.enabled serves adapters on a frozen base, which cannot load the full or merged "
+                "weights this trainer publishes: set trainer.lora.sync='adapters' (LoRA runs) or "
+                "rollout.lora.enabled=false"
+            )
+        if slot.enabled and slot.max_rank < lora.rank:
+            raise ValueError(
+                f"rollout.lora.max_rank ({slot.max_rank}) is below trainer.lora.rank ({lora.rank}): the slot must "
+                "hold the adapter; raise rollout.lora.max_rank"
+            )
+        return self
+
     def expand_path(self, path: str) -> str:
         """A path setting with '{run_id}' and a leading '~' expanded ('' stays '')."""
         return os.path.expanduser(path.replace("{run_id}", self.run_id)) if path else ""

@@ -130,8 +130,8 @@ class LoraConfig(Strict):
     Module names are megatron-core's, which both backends understand: ``linear_qkv`` (HF q_proj, k_proj, v_proj),
     ``linear_proj`` (o_proj), ``linear_fc1`` (gate_proj + up_proj, dense MLP and every routed expert),
     ``linear_fc2`` (down_proj). Routers, norms, embeddings and the LM head are never adapted. The trainer
-    publishes the merged weights ``W + alpha / r * B @ A`` of the adapted modules only: the rest of a rollout
-    server's weights never change from the base checkpoint.
+    publishes either the merged weights ``W + alpha / r * B @ A`` of the adapted modules only (the rest of a
+    rollout server's weights never change from the base checkpoint) or the adapters alone (``sync``).
     """
 
     rank: int = Field(0, ge=0, description="Adapter rank r; 0 = full fine-tuning (no LoRA).")
@@ -147,6 +147,13 @@ class LoraConfig(Strict):
         description="Routed experts' adapters get rank / top_k (rank must divide by the router's top_k), "
         "with the scale alpha / (rank / top_k): a token's top_k experts together hold one dense adapter's rank.",
     )
+    sync: Literal["merged", "adapters"] = Field(
+        "merged",
+        description="What each published version carries to the rollout servers. 'merged': the merged weights of "
+        "the adapted layers (any engine). 'adapters': the adapters alone (PEFT A / B, staged through pinned host "
+        "memory on a GPU), served in vLLM's LoRA slot on the frozen base (rollout.lora); the CPU engine serves "
+        "them for dense models only (docs/rollout_service.md, 'LoRA adapters').",
+    )
 
     @property
     def enabled(self) -> bool:
@@ -156,6 +163,8 @@ class LoraConfig(Strict):
     def _normalizing_needs_adapters(self) -> LoraConfig:
         if self.normalize_moe_lora and not self.enabled:
             raise ValueError("trainer.lora.normalize_moe_lora needs trainer.lora.rank > 0 (LoRA on)")
+        if self.sync == "adapters" and not self.enabled:
+            raise ValueError("trainer.lora.sync='adapters' needs trainer.lora.rank > 0 (LoRA on); or set it 'merged'")
         if self.normalize_moe_lora and not {"linear_fc1", "linear_fc2"} & set(self.target_modules):
             raise ValueError(
                 "trainer.lora.normalize_moe_lora sizes expert adapters: add linear_fc1 or linear_fc2 to "

@@ -22,7 +22,11 @@ Mapping from the reference:
   residual adds, so there is no pending residual to send. ``AutoWeightsLoader`` skips every
   checkpoint tensor that belongs to a ``PPMissingLayer``, on start-up and on weight reloads.
 
-Not supported: EPLB, vLLM LoRA adapters (fleetrl's LoRA trainer publishes merged weights), quantized checkpoints.
+- LoRA (``SupportsLoRA``, fleetrl's adapter-only sync): vLLM wraps qkv_proj, output_gate, o_proj, the dense MLPs
+  and the MoE runner; an adapter of the checkpoint's q_proj is split like the weight
+  (``split_q_and_gate_adapters``: B's query rows to q_proj, its gate rows to output_gate, both sharing A).
+
+Not supported: EPLB, quantized checkpoints.
 """
 
 # No `from __future__ import annotations`: support_torch_compile reads the real forward annotations.
@@ -48,7 +52,7 @@ from vllm.model_executor.layers.logits_processor import LogitsProcessor
 from vllm.model_executor.layers.rotary_embedding import get_rope
 from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 from vllm.model_executor.model_loader.weight_utils import sharded_weight_loader
-from vllm.model_executor.models.interfaces import SupportsPP
+from vllm.model_executor.models.interfaces import SupportsLoRA, SupportsPP
 from vllm.model_executor.models.utils import (
     AutoWeightsLoader,
     PPMissingLayer,
@@ -285,7 +289,26 @@ def split_q_and_gate(weights: Iterable[tuple[str, torch.Tensor]], config) -> Ite
         yield name.replace("q_proj", "output_gate"), per_head[:, head_dim:].reshape(-1, tensor.shape[-1])
 
 
-class BeamForCausalLM(nn.Module, SupportsPP):
+def split_q_and_gate_adapters(tensors: dict[str, torch.Tensor], config) -> dict[str, torch.Tensor]:
+    """A PEFT adapter of the checkpoint as vLLM's Beam layers take it: each ``q_proj`` adapter's B
+    ([heads * (head_dim + gate_dim), r], per head: query rows then gate rows) splits into ``q_proj``'s (query
+    rows) and ``output_gate``'s (gate rows); both keep q_proj's A. ``config``: the checkpoint's BeamConfig."""
+    head_dim, heads = config.head_dim, config.num_attention_heads
+    gate_dim = head_dim if config.attn_output_gate == "elementwise" else 1
+    split = {}
+    for name, tensor in tensors.items():
+        if ".self_attn.q_proj.lora_B." in name:
+            per_head = tensor.view(heads, head_dim + gate_dim, tensor.shape[-1])
+            split[name] = per_head[:, :head_dim].reshape(-1, tensor.shape[-1])
+            split[name.replace(".q_proj.", ".output_gate.")] = per_head[:, head_dim:].reshape(-1, tensor.shape[-1])
+        elif ".self_attn.q_proj.lora_A." in name:  # a copy: a safetensors file holds no shared storage
+            split[name], split[name.replace(".q_proj.", ".output_gate.")] = tensor, tensor.clone()
+        else:
+            split[name] = tensor
+    return split
+
+
+class BeamForCausalLM(nn.Module, SupportsPP, SupportsLoRA):
     hf_to_vllm_mapper = WeightsMapper(
         orig_to_new_stacked={
             ".q_proj": (".qkv_proj", "q"),
@@ -297,6 +320,7 @@ class BeamForCausalLM(nn.Module, SupportsPP):
         }
     )
     packed_modules_mapping = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
+    embedding_modules: dict[str, str] = {}  # LoRA: neither the embedding nor the LM head is adapted
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
         super().__init__()

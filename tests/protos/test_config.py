@@ -173,6 +173,25 @@ def test_lora_settings_are_checked():
         load_run_config(None, ["trainer.lora.rank=8", "trainer.megatron.moe_router_bias_update_rate=0.001"])
 
 
+def test_adapter_sync_and_the_engines_lora_slots_go_together():
+    adapters = ["trainer.lora.rank=64", "trainer.lora.sync=adapters", "rollout.lora.enabled=true"]
+    config = load_run_config(None, adapters)
+    assert config.rollout.lora.max_rank == 64 and config.rollout.lora.expert_rank_limit() == 64
+    with pytest.raises(ValueError, match="set rollout.lora.enabled=true"):
+        load_run_config(None, adapters[:2])
+    with pytest.raises(ValueError, match="set trainer.lora.sync='adapters'"):
+        load_run_config(None, ["trainer.lora.rank=8", "rollout.lora.enabled=true"])
+    with pytest.raises(ValueError, match=r"rollout.lora.max_rank \(32\) is below trainer.lora.rank \(64\)"):
+        load_run_config(None, [*adapters, "rollout.lora.max_rank=32"])
+    with pytest.raises(ValueError, match="needs trainer.lora.rank > 0"):
+        load_run_config(None, ["trainer.lora.sync=adapters", "rollout.lora.enabled=true"])
+    with pytest.raises(ValueError, match="max_expert_rank"):
+        load_run_config(None, [*adapters, "rollout.lora.max_rank=8", "rollout.lora.max_expert_rank=16"])
+    with pytest.raises(ValueError, match="rollout.lora.max_rank"):  # vLLM's slot sizes only
+        load_run_config(None, [*adapters, "rollout.lora.max_rank=48"])
+    assert load_run_config(None, [*adapters, "rollout.lora.max_expert_rank=8"]).rollout.lora.expert_rank_limit() == 8
+
+
 def _literal_fields(model=RunConfig, prefix=""):
     """(dotted key, choices) of every Literal field in the tree, Optional ones included."""
     from typing import Literal, get_args, get_origin
@@ -202,6 +221,7 @@ def test_every_literal_field_takes_each_documented_value_on_the_command_line():
         ("weight_bus.receive_mode", "mxfp8"): ["weight_bus.codec=mxfp8"],
         ("trainer.resume", "from_path"): ["trainer.resume_path=/ckpt/step-000001"],
         ("placement", "colocated"): ["rollout.num_servers=1", "rollout.gpu_memory_utilization=0.5"],
+        ("trainer.lora.sync", "adapters"): ["trainer.lora.rank=8", "rollout.lora.enabled=true"],
     }
     for key, (choices, is_list) in fields.items():
         for choice in choices:

@@ -16,6 +16,7 @@ import pytest
 from protos.records import (
     Array,
     FinishReason,
+    LoraAdapter,
     MetricsReport,
     ReportStatus,
     Sample,
@@ -118,11 +119,16 @@ GROUP_HEX = (
     "666c6f617433329101919304000102cb0000000000000000a0c0a0c0a46563686f0c03cb41d954fc40200000cb3fe6666666"
     "666666"
 )
-MANIFEST_HEX = (
+# Written before ``adapter`` was appended (v1): still decodes, with adapter None.
+MANIFEST_V1_HEX = (
     "96029298b26d6f64656c2e656d6265642e776569676874a7666c6f61743332920402a3726177000020cedeadbeef98ae6c"
     "6d5f686561642e776569676874a862666c6f617431369102a372617701400401922044ae3132372e302e302e313a353535"
     "35a3746370cb41d954fc40500000"
 )
+MANIFEST_HEX = MANIFEST_V1_HEX.replace("9602", "9702", 1) + "c0"
+# A LoRA adapter version: LoraAdapter(rank 64, alpha 64.0, [q_proj, down_proj], expert_rank 8) as the last field.
+ADAPTER_HEX = "9440cb405000000000000092a6715f70726f6aa9646f776e5f70726f6a08"
+ADAPTER_MANIFEST_HEX = MANIFEST_V1_HEX.replace("9602", "9702", 1) + ADAPTER_HEX
 # Written before ``update_s`` and ``paused_s`` were appended (v1): still decodes, with their defaults.
 REPORT_V1_HEX = (
     "96a9726f6c6c6f75742d30ae3132372e302e302e313a373030300501af66657463682074696d6564206f7574cb41d954fc40800000"
@@ -150,6 +156,15 @@ def test_trajectory_group_encodes_to_golden_bytes():
 
 def test_weight_manifest_encodes_to_golden_bytes():
     assert encode(_manifest()).hex() == MANIFEST_HEX
+
+
+def test_an_adapter_manifest_encodes_to_golden_bytes_and_back():
+    adapter = LoraAdapter(64, 64.0, ["q_proj", "down_proj"], expert_rank=8)
+    manifest = msgspec.structs.replace(_manifest(), adapter=adapter)
+    assert encode(adapter).hex() == ADAPTER_HEX
+    assert encode(manifest).hex() == ADAPTER_MANIFEST_HEX
+    assert decode_manifest(bytes.fromhex(ADAPTER_MANIFEST_HEX)) == manifest
+    assert decode_manifest(bytes.fromhex(MANIFEST_V1_HEX)).adapter is None  # a v1 manifest carries weights
 
 
 def test_version_report_encodes_to_golden_bytes():

@@ -40,8 +40,11 @@ class ServerHandle:
 
 
 @contextlib.contextmanager
-def running_server(model_dir: str, redis_url: str, logs: Path) -> Iterator[ServerHandle]:
-    """One rollout server process (weight_updates=manual) for a test module; stopped on exit unless a test did."""
+def running_server(
+    model_dir: str, redis_url: str, logs: Path, *overrides: str, run_id: str = RUN_ID
+) -> Iterator[ServerHandle]:
+    """One rollout server process (weight_updates=manual) for a test module; stopped on exit unless a test did.
+    ``overrides``: more dotted config overrides (``rollout.lora.enabled=true``)."""
     metrics_port = free_port()
     log_path = logs / "rollout.log"
     # manual: weights change only through the gRPC calls the tests make, never on an announcement
@@ -53,13 +56,14 @@ def running_server(model_dir: str, redis_url: str, logs: Path) -> Iterator[Serve
         "--redis-url",
         redis_url,
         "--run-id",
-        RUN_ID,
+        run_id,
         "--metrics-port",
         str(metrics_port),
         "--grace-s",
         str(GRACE_S),
         f"rollout.max_inflight_requests={MAX_INFLIGHT}",
         "rollout.weight_updates=manual",
+        *overrides,
     )
     process = spawned.process
     channel = grpc.insecure_channel(spawned.wait_serving(timeout_s=240).address)

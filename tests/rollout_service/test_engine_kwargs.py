@@ -26,3 +26,14 @@ def test_the_mxfp8_recipe_builds_the_engine_arguments_vllm_takes():
     assert RolloutEngine("", fp8_kv.rollout).engine_kwargs(on_cpu=False)["kv_cache_dtype"] == "fp8_e4m3"
     with pytest.raises(ValueError, match="rollout.quantization"):
         RolloutEngine("", config.rollout).engine_kwargs(on_cpu=True)
+
+
+def test_the_lora_recipes_serve_adapters_in_lora_slots_at_the_guides_rank():
+    from rollout_service.engine import RolloutEngine
+
+    config = load_run_config(LORA_16)
+    assert config.trainer.lora.sync == "adapters"
+    kwargs = RolloutEngine(config.model_path, config.rollout).engine_kwargs(on_cpu=False)
+    assert kwargs["enable_lora"] and (kwargs["max_lora_rank"], kwargs["max_loras"]) == (64, 1)
+    toy = load_run_config([LORA_16, BEAM / "toy.yaml"])  # the CPU engine: merged layers (MoE has no CPU LoRA)
+    assert toy.trainer.lora.sync == "merged" and "enable_lora" not in RolloutEngine("", toy.rollout).engine_kwargs(True)

@@ -22,7 +22,15 @@ def _backends():
 
 @pytest.mark.parametrize("backend", _backends(), ids=lambda cls: cls.__name__)
 def test_each_backend_has_every_method_of_the_protocol_with_its_parameters(backend):
-    assert set(MEMBERS) == {"train_step", "policy_logprobs", "export_hf_weights", "save_checkpoint", "load_checkpoint"}
+    assert set(MEMBERS) == {
+        "train_step",
+        "policy_logprobs",
+        "export_hf_weights",
+        "export_adapter_weights",
+        "adapter_record",
+        "save_checkpoint",
+        "load_checkpoint",
+    }
     for name in MEMBERS:
         wanted = list(inspect.signature(getattr(Backend, name)).parameters)
         have = inspect.signature(getattr(backend, name)).parameters

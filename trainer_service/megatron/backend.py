@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 
 from protos.config import TrainerConfig
+from protos.records import LoraAdapter
 from trainer_service import lora, ranks
 from trainer_service.batch import (
     TrainBatch,
@@ -240,6 +241,20 @@ class MegatronBackend:
         exported = self.bridge.export_hf_weights(self.model, cpu=self.device.type == "cpu", show_progress=False)
         # LoRA: adapters merged by the bridge; only the adapted layers are published (every rank still iterates).
         yield from lora.published(((name, tensor) for name, tensor in exported), self.config.lora)
+
+    def export_adapter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """LoRA only: the adapters alone in PEFT names, as vLLM's LoRA slot loads them; every rank must iterate."""
+        from trainer_service.megatron import adapter_export
+
+        yield from adapter_export.export_adapter_weights(
+            self.bridge, self.model, self.config.lora, cpu=self.device.type == "cpu"
+        )
+
+    def adapter_record(self) -> LoraAdapter:
+        """LoRA only: what ``export_adapter_weights`` yields (rank, alpha, HF modules, expert rank)."""
+        from trainer_service.megatron.adapter_export import expert_adapter_rank
+
+        return lora.adapter_record(self.config.lora, expert_adapter_rank(self.model, self.config.lora))
 
     def save_checkpoint(self, directory: str | Path) -> None:
         """Model, optimizer (incl. the distributed optimizer's sharded Adam state) and RNG states, a file per rank."""
