@@ -1,7 +1,7 @@
 """``fleetrl up``: the roles of ``fleetrl demo`` on a Ray cluster, each role process owned by a Ray actor.
 
 The driver is the ``fleetrl up`` process. It is a ``DemoLauncher`` whose processes live in actors: the same role
-specs (coordinator/roles.py), the same step lines and summary. Placement (docs/ray_launcher.md):
+specs (coordinator/roles.py), the same step lines and summary. Placement (docs/deploy.md, Ray launcher):
 
 * a rollout replica (coordinator/ray_replicas.py): its own placement group, one STRICT_PACK bundle of
   ``launcher.ray.rollout_cpus`` CPUs and, with GPUs, TP x PP of them; the replica's ``RoleActor`` takes the bundle;

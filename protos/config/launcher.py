@@ -1,7 +1,7 @@
 """The launchers' section: how role processes are restarted, and how ``fleetrl up`` places them on Ray.
 
 Both launchers read it: ``fleetrl demo`` (processes on this machine) and ``fleetrl up`` (each role process owned by
-a Ray actor). See docs/ray_launcher.md.
+a Ray actor). See docs/deploy.md (Ray launcher).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ class RestartPolicy(Strict):
 
 
 class RayConfig(Strict):
-    """``fleetrl up``: the Ray cluster and what each role asks it for (placement groups, see docs/ray_launcher.md)."""
+    """``fleetrl up``: the Ray cluster and what each role asks it for (placement groups: docs/deploy.md, Ray launcher)."""
 
     address: str = Field(
         "local",

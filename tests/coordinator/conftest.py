@@ -58,3 +58,11 @@ def rollout_server(tiny_model, tmp_path_factory):
         yield server.wait_serving(timeout_s=300)
     finally:
         stop_process(server.process)
+
+
+@pytest.fixture
+def tiny_tokenizer():
+    """The tiny model's tokenizer (built locally, no download)."""
+    from modeling.tiny_model import build_tokenizer
+
+    return build_tokenizer()
