@@ -339,8 +339,7 @@ async def run(args: argparse.Namespace) -> None:
         await asyncio.sleep(0.05)
     # 5) finish: say how much was produced, stop everything, report once more, close servers and clients
     logger.info("coordinator %s: %s", scheduler.state.name.lower(), scheduler.stats)
-    await _linger(stop, args.linger_s)
-    stop.set()
+    await _linger_then_stop(stop, args.linger_s)
     if agents is not None:
         await agents.server.stop(grace=0.5)
         if agents.openai_door is not None:
@@ -363,15 +362,15 @@ async def shutdown(unfinished: list[asyncio.Task], operators: Operators, pipelin
     pipeline.executor.shutdown(wait=False, cancel_futures=True)
 
 
-async def _linger(stop: asyncio.Event, linger_s: float) -> None:
-    """Keep /metrics and the admin API up ``linger_s`` more seconds (the final counters stay scrapable); a stop
-    signal ends the wait early."""
-    if linger_s <= 0 or stop.is_set():
-        return
-    try:
-        await asyncio.wait_for(stop.wait(), timeout=linger_s)
-    except TimeoutError:
-        pass
+async def _linger_then_stop(stop: asyncio.Event, linger_s: float) -> None:
+    """Keep /metrics and the admin API up ``linger_s`` more seconds (the final counters stay scrapable; a stop
+    signal ends the wait early), then set ``stop``."""
+    if linger_s > 0 and not stop.is_set():
+        try:
+            await asyncio.wait_for(stop.wait(), timeout=linger_s)
+        except TimeoutError:
+            pass
+    stop.set()
 
 
 def _finished(scheduler, evals, eval_task) -> bool:
