@@ -246,6 +246,8 @@ class ChaosRun:
             what = f"step {fault.after_step} (fault {number} of {len(schedule)}: {fault.kind} {fault.target})"
             self.wait_for(lambda f=fault: self.trainer_step() >= f.after_step, what, timeout_s)
             time.sleep(fault.delay_s)
+            if self.trainer_step() >= self.size.num_steps:  # nothing would show the recovery
+                raise SoakFailed(f"the run ended before fault {number} ({fault.kind}): schedule too dense for its pace")
             record = FaultRecord(fault, self.trainer_step(), time.time())
             print(f"chaos: injecting {fault.kind} {fault.target} after step {record.step_before}", flush=True)
             self._inject_one(record)

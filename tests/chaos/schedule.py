@@ -16,6 +16,11 @@ KILL_COORDINATOR = "kill_coordinator"
 REDIS_RESTART = "redis_restart"  # SIGKILL valkey, start it again on the same port and data dir (AOF, fsync always)
 CONNECTION_CUT = "connection_cut"  # the fault proxy closes every Redis connection and refuses new ones a while
 
+# About one step of the soak's run on 2 cores (0.1-0.3 s): a fault lands at a random point inside its step. Seconds
+# more would let a fast run outpace the schedule (each fault waits for the one before to recover), and its last
+# faults would land after the last step.
+STEP_S = 0.3
+
 KINDS = (KILL_ROLLOUT, KILL_TRAINER, KILL_COORDINATOR, REDIS_RESTART, CONNECTION_CUT)
 # kills are restarted by the launcher; the rest are outages the roles ride out through channels/retry.py
 ROLE_OF_KILL = {KILL_TRAINER: "trainer", KILL_COORDINATOR: "coordinator"}
@@ -74,7 +79,7 @@ def make_schedule(seed: int, size: SoakSize, num_rollout_servers: int) -> list[F
                     kind=kind,
                     target=target,
                     after_step=rng.randint(size.first_step, last_step // 2 if kind == KILL_ROLLOUT else last_step),
-                    delay_s=round(rng.uniform(0.0, 1.5), 2),
+                    delay_s=round(rng.uniform(0.0, STEP_S), 2),
                     duration_s=round(rng.uniform(0.5, 3.0), 2) if outage else 0.0,
                 )
             )

@@ -21,6 +21,7 @@ from tests.chaos.schedule import (
     KILL_TRAINER,
     KINDS,
     REDIS_RESTART,
+    STEP_S,
     SoakSize,
     count_by_kind,
     expected_restarts,
@@ -43,6 +44,7 @@ def test_a_schedule_is_a_function_of_its_seed_with_every_fault_inside_its_window
         last = (40 - SIZE.last_steps_free) // 2 if fault.kind == KILL_ROLLOUT else 40 - SIZE.last_steps_free
         assert SIZE.first_step <= fault.after_step <= last, fault
         assert (fault.duration_s > 0) == (fault.kind in (REDIS_RESTART, CONNECTION_CUT)), fault
+        assert 0.0 <= fault.delay_s <= STEP_S, fault  # inside about a step: the schedule keeps up with a fast run
     assert {f.target for f in schedule if f.kind == KILL_ROLLOUT} <= {"rollout-0", "rollout-1"}
 
 
