@@ -231,7 +231,8 @@ def checkpoint_step(config, checkpoints, side, trainer, step: int, writer=None) 
     acknowledged once it is durable. Returns the seconds the loop spent (0 between checkpoints).
 
     One process (``writer``): the files are written now and made durable (fsync, rename) on the writer's thread
-    while the next step trains; the next checkpoint (or the run's end) acknowledges its entries. Several ranks:
+    while the next step trains; its entries are acknowledged at the first step that finds it durable (at the latest
+    the next checkpoint, or the run's end). Several ranks:
     every rank saves its shard at once, then rank 0 acknowledges.
 
     ``trainer.ckpt_interval`` 0 saves nothing: the entries are acknowledged after the last step only. A trainer
@@ -241,6 +242,8 @@ def checkpoint_step(config, checkpoints, side, trainer, step: int, writer=None) 
     from trainer_service.checkpoint import TrainerState
 
     tcfg = config.trainer
+    if writer is not None and side:
+        side.ack(writer.take_durable())  # the checkpoint before, if its durable half finished meanwhile
     if tcfg.ckpt_interval == 0:
         if side and step == config.num_steps:
             side.ack_consumed()

@@ -158,6 +158,13 @@ class CheckpointWriter:
         self._in_flight = (self._executor.submit(self.manager.make_durable, pending), entry_ids)
         return durable
 
+    def take_durable(self) -> list[str]:
+        """The entry ids of the checkpoint in flight if it is durable by now, else [] (never blocks): the loop asks
+        every step, so entries are acknowledged a step after their checkpoint, not at the next one."""
+        if self._in_flight is None or not self._in_flight[0].done():
+            return []
+        return self.wait()
+
     def wait(self, timeout_s: float | None = None) -> list[str]:
         """Until the checkpoint in flight (if any) is durable; returns the entry ids it holds ([] without one)."""
         if self._in_flight is None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import shutil
 import threading
+import time
 
 import pytest
 import torch
@@ -118,8 +119,14 @@ def test_the_next_step_trains_while_a_checkpoint_becomes_durable_and_its_entries
     assert writer.submit(pending, ["1-0", "2-0"]) == []  # nothing durable before it
     _train(trainer, range(2, 4))  # training goes on while the checkpoint of step 2 is not durable
     assert checkpoints.latest() is None  # a crash now restores nothing of step 2: its entries stay pending
+    assert writer.take_durable() == []  # the loop's per-step question does not wait for it
     gate.set()
-    assert writer.wait(timeout_s=60) == ["1-0", "2-0"]  # durable now: these may be acknowledged
+    deadline = time.monotonic() + 60
+    while not (durable := writer.take_durable()):  # what the loop asks at each step
+        assert time.monotonic() < deadline, "the checkpoint of step 2 was not durable within 60 s"
+        time.sleep(0.01)
+    assert durable == ["1-0", "2-0"]  # durable now: these may be acknowledged
+    assert writer.take_durable() == [] and writer.wait() == []  # handed out once
     assert checkpoints.latest() == tmp_path / "step-000002"
     restored = TorchBackend(model_dir, CONFIG)
     state = CheckpointManager.load(checkpoints.latest(), restored)
