@@ -44,7 +44,7 @@ class SoakSize:
     num_steps: int
     faults_per_kind: dict[str, int]
     first_step: int = 2  # no fault before the run has trained this many steps (start-up is not the soak)
-    last_steps_free: int = 3  # the last steps are left alone: every fault's recovery shows within the run
+    last_steps_free: int = 6  # the last steps are left alone: every fault's recovery shows within the run
 
     def __post_init__(self) -> None:
         unknown = set(self.faults_per_kind) - set(KINDS)
