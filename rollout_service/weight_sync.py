@@ -10,6 +10,7 @@ unreachable; MXFP8 manifests are dequantized to the engine's dtype inside the wo
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import mmap
 import os
@@ -30,6 +31,9 @@ from weight_bus import packing, receiver, tcp
 from weight_bus.ipc import IpcUnavailable
 
 logger = logging.getLogger(__name__)
+# A failed update (the publisher unreachable, a manifest expired) is tried again this often until it succeeds: the
+# next announcement may never come (a restarted trainer waits for groups that only an updated server can make).
+FAILED_UPDATE_RETRY_S = 2.0
 
 STAGING_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else "/tmp"
 
@@ -302,11 +306,13 @@ class WeightFollower:
         while not stop.is_set():
             try:
                 if catch_up:
-                    await self._try_update(0)
-                    catch_up = False
+                    catch_up = not await self._try_update(0)
                 last_id, announced = await self.board.wait_for_announcement(last_id, timeout_s=1.0)
                 if announced is not None:
-                    await self._try_update(0)
+                    catch_up = not await self._try_update(0)
+                elif catch_up:  # a failed update is retried without waiting for the next announcement
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(stop.wait(), timeout=FAILED_UPDATE_RETRY_S)
             except UNREACHABLE as error:  # the loop is periodic: its next pass is the retry
                 logger.warning(
                     "server %s (v%d): Redis unreachable, following again once it is back: %s",
@@ -320,14 +326,17 @@ class WeightFollower:
                 except TimeoutError:
                     pass
 
-    async def _try_update(self, version: int) -> None:
+    async def _try_update(self, version: int) -> bool:
+        """Update to ``version`` (0: the latest); False when it failed and the server stays where it is."""
         try:
             await self.update_to(version)
+            return True
         except (LookupError, OSError, ValueError, UpdateConflict, tcp.WeightUnavailableError) as error:
-            # Stay on the old version and say so; the next announcement retries.
+            # Stay on the old version and say so; the follower retries (run), the next announcement at once.
             metrics.UPDATE_FAILURES.inc()
             logger.warning("server %s stays on v%d: %s", self.engine.server_id, self.engine.policy_version, error)
             await self.report(ReportStatus.STALE, str(error))
+            return False
 
 
 class StagingFile:

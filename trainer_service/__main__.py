@@ -185,8 +185,8 @@ def export_final(config, trainer) -> None:
 def publish_step(side, trainer, previous_version: int, step: int, publish_current, replay) -> float:
     """Step 4: publish the new version if the step was taken (seconds spent); a skipped step instead moves the
     version offset, so that the coordinator's slot map follows. A replayed version (``trainer_service.replay``) was
-    published by the trainer that died: it is checked against that one instead, and one that differs goes out as
-    the latest + 1."""
+    published by the trainer that died: it is checked against that one instead (the last one replayed is then
+    published again from this trainer's address), and one that differs goes out as the latest + 1."""
     if trainer.policy_version == previous_version:
         if side:
             record_version_offset(side, trainer.policy_version, step)
@@ -194,6 +194,11 @@ def publish_step(side, trainer, previous_version: int, step: int, publish_curren
     if replay.covers(trainer.policy_version):
         started, latest = time.monotonic(), replay.target
         if replay.checked(trainer.policy_version, replayed_differs(side, trainer, replay)):
+            if trainer.policy_version == latest:
+                # The latest version's manifest names the dead trainer's address: a server that had not fetched it
+                # yet never could, and waits for an announcement that needs its groups. The same version, the same
+                # bytes, published again from here (servers that hold it take the announcement as a no-op).
+                publish_current()
             return time.monotonic() - started
         replay.target = None
         return publish_new_lineage(side, trainer, latest, step, publish_current)

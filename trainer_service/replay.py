@@ -11,7 +11,9 @@ checkpoint holds them), in the order the dead trainer read them, and the restore
 the one it trained them from: the same groups from the same state give the same weights (bit-exact on one device,
 tests/trainer_service/test_checkpoint.py). So the restarted trainer trains those steps without publishing, checks
 each replayed version against the checksums of its published manifest, and continues from the published version:
-no version is skipped and every queued sample keeps the staleness it was admitted with. A replayed version that
+no version is skipped and every queued sample keeps the staleness it was admitted with. The last replayed version is
+published once more, under the same number, from the restarted trainer: its manifest named the dead trainer's
+address, and a server that had not fetched it yet could not (the long chaos soak: the run stalled there). A replayed version that
 differs (a non-deterministic kernel, an operator's setting applied between the lost steps, weights published other
 than whole) or whose manifest has expired ends the replay: the trainer then publishes its weights as latest + 1, as
 without it.

@@ -2,7 +2,8 @@
 
 Redis going away must not stop a rollout server (its engine is the expensive part to restart): it keeps
 generating on the version it holds, and once Redis is back it catches up to the latest version, including
-one announced while it could not see Redis.
+one announced while it could not see Redis. A version it cannot fetch (its publisher gone) is tried again until the
+bytes are reachable, not only at the next announcement.
 """
 
 from __future__ import annotations
@@ -12,13 +13,17 @@ import signal
 import time
 
 import grpc
+import msgspec
 import pytest
 import redis
 
+from channels.version_board import VersionBoard
+from coordinator.redis_server import free_port
 from modeling.tiny_model import init_tiny
 from protos import rollout_pb2 as pb
 from protos import rollout_pb2_grpc as pb_grpc
 from protos.config import TrainerConfig, WeightBusConfig
+from protos.records import encode
 from protos.redis_keys import RedisKeys
 from tests.redis_faults import redis_proxy
 from tests.rollout_service.server_process import spawn_rollout_server
@@ -72,6 +77,20 @@ def test_a_redis_outage_neither_stops_a_following_server_nor_leaves_it_behind(re
             _wait_for_version(stub, 2)  # caught up once Redis was back
             assert server.process.poll() is None
             assert "Redis unreachable" in server.log_path.read_text()
+
+            # v3 announced with the address of a publisher that is gone (a trainer killed after its publish): the
+            # server stays on v2 and keeps trying; once v3's bytes are reachable (the restarted trainer publishes
+            # them again) it takes them, here without any further announcement
+            manifest, buckets = publisher.tcp_sender.pack(3, backend.export_hf_weights())
+            board = VersionBoard(redis.Redis.from_url(redis_server.url), keys)
+            board.publish_manifest(msgspec.structs.replace(manifest, publisher_address=f"127.0.0.1:{free_port()}"))
+            deadline = time.monotonic() + 60
+            while "stays on v2" not in server.log_path.read_text():
+                assert time.monotonic() < deadline, "the server never tried the unreachable v3"
+                time.sleep(0.2)
+            publisher.tcp_sender.tcp.hold(3, buckets)
+            board.client.set(keys.manifest(3), encode(manifest))  # the reachable manifest, not announced
+            _wait_for_version(stub, 3)
         finally:
             publisher.close()
             if channel is not None:
