@@ -287,7 +287,7 @@ def catch_up_published(side, trainer, publish_current, restored, step: int):
     """Versions past the checkpoint were published by the previous trainer: restored from a checkpoint, the trainer
     replays their steps (returns the ``Replay``; trainer_service/replay.py). Without one (a lineage of its own),
     versions only go up, so its weights go out as the next one and the fleet moves onto them (every rank takes part
-    in the export)."""
+    in the export). Restored at the published version itself, it publishes that version again from its own address."""
     from trainer_service import metrics, ranks
     from trainer_service.replay import Replay
 
@@ -311,8 +311,14 @@ def catch_up_published(side, trainer, publish_current, restored, step: int):
         logger.info("trainer start: replaying the steps of v%d..v%d", trainer.policy_version + 1, replay.target)
     elif published > trainer.policy_version:
         publish_new_lineage(side, trainer, published, step, publish_current)
-    elif side:
-        record_version_offset(side, trainer.policy_version, step)
+    else:
+        if side:
+            record_version_offset(side, trainer.policy_version, step)
+        if restored and published == trainer.policy_version > 0:
+            # The checkpoint holds the published version's weights, but its manifest names the weight bus of the
+            # trainer that died: a server that had not fetched it yet never could (the long chaos soak stalled so).
+            # The same version goes out again from here (servers that hold it take the announcement as a no-op).
+            publish_current()
     if side:
         side.board.init_version(trainer.policy_version)
         metrics.POLICY_VERSION.set(trainer.policy_version)

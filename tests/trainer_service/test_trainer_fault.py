@@ -167,6 +167,35 @@ def test_a_trainer_killed_between_publish_and_checkpoint_replays_the_step_and_sk
     assert set(final["ledger"].values()) == {"trained"} and len(final["ledger"]) == NUM_GROUPS
 
 
+def test_a_trainer_killed_after_its_checkpoint_publishes_that_version_again_from_its_own_weight_bus(
+    redis_server, tmp_path, fresh_run
+):
+    """The long chaos soak's find: killed after publishing and checkpointing v3, the trainer left v3's manifest
+    naming its dead weight bus; a server that had not fetched v3 yet never could, and the run stalled."""
+    keys, client, model_dir = fresh_run
+    ckpt_dir, log = tmp_path / "ckpt", tmp_path / "trainer.log"
+    push_groups(redis_server.url, keys, list(range(3 * GROUPS_PER_STEP)))  # three steps; checkpoints every third
+    first = _start_trainer(model_dir, redis_server.url, ckpt_dir, log)
+    deadline = time.monotonic() + 180
+    while not (ckpt_dir / "latest").exists() or _latest_state(ckpt_dir)["policy_version"] < 3:  # v3 out, durable
+        assert first.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+        time.sleep(0.05)
+    os.killpg(first.pid, signal.SIGKILL)
+    first.wait(timeout=30)
+    dead_address = VersionBoard(client, keys).manifest(3).publisher_address
+    assert _latest_state(ckpt_dir)["policy_version"] == 3
+
+    push_groups(redis_server.url, keys, list(range(3 * GROUPS_PER_STEP, NUM_GROUPS)))
+    second = _start_trainer(model_dir, redis_server.url, ckpt_dir, log)
+    assert second.wait(timeout=300) == 0, log.read_text()[-3000:]
+    announced = [int(f[b"v"]) for _, f in client.xrange(keys.weight_announcements)]
+    assert announced.count(3) == 2 and VersionBoard(client, keys).manifest(3).publisher_address != dead_address
+    steps = NUM_GROUPS // GROUPS_PER_STEP
+    assert sorted(set(announced)) == list(range(1, steps + 1)) and int(client.get(keys.version_offset)) == 0
+    final = _latest_state(ckpt_dir)
+    assert final["policy_version"] == steps and set(final["ledger"].values()) == {"trained"}
+
+
 def test_a_group_pushed_twice_is_trained_once(redis_server, tmp_path, fresh_run):
     keys, client, model_dir = fresh_run
     # A coordinator that lost the reply of a push retries it: the same group lands twice on the stream.
