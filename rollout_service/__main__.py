@@ -16,6 +16,7 @@ from protos.config import RolloutConfig, WeightBusConfig, flag_overrides, load_r
 from protos.redis_keys import RedisKeys
 
 logger = logging.getLogger("rollout_service")
+REGISTER_TIMEOUT_S = 300.0  # how long a started server retries its first fleet report through an outage
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -122,8 +123,12 @@ async def announce(args: argparse.Namespace, engine, follower, host: str, port: 
     if args.address_file:  # after the bind: a port chosen by a launcher ahead of time could be taken meanwhile
         write_address_file(args.address_file, f"{host}:{port}")
     if follower is not None:
+        from channels.retry import retry_async
+
         follower.address = f"{host}:{port}"
-        await follower.report()
+        # the registration that routes calls here: a Redis outage at this moment must not end a server whose engine
+        # just started (the long chaos soak lost one so); the report is idempotent, so it is retried
+        await retry_async(follower.report, f"server {engine.server_id}: first fleet report", REGISTER_TIMEOUT_S)
 
 
 def start_following(follower, rollout_config: RolloutConfig, stop: asyncio.Event) -> list[asyncio.Task]:
