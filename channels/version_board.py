@@ -8,8 +8,8 @@ Keys (names: protos/redis_keys.py; records: protos/records.py):
 * ``weights:announce`` (stream, field ``v``): one entry per publish; rollout servers and ``fleetrl sync`` follow it.
 * ``fleet`` (hash server id -> ``VersionReport``): the registry of rollout servers: each one's address, the version
   it has put in force and its load, re-sent as a heartbeat; a server removes its entry when it stops.
-* ``fleet:changes`` (stream, field ``s``): one entry per report; the coordinator's fleet watcher wakes on it and on
-  ``weights:announce`` instead of waiting for its next poll.
+* ``fleet:changes`` (stream, field ``s``): one entry per changed report (not per heartbeat); the coordinator's fleet
+  watcher wakes on it and on ``weights:announce`` instead of waiting for its next poll.
 
 ``VersionBoard`` takes a sync client (the trainer's rank 0, the weight bus's publishers and the nccl subscriber's
 threads); ``AsyncVersionBoard`` an asyncio one (coordinator, rollout servers, dashboard). Outages: writes that are
@@ -163,9 +163,14 @@ class AsyncVersionBoard:
         newest_id, fields = reply[0][1][-1]
         return as_text(newest_id), int(fields[b"v"])
 
-    async def report_version(self, report: VersionReport) -> None:
+    async def report_version(self, report: VersionReport, changed: bool = True) -> None:
         """Rollout side: record which version ``report.server_id`` serves and what its last weight update cost, and
-        say so on ``fleet_changes`` (the coordinator routes to it from then on, without waiting for a poll)."""
+        (``changed``) say so on ``fleet_changes``: the coordinator routes to it from then on, without waiting for a
+        poll. A heartbeat's unchanged report wakes nobody: at 256 servers beating every second the coordinator would
+        read the whole fleet 256 times a second."""
+        if not changed:
+            await self.client.hset(self.keys.fleet, report.server_id, encode(report))
+            return
         async with self.client.pipeline(transaction=False) as pipe:
             pipe.hset(self.keys.fleet, report.server_id, encode(report))
             pipe.xadd(self.keys.fleet_changes, {"s": report.server_id}, maxlen=MAX_FLEET_CHANGES, approximate=True)

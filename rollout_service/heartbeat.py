@@ -26,7 +26,7 @@ async def beat(follower, interval_s: float, stop: asyncio.Event) -> None:
         except TimeoutError:
             pass
         try:
-            await follower.report(follower.last_status, follower.last_message)
+            await follower.report(follower.last_status, follower.last_message, changed=False)
         except UNREACHABLE as error:  # periodic: the next beat is the retry
             logger.warning("server %s: heartbeat skipped, Redis unreachable: %s", follower.engine.server_id, error)
 

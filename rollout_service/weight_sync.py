@@ -90,8 +90,9 @@ class WeightFollower:
         # The announcement follower and gRPC calls may race for the same version.
         self._lock = asyncio.Lock()
 
-    async def report(self, status: ReportStatus = ReportStatus.OK, message: str = "") -> None:
-        """Register the server in the fleet hash with its version, status and load (also the heartbeat's beat)."""
+    async def report(self, status: ReportStatus = ReportStatus.OK, message: str = "", changed: bool = True) -> None:
+        """Register the server in the fleet hash with its version, status and load (also the heartbeat's beat, which
+        passes ``changed=False``: a beat wakes no coordinator)."""
         if not self.registered:  # a commit finishing during shutdown must not register the leaving server again
             return
         self.last_status, self.last_message = status, message
@@ -110,7 +111,7 @@ class WeightFollower:
             waiting=waiting,
             capacity=engine.config.max_num_seqs,
         )
-        await self.board.report_version(report)
+        await self.board.report_version(report, changed)
 
     async def begin(self, version: int) -> PendingUpdate:
         """Reserve staging for ``version`` (0 = latest); replaces an older pending update."""

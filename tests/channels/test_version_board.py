@@ -177,7 +177,9 @@ def test_report_version_and_fleet_reports_round_trip(redis_url, client):
     assert abs(one.time_s - time.time()) < 60
 
 
-def test_wait_for_change_returns_on_a_server_report_or_an_announcement_made_after_the_ids(redis_url, client):
+def test_wait_for_change_returns_on_a_changed_report_or_an_announcement_made_after_the_ids_not_on_a_heartbeat(
+    redis_url, client
+):
     keys = RedisKeys("changes")
     board = VersionBoard(client, keys)
     board.publish_manifest(_manifest(1))  # an announcement before the ids: not a change
@@ -185,6 +187,9 @@ def test_wait_for_change_returns_on_a_server_report_or_an_announcement_made_afte
     async def scenario(async_board: AsyncVersionBoard):
         ids = await async_board.last_change_ids()
         quiet = await async_board.wait_for_change(ids, timeout_s=0.05)  # nothing since: the same ids back
+        await async_board.report_version(_report("rollout-0", "127.0.0.1:7000", 1), changed=False)  # a heartbeat
+        after_beat = await async_board.wait_for_change(ids, timeout_s=0.05)
+        assert after_beat == ids and "rollout-0" in await async_board.fleet_reports()  # registered, nobody woken
         await async_board.report_version(_report("rollout-0", "127.0.0.1:7000", 1))
         after_report = await async_board.wait_for_change(ids, timeout_s=30)
         await asyncio.to_thread(board.publish_manifest, _manifest(2))
