@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -19,7 +21,6 @@ import pytest
 import redis
 import yaml
 
-from coordinator.redis_server import free_port
 from modeling.tiny_model import init_tiny
 from protos.redis_keys import RedisKeys
 from tests.coordinator.test_grafana_dashboard import DASHBOARD, all_panels, promql_metric_names
@@ -33,11 +34,26 @@ PROMETHEUS_DIR = Path(__file__).resolve().parents[2] / "deploy" / "prometheus"
 JOBS = ("rollout", "coordinator", "trainer")
 
 
+def reserved_port() -> int:
+    """A free port below Linux's ephemeral range (32768-60999). The roles bind theirs a minute after Prometheus is told
+    them; a port from the ephemeral range could meanwhile go to any outgoing connection (an engine's socket), and the
+    role's bind then failed. No connection is given a port from below that range on its own."""
+    for _ in range(200):
+        port = random.randrange(20000, 32000)
+        with socket.socket() as probe:
+            try:
+                probe.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port in 20000-32000")
+
+
 class Prometheus:
     """A Prometheus process scraping ``targets`` (job -> host:port) every second, with the run's alert rules."""
 
     def __init__(self, workdir: Path, targets: dict[str, str]):
-        self.port = free_port()
+        self.port = reserved_port()
         shutil.copy(PROMETHEUS_DIR / "alerts.yml", workdir / "alerts.yml")
         config = {
             "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
@@ -99,7 +115,7 @@ def _run_config(tmp_path: Path, ports: dict[str, int]) -> Path:
         "max_staleness": 1,
         "coordinator": {
             "dashboard": False,
-            "admin_port": free_port(),
+            "admin_port": reserved_port(),
             "metrics_port": ports["coordinator"],
             "group_size": 4,
             "sampling": {"max_tokens": 8},
@@ -122,7 +138,7 @@ def test_prometheus_scrapes_a_run_and_holds_every_series_the_grafana_dashboard_q
     keys = RedisKeys(RUN_ID)
     client.delete(keys.trajectories, keys.prompt_cursor, keys.policy_version, *(keys.metrics(j) for j in JOBS))
     model_dir = str(init_tiny(tmp_path / "tiny"))
-    ports = {job: free_port() for job in JOBS}
+    ports = {job: reserved_port() for job in JOBS}
     targets = {job: f"127.0.0.1:{port}" for job, port in ports.items()}
     (tmp_path / "prometheus").mkdir()
     prometheus = Prometheus(tmp_path / "prometheus", targets)
