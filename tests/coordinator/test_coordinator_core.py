@@ -94,7 +94,7 @@ def test_on_policy_admission_goes_on_after_steps_that_published_nothing():
 
 
 def test_a_restarted_coordinator_counts_the_groups_still_queued_and_produces_only_the_rest(redis_server):
-    from coordinator.__main__ import remaining_groups
+    from coordinator.restart import remaining_groups
     from protos.records import Array, TrajectoryGroup
 
     config = load_run_config(overrides=["groups_per_step=4", "max_staleness=1", "num_steps=10"])
@@ -132,7 +132,7 @@ def test_a_restarted_coordinator_counts_the_groups_still_queued_and_produces_onl
 def test_a_restarted_coordinator_continues_the_prompts_after_the_groups_it_pushed(
     kind, redis_server, tiny_tokenizer, tmp_path
 ):
-    from coordinator.__main__ import resume_prompts
+    from coordinator.restart import resume_prompts
     from protos.records import Array, FinishReason, Sample, TrajectoryGroup, VersionSpan
 
     keys = RedisKeys(f"cursor-{kind}")
