@@ -258,16 +258,15 @@ class ChaosRun:
 
     def _inject_one(self, record: FaultRecord) -> None:
         fault = record.fault
-        if fault.kind == REDIS_RESTART:
-            self.redis.kill()
+        outages = {
+            REDIS_RESTART: (self.redis.kill, self.redis.start),
+            CONNECTION_CUT: (self.proxy.cut, self.proxy.restore),
+        }
+        if fault.kind in outages:
+            begin, end = outages[fault.kind]
+            begin()
             time.sleep(fault.duration_s)
-            self.redis.start()
-            record.ended_s = time.time()
-            self.wait_for(self._answers_through_proxy, "Redis answering through the proxy", RECOVERY_TIMEOUT_S)
-        elif fault.kind == CONNECTION_CUT:
-            self.proxy.cut()
-            time.sleep(fault.duration_s)
-            self.proxy.restore()
+            end()
             record.ended_s = time.time()
             self.wait_for(self._answers_through_proxy, "Redis answering through the proxy", RECOVERY_TIMEOUT_S)
         else:
