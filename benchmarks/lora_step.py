@@ -36,7 +36,7 @@ import tempfile
 import time
 
 import torch
-from trainer_step import make_batch  # benchmarks/ is on sys.path when a benchmark runs as a script
+from trainer_step import make_batch, profile_step  # benchmarks/ is on sys.path when a benchmark runs as a script
 
 SIZES = {
     "full": dict(
@@ -142,19 +142,6 @@ def time_steps(backend, batch, warmup: int, steps: int, cuda: bool) -> tuple[lis
         assert metrics["skipped"] == 0.0, metrics
     step_peak = (torch.cuda.max_memory_allocated() - base) / 2**30 if cuda else None
     return times, step_peak
-
-
-def profile_step(mode: str, backend, batch, cuda: bool) -> None:
-    from torch.profiler import ProfilerActivity, profile
-
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    with profile(activities=activities) as profiler:
-        backend.train_step(batch)
-        if cuda:
-            torch.cuda.synchronize()
-    sort_by = "self_cuda_time_total" if cuda else "self_cpu_time_total"
-    print(f"--- {mode}: top ops by {sort_by}")
-    print(profiler.key_averages().table(sort_by=sort_by, row_limit=18, max_name_column_width=60))
 
 
 def configs(args, cuda: bool) -> dict:

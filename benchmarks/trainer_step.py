@@ -146,6 +146,20 @@ def build(model_dir: str, grouped: bool, cuda: bool):
     return MegatronBackend(model_dir, config, device="cuda" if cuda else "cpu", random_init=True)
 
 
+def profile_step(mode: str, backend, batch, cuda: bool, routes=None) -> None:
+    """Print the top ops of one ``train_step`` under ``torch.profiler`` (GPU time on CUDA, else CPU time)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as profiler:
+        backend.train_step(batch, routed_experts=routes)
+        if cuda:
+            torch.cuda.synchronize()
+    sort_by = "self_cuda_time_total" if cuda else "self_cpu_time_total"
+    print(f"--- {mode}: top ops by {sort_by}")
+    print(profiler.key_averages().table(sort_by=sort_by, row_limit=18, max_name_column_width=60), flush=True)
+
+
 def recorded_routes(backend, batch, size: dict) -> torch.Tensor:
     from trainer_service.megatron.routing_replay import megatron_record_routes
 
@@ -178,6 +192,8 @@ def run_backend(model_dir: str, modes: list[str], size: dict, args, cuda: bool) 
                     peak = torch.cuda.max_memory_allocated() / 2**30
                     results[mode]["peak_gib"] = round(max(peak, results[mode].get("peak_gib", 0.0)), 1)
                 print(f"round {round_index} {mode}: median {statistics.median(round_times):.4f} s/step", flush=True)
+        for mode in modes if args.profile else []:
+            profile_step(mode, backend, batch, cuda, routes if MODES[mode][1] else None)
     except Exception as error:  # a benchmark reports a failed mode in its JSON and goes on with the others
         print(f"{modes}: failed: {error!r}", flush=True)
         for mode in modes:
@@ -206,23 +222,30 @@ def summarize(results: dict[str, dict], flops: float) -> dict:
     return summary
 
 
-def run_in_child(modes: list[str], argv: list[str]) -> dict[str, dict]:
-    """``run_backend`` for ``modes`` in a fresh process, so that the backend's memory is all given back (megatron
-    keeps references to a built model) and a crash still leaves a result. Its output passes through."""
-    command = [sys.executable, "-u", __file__, *argv, "--modes", *modes, "--one-backend"]
-    child = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+def child_json(argv: list[str]) -> dict:
+    """Run ``python -u argv...`` in a fresh process and return the JSON object it prints last, so that a built
+    backend's memory is all given back on exit (megatron keeps references to a built model) and a crash still
+    leaves a result: ``{"error": ...}`` with the exit code and the output's last lines. The output passes through."""
+    child = subprocess.Popen([sys.executable, "-u", *argv], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     tail: list[str] = []
-    results = None  # the child's JSON line; warnings (NCCL's at exit) may follow it
+    result = None  # the child's JSON line; warnings (NCCL's at exit) may follow it
     for line in child.stdout:
         print(line, end="", flush=True)
         tail = (tail + [line.rstrip()])[-20:]
         if line.startswith("{"):
-            results = json.loads(line)
+            result = json.loads(line)
     returncode = child.wait()
-    if returncode == 0 and results is not None:
-        return results
-    error = f"exit code {returncode}: " + " | ".join(tail[-5:])
-    return {mode: {"steps_s": [], "error": error[:500]} for mode in modes}
+    if returncode == 0 and result is not None:
+        return result
+    return {"error": (f"exit code {returncode}: " + " | ".join(tail[-5:]))[:500]}
+
+
+def run_in_child(modes: list[str], argv: list[str]) -> dict[str, dict]:
+    """``run_backend`` for ``modes`` in a fresh process (``child_json``)."""
+    results = child_json([__file__, *argv, "--modes", *modes, "--one-backend"])
+    if "error" in results:
+        return {mode: {"steps_s": [], "error": results["error"]} for mode in modes}
+    return results
 
 
 def main() -> None:
@@ -232,6 +255,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--rounds", type=int, default=2, help="alternate grouped/grouped_r3 this often")
     parser.add_argument("--modes", nargs="+", choices=list(MODES), default=list(MODES))
+    parser.add_argument("--profile", action="store_true", help="then profile one step per mode (top ops)")
     parser.add_argument("--one-backend", action="store_true", help="internal: run the given modes of one backend")
     args = parser.parse_args()
     size = SIZES["tiny" if args.tiny else "full"]
@@ -248,7 +272,11 @@ def main() -> None:
         "model_tflop_per_step": round(flops / 1e12, 3),
         "modes": {},
     }
-    argv = [f"--warmup={args.warmup}", f"--steps={args.steps}", f"--rounds={args.rounds}"] + ["--tiny"] * args.tiny
+    argv = (
+        [f"--warmup={args.warmup}", f"--steps={args.steps}", f"--rounds={args.rounds}"]
+        + ["--tiny"] * args.tiny
+        + ["--profile"] * args.profile
+    )
     for sharing in (["sequential"], ["grouped", "grouped_r3"]):
         modes = [mode for mode in sharing if mode in args.modes]
         if modes:

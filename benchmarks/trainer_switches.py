@@ -14,8 +14,9 @@ this order every round (``--rounds``), so that each switch is measured next to i
     recompute_full           defaults + trainer.megatron.recompute=full
     optimizer_cpu_offload    defaults + trainer.megatron.optimizer_cpu_offload (all of the optimizer state; CUDA only)
 
-Each setting builds its own backend (the switches act at build time), takes ``--warmup`` then ``--steps`` timed
-steps (median s/step) and is freed before the next. Peak memory: on a GPU ``max_memory_allocated`` over the timed
+Each setting builds its own backend (the switches act at build time) in a child process of its own (megatron keeps
+a built model referenced, so only the process's exit frees it: two 3.4 B backends with Adam state would not fit
+one H200), and takes ``--warmup`` then ``--steps`` timed steps (median s/step). Peak memory: on a GPU ``max_memory_allocated`` over the timed
 steps (parameters, gradients and optimizer state included); on a CPU (``--tiny``) the bytes of live tensors created
 during one extra step (activations and temporaries only). A setting that fails is recorded with its error and the
 run goes on; the last line printed is one JSON object. On a CUDA machine:
@@ -27,7 +28,6 @@ CPU run (tiny sizes, fp32):
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import statistics
 import tempfile
@@ -36,7 +36,7 @@ import traceback
 
 import torch
 from fused_logprobs import LiveTensorMeter  # benchmarks/ is on sys.path when a benchmark runs as a script
-from trainer_step import SIZES, make_batch, model_flops, write_config
+from trainer_step import SIZES, child_json, make_batch, model_flops, write_config
 
 STOCK = {"megatron.fused_attention": False, "megatron.fused_adam": False, "fused_lm_head_logprobs": False}
 DEFAULTS = {"megatron.fused_attention": True, "megatron.fused_adam": True, "fused_lm_head_logprobs": True}
@@ -70,8 +70,6 @@ def run_setting(name: str, model_dir: str, batch, args, cuda: bool) -> dict:
     from trainer_service.megatron.backend import MegatronBackend
 
     sync = torch.cuda.synchronize if cuda else (lambda: None)
-    # What earlier settings left allocated (a leak would show here and inflate this setting's peak).
-    left_over_mib = round(torch.cuda.memory_allocated() / 2**20, 1) if cuda else None
     started = time.perf_counter()
     backend = MegatronBackend(
         model_dir, trainer_config(SETTINGS[name], cuda), device="cuda" if cuda else "cpu", random_init=True
@@ -100,20 +98,18 @@ def run_setting(name: str, model_dir: str, batch, args, cuda: bool) -> dict:
         "build_s": round(build_s, 1),
         "steps_s": [round(t, 4) for t in times],
         "peak_mib": round(peak / 2**20, 1),
-        "left_over_mib": left_over_mib,
     }
 
 
-def release_memory(cuda: bool) -> None:
-    """What a dropped backend leaves: cycles, megatron's shared attention buffer, the CUDA cache."""
-    from megatron.core import parallel_state
-
-    gc.collect()
-    buffer = getattr(parallel_state, "_GLOBAL_MEMORY_BUFFER", None)
-    if buffer is not None:
-        buffer.buffer.clear()
-    if cuda:
-        torch.cuda.empty_cache()
+def run_one_setting(name: str, size: dict, args, cuda: bool) -> dict:
+    """``run_setting`` in this (child) process; a failure is its result."""
+    with tempfile.TemporaryDirectory() as model_dir:
+        write_config(model_dir, size)
+        try:
+            return run_setting(name, model_dir, make_batch(size), args, cuda)
+        except Exception as error:  # recorded; the parent goes on with the other settings
+            traceback.print_exc()
+            return {"error": f"{type(error).__name__}: {str(error)[:300]}"}
 
 
 def summarize(runs: list[dict], flops: float) -> dict:
@@ -127,7 +123,6 @@ def summarize(runs: list[dict], flops: float) -> dict:
         "tflops_per_gpu": round(flops / step_s / 1e12, 1),
         "peak_mib": max(run["peak_mib"] for run in runs if "error" not in run),
         "build_s": [run["build_s"] for run in runs if "error" not in run],
-        "left_over_mib": [run["left_over_mib"] for run in runs if "error" not in run],
         "steps_s": times,
         **({"errors": errors} if errors else {}),
     }
@@ -142,6 +137,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=1, help="repeat the whole sequence of settings")
     parser.add_argument("--settings", default=",".join(SETTINGS), help="comma-separated subset, in run order")
+    parser.add_argument("--one-setting", choices=list(SETTINGS), help="internal: run this setting, print its JSON")
     args = parser.parse_args()
     names = args.settings.split(",")
     unknown = sorted(set(names) - set(SETTINGS))
@@ -149,24 +145,19 @@ def main() -> None:
         raise SystemExit(f"--settings: unknown {unknown}; known: {', '.join(SETTINGS)}")
     size = SIZES["tiny" if args.tiny else "full"]
     cuda = torch.cuda.is_available() and not args.tiny
-    beam.register()  # the CPU shims, before megatron is imported
-    batch = make_batch(size)
+    if args.one_setting:
+        beam.register()  # the CPU shims, before megatron is imported
+        print(json.dumps(run_one_setting(args.one_setting, size, args, cuda)))
+        return
     flops = model_flops(size)
     runs: dict[str, list[dict]] = {name: [] for name in names}
-    with tempfile.TemporaryDirectory() as model_dir:
-        write_config(model_dir, size)
-        for round_index in range(args.rounds):
-            for name in names:
-                try:
-                    run = run_setting(name, model_dir, batch, args, cuda)
-                    line = f"median {statistics.median(run['steps_s']):.4f} s/step, peak {run['peak_mib']} MiB"
-                except Exception as error:  # recorded; the other settings still run and the JSON is printed
-                    traceback.print_exc()
-                    run = {"error": f"{type(error).__name__}: {str(error)[:300]}"}
-                    line = run["error"]
-                runs[name].append(run)
-                release_memory(cuda)
-                print(f"round {round_index} {name}: {line}", flush=True)
+    argv = [f"--warmup={args.warmup}", f"--steps={args.steps}"] + ["--tiny"] * args.tiny
+    for round_index in range(args.rounds):
+        for name in names:
+            run = child_json([__file__, *argv, f"--one-setting={name}"])
+            runs[name].append(run)
+            median = "" if "error" in run else f"median {statistics.median(run['steps_s']):.4f} s/step, "
+            print(f"round {round_index} {name}: " + run.get("error", f"{median}peak {run['peak_mib']} MiB"), flush=True)
     result = {"sizes": size, "dtype": "bfloat16" if cuda else "float32", "model_tflop_per_step": round(flops / 1e12, 3)}
     result["settings"] = {name: summarize(name_runs, flops) for name, name_runs in runs.items()}
     stock = result["settings"].get("stock", {}).get("step_s")
