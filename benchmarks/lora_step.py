@@ -9,6 +9,9 @@ every 6, soft-cap 30, vocab 32768), random-initialises it through megatron-bridg
     lora              LoRA on every attention and expert linear, grouped experts with one batched adapter per
                       expert projection (trainer.megatron.moe_grouped_lora)
     lora_per_expert   the same LoRA on SequentialMLP experts, one adapter module per expert (megatron-bridge's)
+    full_offload      full fine-tuning as seed 000 runs it where the model does not fit otherwise: full activation
+                      recompute and the optimizer state in host memory (trainer.megatron.recompute=full,
+                      optimizer_cpu_offload); CUDA only, in the default modes on a GPU
 
 Expert adapters get rank / top_k with ``--normalize-moe-lora`` (the default, as SkyRL's Beam LoRA recipe).
 Times ``train_step`` alternately on the same random batch and reports, per mode: step time, the memory the
@@ -144,14 +147,18 @@ def time_steps(backend, batch, warmup: int, steps: int, cuda: bool) -> tuple[lis
     return times, step_peak
 
 
+MODES = ["full", "lora", "lora_per_expert", "full_offload"]
+
+
 def configs(args, cuda: bool) -> dict:
     from protos.config import LoraConfig, MegatronConfig, TrainerConfig
 
-    def megatron(grouped_lora: bool) -> MegatronConfig:
+    def megatron(grouped_lora: bool, **switches) -> MegatronConfig:
         return MegatronConfig(
             params_dtype="bfloat16" if cuda else "float32",
             moe_token_dispatcher="alltoall" if cuda else "allgather",
             moe_grouped_lora=grouped_lora,
+            **switches,
         )
 
     lora = LoraConfig(rank=args.lora_rank, alpha=2 * args.lora_rank, normalize_moe_lora=args.normalize_moe_lora)
@@ -162,6 +169,9 @@ def configs(args, cuda: bool) -> dict:
             backend="megatron", lr=1e-5, geo_mask=None, megatron=megatron(False), lora=lora
         ),
     }
+    if "full_offload" in args.modes:  # validated only when asked for: offload needs bf16 params (CUDA)
+        offload = megatron(True, recompute="full", optimizer_cpu_offload=True)
+        every["full_offload"] = TrainerConfig(backend="megatron", lr=1e-6, geo_mask=None, megatron=offload)
     return {mode: every[mode] for mode in args.modes}
 
 
@@ -220,8 +230,8 @@ def beam_501b_publish_bytes(rank: int, alpha: float) -> dict:
 
 
 def ratios_to_full(result: dict, cuda: bool) -> dict:
-    """Each LoRA mode's figures over full's; ``adapter_publish_gib`` over full's ``publish_gib`` (what a full
-    fine-tuning publish sends)."""
+    """Each other mode's figures over full's; ``adapter_publish_gib`` over full's ``publish_gib`` (what a full
+    fine-tuning publish sends); with ``full_offload`` measured, each LoRA mode's step time over its too."""
     keys = ["step_s", "trainable_m", "publish_gib"] + (["held_gib", "step_peak_gib"] if cuda else [])
     full = result.get("full", {})
     ratios = {}
@@ -232,6 +242,10 @@ def ratios_to_full(result: dict, cuda: bool) -> dict:
         if result[mode].get("adapter_publish_gib") and full.get("publish_gib"):
             ratio = result[mode]["adapter_publish_gib"] / full["publish_gib"]
             ratios[f"{mode}_over_full"]["adapter_publish_gib"] = round(ratio, 5)
+    offload_s = result.get("full_offload", {}).get("step_s")
+    for mode in result["modes"]:
+        if mode.startswith("lora") and offload_s and result[mode].get("step_s"):
+            ratios[f"{mode}_over_full_offload"] = {"step_s": round(result[mode]["step_s"] / offload_s, 4)}
     return ratios
 
 
@@ -242,7 +256,7 @@ def main() -> None:
     parser.add_argument("--tiny", action="store_true", help="CPU smoke sizes, fp32")
     parser.add_argument("--lora-rank", type=int, default=32)
     parser.add_argument("--normalize-moe-lora", action=argparse.BooleanOptionalAction, default=True)
-    parser.add_argument("--modes", nargs="+", choices=["full", "lora", "lora_per_expert"], default=None)
+    parser.add_argument("--modes", nargs="+", choices=MODES, default=None)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=2, help="alternate the modes this often (order effects)")
@@ -254,9 +268,11 @@ def main() -> None:
     if args.beam_501b_bytes:
         print(json.dumps(beam_501b_publish_bytes(args.lora_rank, float(args.lora_rank))))
         return
-    args.modes = args.modes or ["full", "lora", "lora_per_expert"]
     size = SIZES["tiny" if args.tiny else "full"]
     cuda = torch.cuda.is_available() and not args.tiny
+    args.modes = args.modes or MODES[: 4 if cuda else 3]
+    if "full_offload" in args.modes and not cuda:
+        parser.error("--modes full_offload needs CUDA (the optimizer offload keeps fp32 copies of bf16 params)")
     result: dict = {
         "sizes": size,
         "dtype": "bfloat16" if cuda else "float32",
