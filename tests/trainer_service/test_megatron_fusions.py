@@ -25,6 +25,7 @@ from trainer_service.batch import TrainBatch
 from trainer_service.megatron.backend import MegatronBackend
 from trainer_service.megatron.forward import is_right_padded
 from trainer_service.megatron.fused_attention import causal_attention, masked_attention
+from trainer_service.megatron.model import fp32_shards_as_leaves
 
 pytestmark = pytest.mark.integration
 
@@ -223,3 +224,37 @@ def test_optimizer_offload_names_the_key_where_it_cannot_run(model_dirs):
     offloading = _config(optimizer_cpu_offload=True, params_dtype="bfloat16")
     with pytest.raises(ValueError, match="optimizer_cpu_offload needs CUDA"):
         MegatronBackend(model_dirs["qwen3_moe"], offloading)
+
+
+def _optimizer_params(backend: MegatronBackend) -> list[torch.Tensor]:
+    chained = backend.optimizer.chained_optimizers
+    return [param for sub in chained for group in sub.optimizer.param_groups for param in group["params"]]
+
+
+def _router_weights(backend: MegatronBackend) -> dict[str, torch.Tensor]:
+    return {name: p for name, p in backend.model[0].named_parameters() if name.endswith("router.weight")}
+
+
+def test_fp32_router_shards_become_leaves_the_offload_optimizer_accepts_and_still_step_the_router(model_dirs):
+    """Beam keeps its router weight fp32 in a bf16 model. megatron-core's optimizer shard of it is a non-leaf view,
+    which HybridDeviceOptimizer (optimizer_cpu_offload, CUDA only) hands to torch.optim.Optimizer, and that refuses
+    it; under ``fp32_shards_as_leaves`` the shards are leaves over the router's own storage and the step is the
+    same."""
+    config = _config(params_dtype="bfloat16")
+    stock = MegatronBackend(model_dirs["beam"], config)
+    with fp32_shards_as_leaves():
+        leafy = MegatronBackend(model_dirs["beam"], config)
+    routers = _router_weights(leafy)
+    assert routers and all(p.dtype == torch.float32 for p in routers.values())
+    assert not all(param.is_leaf for param in _optimizer_params(stock))  # megatron-core 0.19.2 as it is
+    with pytest.raises(ValueError, match="non-leaf"):
+        torch.optim.AdamW(_optimizer_params(stock))
+    torch.optim.AdamW(_optimizer_params(leafy))  # what HybridDeviceOptimizer's constructor checks
+    storages = {param.untyped_storage().data_ptr() for param in _optimizer_params(leafy)}
+    assert all(p.untyped_storage().data_ptr() in storages for p in routers.values())
+    before = {name: p.detach().clone() for name, p in routers.items()}
+    batch = _batch(LENGTHS["beam"])
+    assert leafy.train_step(batch)["loss"] == pytest.approx(stock.train_step(batch)["loss"], rel=1e-6)
+    for name, stock_weight in _router_weights(stock).items():
+        assert float((routers[name].detach() - before[name]).abs().max()) > 0.0  # the step wrote through the leaf
+        torch.testing.assert_close(routers[name], stock_weight, rtol=0, atol=0)

@@ -11,6 +11,7 @@ attention in the spec, activation recompute, torch's fused AdamW and the optimiz
 
 from __future__ import annotations
 
+import contextlib
 from functools import partial
 
 import torch
@@ -130,33 +131,76 @@ def build_model(bridge, config: TrainerConfig, on_cpu: bool, load_weights: bool)
 def build_optimizer(config: TrainerConfig, model: list, bf16: bool):
     """megatron-core's Adam over the model chunks (the distributed optimizer when configured), with torch's fused
     AdamW kernel (``megatron.fused_adam``) and the optimizer state in host memory (``optimizer_cpu_offload``)."""
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer import get_megatron_optimizer
 
     megatron = config.megatron
     if megatron.optimizer_cpu_offload and not torch.cuda.is_available():
         # HybridDeviceOptimizer moves the state of CUDA parameters; on a CPU run there is nothing to move.
         raise ValueError("trainer.megatron.optimizer_cpu_offload needs CUDA: on a CPU run the state is in host memory")
-    optimizer = get_megatron_optimizer(
-        OptimizerConfig(
-            optimizer="adam",
-            lr=config.lr,
-            min_lr=config.lr,
-            weight_decay=config.weight_decay,
-            adam_beta1=0.9,
-            adam_beta2=0.99,
-            adam_eps=1e-8,
-            clip_grad=config.grad_clip,
-            bf16=bf16,
-            params_dtype=DTYPES[megatron.params_dtype],
-            use_distributed_optimizer=megatron.use_distributed_optimizer,
-            optimizer_cpu_offload=megatron.optimizer_cpu_offload,
-            optimizer_offload_fraction=megatron.optimizer_offload_fraction,
-        ),
-        model,
-    )
+    offload_shards = fp32_shards_as_leaves() if megatron.optimizer_cpu_offload else contextlib.nullcontext()
+    with offload_shards:
+        optimizer = get_megatron_optimizer(optimizer_config(config, bf16), model)
     if megatron.fused_adam:
         use_fused_adam(optimizer)
     return optimizer
+
+
+def optimizer_config(config: TrainerConfig, bf16: bool):
+    from megatron.core.optimizer import OptimizerConfig
+
+    megatron = config.megatron
+    return OptimizerConfig(
+        optimizer="adam",
+        lr=config.lr,
+        min_lr=config.lr,
+        weight_decay=config.weight_decay,
+        adam_beta1=0.9,
+        adam_beta2=0.99,
+        adam_eps=1e-8,
+        clip_grad=config.grad_clip,
+        bf16=bf16,
+        params_dtype=DTYPES[megatron.params_dtype],
+        use_distributed_optimizer=megatron.use_distributed_optimizer,
+        optimizer_cpu_offload=megatron.optimizer_cpu_offload,
+        optimizer_offload_fraction=megatron.optimizer_offload_fraction,
+    )
+
+
+@contextlib.contextmanager
+def fp32_shards_as_leaves():
+    """While the distributed optimizer is built: its shards of fp32 model parameters become leaves.
+
+    megatron-core 0.19.2 takes the shard of an fp32 parameter (Beam's router weight, kept fp32 in a bf16 model) as a
+    view taken with grad mode on, which is not a leaf. The plain distributed optimizer assigns its groups to torch's
+    Adam directly, unchecked; ``HybridDeviceOptimizer`` (``optimizer_cpu_offload``) passes them through
+    ``torch.optim.Optimizer``'s constructor, which refuses them ("can't optimize a non-leaf Tensor"). A detached view
+    is a leaf over the same storage, so the optimizer still writes the model parameter in place; its megatron
+    attributes (tensor-parallel flags) are carried over. bf16 parameters' fp32 main copies are leaves already
+    (clones).
+    """
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    stock = DistributedOptimizer.__dict__["_build_model_and_main_param_groups"]
+
+    def build_groups(cls, gbuf_ranges, param_gbuf_map, opt_group_ranges, config):
+        groups = stock.__func__(cls, gbuf_ranges, param_gbuf_map, opt_group_ranges, config)
+        leaves = {}
+        for shards in groups[3]:  # shard_fp32_groups
+            for index, shard in enumerate(shards):
+                if not shard.is_leaf:
+                    leaf = shard.detach().requires_grad_(shard.requires_grad)
+                    leaf.__dict__.update(shard.__dict__)
+                    shards[index] = leaves[id(shard)] = leaf
+        for group_range in opt_group_ranges:
+            orig_group = group_range["orig_group"]
+            orig_group["params"] = [leaves.get(id(param), param) for param in orig_group["params"]]
+        return groups
+
+    DistributedOptimizer._build_model_and_main_param_groups = classmethod(build_groups)
+    try:
+        yield
+    finally:
+        DistributedOptimizer._build_model_and_main_param_groups = stock
 
 
 def use_fused_adam(optimizer) -> None:
