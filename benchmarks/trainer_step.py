@@ -17,8 +17,9 @@ Model FLOPs per step (3x forward, recompute not counted):
     forward = 2 * tokens * (attention projections + router + top_k experts + LM head, per-token parameters)
             + 2 * 2 * batch * seq^2 * heads * head_dim * layers / 2   (QK^T and AV, causal half)
 
-Prints one line per round and mode and, last, one JSON object. On a CUDA machine:
-    PYTHONPATH=. python3 -u benchmarks/trainer_step.py
+Prints one line per round and mode and, last, one JSON object; ``--profile`` then prints the top ops of one step per
+mode (GPU time on CUDA). On a CUDA machine:
+    PYTHONPATH=. python3 -u benchmarks/trainer_step.py [--profile]
 CPU smoke run (tiny sizes, fp32):
     .venv/bin/python benchmarks/trainer_step.py --tiny
 """
