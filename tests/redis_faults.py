@@ -26,6 +26,7 @@ class RedisProxy:
         self.refused = 0
         self._down = False
         self._writers: set[asyncio.StreamWriter] = set()
+        self.upstream_addrs: set[str] = set()  # "host:port" of each open relay as Redis sees it (CLIENT LIST addr)
         self.loop: asyncio.AbstractEventLoop | None = None
 
     def cut(self) -> None:
@@ -51,6 +52,14 @@ class RedisProxy:
             self.refused += 1
             client_writer.close()
             return
+        if self._down:  # cut while this relay was connecting: the cut did not see it, so it is refused here
+            self.refused += 1
+            client_writer.close()
+            server_writer.close()
+            return
+        host, port = server_writer.get_extra_info("sockname")[:2]
+        upstream_addr = f"{host}:{port}"
+        self.upstream_addrs.add(upstream_addr)
         self._writers |= {client_writer, server_writer}
         drop_reply = asyncio.Event()
 
@@ -79,6 +88,7 @@ class RedisProxy:
             client_writer.close()
             server_writer.close()
             self._writers -= {client_writer, server_writer}
+            self.upstream_addrs.discard(upstream_addr)
 
 
 @contextmanager
