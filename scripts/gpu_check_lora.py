@@ -15,7 +15,9 @@ HF, 8 experts top-2) and the tiny Beam (per-expert modules, 16 experts top-4, ou
 
 ``FLEETRL_GPU_CHECKS_DRY=1`` runs the same code on a CPU with the dense tiny models (no expert adapters), to catch
 mistakes before a GPU lease; there the engines are fp32, the merged engine is the reference, and the tolerance is
-2e-4 (the one the CPU test holds for dense and attention adapters).
+2e-4 (the one the CPU test holds for dense and attention adapters). ``FLEETRL_LORA_CHECK_DTYPE`` sets the dtype of
+the slot and merged engines (e.g. ``bfloat16`` in a dry run: the dense adapters' bf16 deviation against an fp32
+reference on a CPU).
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from gpu_check_helpers import DRY, Result, echo_prompts, generate_groups
 
 RANK, ALPHA = 8, 16.0
 LOGPROB_TOLERANCE = 2e-4
-DTYPE = "float32" if DRY else "bfloat16"  # vLLM's Triton LoRA kernels (GPU) take fp16 / bf16 only
+DTYPE = os.environ.get("FLEETRL_LORA_CHECK_DTYPE", "float32" if DRY else "bfloat16")  # GPU LoRA kernels: fp16 / bf16 only
 
 
 def lora_check_models() -> dict[str, str]:
