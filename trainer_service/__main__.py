@@ -139,6 +139,8 @@ def run(args: argparse.Namespace, stop: threading.Event) -> None:
     replay = catch_up_published(side, trainer, publish_current, restored, start_step)
     # one process: checkpoints become durable (fsync, rename) on a thread while the next step trains
     writer = CheckpointWriter(checkpoints) if ranks.world_size() == 1 else None
+    if writer is not None and side:
+        side.durable_acks = writer.take_durable  # also asked while the trainer waits for groups (idle)
     completed = False  # every step taken (a stop ends the loop early)
     for step in range(start_step + 1, config.num_steps + 1):
         started = time.monotonic()
@@ -236,8 +238,8 @@ def checkpoint_step(config, checkpoints, side, trainer, step: int, writer=None) 
     acknowledged once it is durable. Returns the seconds the loop spent (0 between checkpoints).
 
     One process (``writer``): the files are written now and made durable (fsync, rename) on the writer's thread
-    while the next step trains; its entries are acknowledged at the first step that finds it durable (at the latest
-    the next checkpoint, or the run's end). Several ranks:
+    while the next step trains; its entries are acknowledged at the first step, or poll while waiting for groups,
+    that finds it durable (at the latest the next checkpoint, or the run's end). Several ranks:
     every rank saves its shard at once, then rank 0 acknowledges.
 
     ``trainer.ckpt_interval`` 0 saves nothing: the entries are acknowledged after the last step only. A trainer

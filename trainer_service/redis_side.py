@@ -9,6 +9,7 @@ import json
 import logging
 import threading
 import time
+from collections.abc import Callable
 
 from protos.records import RoleDone
 
@@ -70,6 +71,9 @@ class RedisSide:
         self.publisher = WeightPublisher(self.client, self.keys, config.weight_bus)
         self.control = ControlStreamReader(self.client, self.keys)
         self.unacked: list[str] = []  # entries consumed since the last checkpoint
+        # One process: the entries of checkpoints that became durable since it was last asked (CheckpointWriter);
+        # asked at every poll while the trainer waits for groups too, so an idle trainer acknowledges them.
+        self.durable_acks: Callable[[], list[str]] | None = None
 
     def published_version(self) -> int:
         return self.board.latest_version()
@@ -80,6 +84,8 @@ class RedisSide:
         def poll_control() -> None:
             batch = self.control.read()
             relay(batch.sync, batch.settings)
+            if self.durable_acks is not None:
+                self.ack(self.durable_acks())
 
         poll_control()
         tcfg = self.config.trainer

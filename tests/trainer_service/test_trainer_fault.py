@@ -294,3 +294,25 @@ def test_with_checkpoints_off_nothing_is_acknowledged_before_the_end_and_a_resta
     assert reports[-1].step == NUM_GROUPS // GROUPS_PER_STEP
     assert last["samples_trained"] == 4 * NUM_GROUPS and last["duplicates_skipped"] == 0
     assert (export / "hf" / "model.safetensors.index.json").exists()  # the run completed: the final policy exported
+
+
+def test_an_idle_trainer_acknowledges_the_entries_of_its_durable_checkpoint_without_another_step(
+    redis_server, tmp_path, fresh_run
+):
+    """The checkpoint of step 3 becomes durable on the writer's thread while the trainer already waits for step 4's
+    groups, which do not come: its entries are acknowledged during the wait, not held until the next step."""
+    keys, client, model_dir = fresh_run
+    ckpt_dir, log = tmp_path / "ckpt", tmp_path / "trainer.log"
+    push_groups(redis_server.url, keys, list(range(3 * GROUPS_PER_STEP)))  # three steps; the checkpoint at step 3
+    trainer = _start_trainer(model_dir, redis_server.url, ckpt_dir, log)
+    try:
+        deadline = time.monotonic() + 180
+        while not (ckpt_dir / "latest").exists() or _pending(client, keys) > 0:
+            assert trainer.poll() is None, log.read_text()[-3000:]
+            assert time.monotonic() < deadline, f"{_pending(client, keys)} entries still pending at step 3"
+            time.sleep(0.05)
+        assert _latest_state(ckpt_dir)["step"] == 3 and _last_reported_step(client, keys) == 3
+        assert trainer.poll() is None  # idle: waiting for step 4's groups
+    finally:
+        os.killpg(trainer.pid, signal.SIGKILL)
+        trainer.wait(timeout=30)
