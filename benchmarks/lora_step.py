@@ -270,7 +270,7 @@ def main() -> None:
         return
     size = SIZES["tiny" if args.tiny else "full"]
     cuda = torch.cuda.is_available() and not args.tiny
-    args.modes = args.modes or MODES[: 4 if cuda else 3]
+    args.modes = args.modes or [mode for mode in MODES if cuda or mode != "full_offload"]
     if "full_offload" in args.modes and not cuda:
         parser.error("--modes full_offload needs CUDA (the optimizer offload keeps fp32 copies of bf16 params)")
     result: dict = {

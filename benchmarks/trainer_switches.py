@@ -18,8 +18,8 @@ Each setting builds its own backend (the switches act at build time) in a child 
 a built model referenced, so only the process's exit frees it: two 3.4 B backends with Adam state would not fit
 one H200), and takes ``--warmup`` then ``--steps`` timed steps (median s/step). Peak memory: on a GPU
 ``max_memory_allocated`` over the timed steps (parameters, gradients and optimizer state included); on a CPU
-(``--tiny``) the bytes of live tensors created during one extra step (activations and temporaries only). A setting that fails is recorded with its error and the
-run goes on; the last line printed is one JSON object. On a CUDA machine:
+(``--tiny``) the bytes of live tensors created during one extra step (activations and temporaries only). A setting
+that fails is recorded with its error and the run goes on; the last line printed is one JSON object. On a CUDA machine:
     PYTHONPATH=. python3 -u benchmarks/trainer_switches.py
 CPU run (tiny sizes, fp32):
     .venv/bin/python benchmarks/trainer_switches.py --tiny

@@ -31,9 +31,8 @@ from gpu_check_helpers import DRY, Result, echo_prompts, generate_groups
 
 RANK, ALPHA = 8, 16.0
 LOGPROB_TOLERANCE = 2e-4
-DTYPE = os.environ.get(
-    "FLEETRL_LORA_CHECK_DTYPE", "float32" if DRY else "bfloat16"
-)  # GPU LoRA kernels: fp16 / bf16 only
+# The slot and merged engines' dtype: vLLM's GPU LoRA kernels take fp16 / bf16 only.
+DTYPE = os.environ.get("FLEETRL_LORA_CHECK_DTYPE", "float32" if DRY else "bfloat16")
 
 
 def lora_check_models() -> dict[str, str]:

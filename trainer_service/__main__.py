@@ -140,7 +140,7 @@ def run(args: argparse.Namespace, stop: threading.Event) -> None:
     # one process: checkpoints become durable (fsync, rename) on a thread while the next step trains
     writer = CheckpointWriter(checkpoints) if ranks.world_size() == 1 else None
     if writer is not None and side:
-        side.durable_acks = writer.take_durable  # also asked while the trainer waits for groups (idle)
+        side.durable_acks = writer.take_durable  # asked at each poll of the wait for groups, the first at every step
     completed = False  # every step taken (a stop ends the loop early)
     for step in range(start_step + 1, config.num_steps + 1):
         started = time.monotonic()
@@ -238,8 +238,9 @@ def checkpoint_step(config, checkpoints, side, trainer, step: int, writer=None) 
     acknowledged once it is durable. Returns the seconds the loop spent (0 between checkpoints).
 
     One process (``writer``): the files are written now and made durable (fsync, rename) on the writer's thread
-    while the next step trains; its entries are acknowledged at the first step, or poll while waiting for groups,
-    that finds it durable (at the latest the next checkpoint, or the run's end). Several ranks:
+    while the next step trains; its entries are acknowledged at the first poll of the wait for groups (one at every
+    step, then about one a second while idle) that finds it durable (at the latest the next checkpoint, or the
+    run's end). Several ranks:
     every rank saves its shard at once, then rank 0 acknowledges.
 
     ``trainer.ckpt_interval`` 0 saves nothing: the entries are acknowledged after the last step only. A trainer
@@ -249,8 +250,6 @@ def checkpoint_step(config, checkpoints, side, trainer, step: int, writer=None) 
     from trainer_service.checkpoint import TrainerState
 
     tcfg = config.trainer
-    if writer is not None and side:
-        side.ack(writer.take_durable())  # the checkpoint before, if its durable half finished meanwhile
     if tcfg.ckpt_interval == 0:
         if side and step == config.num_steps:
             side.ack_consumed()

@@ -159,8 +159,9 @@ class CheckpointWriter:
         return durable
 
     def take_durable(self) -> list[str]:
-        """The entry ids of the checkpoint in flight if it is durable by now, else [] (never blocks): the loop asks
-        every step, so entries are acknowledged a step after their checkpoint, not at the next one."""
+        """The entry ids of the checkpoint in flight if it is durable by now, else [] (never blocks): the trainer asks
+        at each poll of its wait for groups (``RedisSide.durable_acks``), so entries are acknowledged soon after their
+        checkpoint, not at the next one, also while the trainer is idle."""
         if self._in_flight is None or not self._in_flight[0].done():
             return []
         return self.wait()

@@ -72,7 +72,7 @@ class RedisSide:
         self.control = ControlStreamReader(self.client, self.keys)
         self.unacked: list[str] = []  # entries consumed since the last checkpoint
         # One process: the entries of checkpoints that became durable since it was last asked (CheckpointWriter);
-        # asked at every poll while the trainer waits for groups too, so an idle trainer acknowledges them.
+        # asked at every poll of the wait for groups (the first at each step), so an idle trainer acknowledges too.
         self.durable_acks: Callable[[], list[str]] | None = None
 
     def published_version(self) -> int:
