@@ -4,6 +4,7 @@ Megatron CPU shims undone after every test module that installed them."""
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import pytest
 import redis
@@ -30,6 +31,19 @@ def redis_url(redis_server) -> str:
     finally:
         client.close()
     return redis_server.url
+
+
+# CI keeps a copy of shared/ beside the clone; a clone elsewhere skips the tests that read its data.
+SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+
+
+@pytest.fixture
+def shared_data() -> Path:
+    """``../shared/data`` beside the repository (AIME 2024 / 2025, the DAPO-Math slice); the test is skipped where it
+    is absent."""
+    if not SHARED_DATA.is_dir():
+        pytest.skip(f"test data folder {SHARED_DATA} is absent (expected shared/ beside the repo)")
+    return SHARED_DATA
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -16,7 +16,6 @@ from tests.coordinator.task_files import write_plain
 pytestmark = pytest.mark.integration
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-DATA_DIR = REPO_ROOT.parent / "shared" / "data"
 
 
 def test_dataset_prompts_use_the_chat_template_with_its_kwargs(tiny_tokenizer, tmp_path):
@@ -76,9 +75,7 @@ def test_async_reward_plugins_are_awaited(tiny_tokenizer):
     assert {r.reward for r in results} <= {0.0, 1.0} and all(r.error is None for r in results)
 
 
-def test_demo_math_recipe_builds_its_task_and_eval_sets(tiny_tokenizer, monkeypatch):
-    if not DATA_DIR.is_dir():
-        pytest.skip(f"test data folder {DATA_DIR} is absent (expected shared/ beside the repo)")
+def test_demo_math_recipe_builds_its_task_and_eval_sets(tiny_tokenizer, monkeypatch, shared_data):
     from coordinator.evaluation import load_eval_sets
 
     monkeypatch.chdir(REPO_ROOT)  # the recipe's paths are relative to the repository root

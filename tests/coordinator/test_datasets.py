@@ -17,16 +17,7 @@ from coordinator.datasets import (
 
 pytestmark = pytest.mark.unit
 
-# CI keeps a copy of shared/ beside the clone.
-DATA_DIR = Path(__file__).resolve().parents[2].parent / "shared" / "data"
 INSTRUCTION = "\n\nPlease reason step by step, and put your final answer within \\boxed{}."
-
-
-@pytest.fixture
-def data_dir() -> Path:
-    if not DATA_DIR.is_dir():
-        pytest.skip(f"test data folder {DATA_DIR} is absent (expected shared/ beside the repo)")
-    return DATA_DIR
 
 
 @pytest.mark.parametrize(
@@ -38,8 +29,8 @@ def data_dir() -> Path:
         ("dapo-math-sample.parquet", 17917, "DAPO-17k"),
     ],
 )
-def test_load_all_files(data_dir: Path, filename: str, rows: int, source: str) -> None:
-    problems = load_dataset(data_dir / filename)
+def test_load_all_files(shared_data: Path, filename: str, rows: int, source: str) -> None:
+    problems = load_dataset(shared_data / filename)
     assert len(problems) == rows
     assert all(isinstance(p, Problem) for p in problems)
     assert {p.data_source for p in problems} == {source}
@@ -50,14 +41,14 @@ def test_load_all_files(data_dir: Path, filename: str, rows: int, source: str) -
         assert all(m["content"].strip() for m in p.messages)
 
 
-def test_plain_jsonl_uses_template(data_dir: Path) -> None:
-    first = load_dataset(data_dir / "aime-2024.jsonl", limit=1)[0]
+def test_plain_jsonl_uses_template(shared_data: Path) -> None:
+    first = load_dataset(shared_data / "aime-2024.jsonl", limit=1)[0]
     assert first.problem_id == "2024-I-1"
     assert first.ground_truth == "204"
     content = first.messages[0]["content"]
     assert content.startswith("Every morning Aya")
     assert content.endswith(INSTRUCTION)
-    custom = load_dataset(data_dir / "aime-2025.jsonl", prompt_template="Q: {problem} A:", limit=2)
+    custom = load_dataset(shared_data / "aime-2025.jsonl", prompt_template="Q: {problem} A:", limit=2)
     assert custom[0].messages == [
         {
             "role": "user",
@@ -66,14 +57,14 @@ def test_plain_jsonl_uses_template(data_dir: Path) -> None:
     ]
 
 
-def test_name_only_used_without_data_source_column(data_dir: Path) -> None:
-    assert load_dataset(data_dir / "aime-2025.jsonl", name="aime25", limit=1)[0].data_source == ("aime25")
-    assert load_dataset(data_dir / "aime-2024.parquet", name="x", limit=1)[0].data_source == ("aime24")
+def test_name_only_used_without_data_source_column(shared_data: Path) -> None:
+    assert load_dataset(shared_data / "aime-2025.jsonl", name="aime25", limit=1)[0].data_source == ("aime25")
+    assert load_dataset(shared_data / "aime-2024.parquet", name="x", limit=1)[0].data_source == ("aime24")
 
 
-def test_verl_parquet_matches_jsonl_answers(data_dir: Path) -> None:
-    parquet = load_dataset(data_dir / "aime-2024.parquet")
-    plain = load_dataset(data_dir / "aime-2024.jsonl")
+def test_verl_parquet_matches_jsonl_answers(shared_data: Path) -> None:
+    parquet = load_dataset(shared_data / "aime-2024.parquet")
+    plain = load_dataset(shared_data / "aime-2024.jsonl")
     # The parquet's prompt already includes the instruction and is kept
     # verbatim, so it equals the templated jsonl prompt. Row orders differ.
     by_prompt = {p.messages[0]["content"]: p for p in plain}
@@ -85,8 +76,8 @@ def test_verl_parquet_matches_jsonl_answers(data_dir: Path) -> None:
     assert "025" in {p.ground_truth for p in parquet}
 
 
-def test_dapo_limit_and_chat_templating(data_dir: Path) -> None:
-    path = data_dir / "dapo-math-sample.parquet"
+def test_dapo_limit_and_chat_templating(shared_data: Path) -> None:
+    path = shared_data / "dapo-math-sample.parquet"
     bare = load_dataset(path, limit=3)
     assert len(bare) == 3
     assert bare[0].ground_truth == "34" and bare[0].problem_id == "0"

@@ -14,20 +14,19 @@ from protos.config import load_run_config
 
 pytestmark = pytest.mark.unit
 
-DATA = Path(__file__).resolve().parents[3] / "shared" / "data"
 BEAM = Path(__file__).resolve().parents[2] / "recipes" / "beam"
 
 
-def test_label_is_the_configured_one_else_the_rows_data_source_else_the_file_stem():
+def test_label_is_the_configured_one_else_the_rows_data_source_else_the_file_stem(shared_data):
     config = load_run_config().coordinator
-    parquet = str(DATA / "aime-2024.parquet")  # verl schema, data_source 'aime24' on every row
-    jsonl = str(DATA / "aime-2025.jsonl")  # plain schema, no data_source
+    parquet = str(shared_data / "aime-2024.parquet")  # verl schema, data_source 'aime24' on every row
+    jsonl = str(shared_data / "aime-2025.jsonl")  # plain schema, no data_source
     assert eval_label(parquet, load_problems(parquet, config, 3), {}) == "aime24"
     assert eval_label(jsonl, load_problems(jsonl, config, 3), {}) == "aime-2025"
     assert eval_label(parquet, load_problems(parquet, config, 3), {parquet: "math_dapo"}) == "math_dapo"
 
 
-def test_the_beam_recipes_eval_sets_carry_the_guides_labels():
+def test_the_beam_recipes_eval_sets_carry_the_guides_labels(shared_data):  # the recipes read ../shared/data
     config = load_run_config([BEAM / "dapo-mxfp8.yaml", BEAM / "toy.yaml"]).with_dataset_paths()
     renderer = PromptRenderer(build_tokenizer(), config.coordinator.template_kwargs())
     sets = load_eval_sets(config.coordinator, renderer, config.rollout.max_model_len)

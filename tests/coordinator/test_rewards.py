@@ -27,20 +27,10 @@ from coordinator.rewards import (
 
 pytestmark = pytest.mark.unit
 
-# CI keeps a copy of shared/ beside the clone.
-DATA_DIR = Path(__file__).resolve().parents[2].parent / "shared" / "data"
-
-
-@pytest.fixture
-def data_dir() -> Path:
-    if not DATA_DIR.is_dir():
-        pytest.skip(f"test data folder {DATA_DIR} is absent (expected shared/ beside the repo)")
-    return DATA_DIR
-
 
 @pytest.mark.parametrize("filename", ["aime-2024.jsonl", "aime-2025.jsonl"])
-def test_math_reward_on_every_aime_answer(data_dir: Path, filename: str) -> None:
-    rows = [json.loads(line) for line in (data_dir / filename).read_text().splitlines()]
+def test_math_reward_on_every_aime_answer(shared_data: Path, filename: str) -> None:
+    rows = [json.loads(line) for line in (shared_data / filename).read_text().splitlines()]
     assert len(rows) == 30
     for row in rows:
         answer = row["answer"]
@@ -50,8 +40,8 @@ def test_math_reward_on_every_aime_answer(data_dir: Path, filename: str) -> None
         assert math_reward(answer, wrong) == 0.0, row["id"]
 
 
-def test_math_reward_on_zero_padded_parquet_truths(data_dir: Path) -> None:
-    problems = load_dataset(data_dir / "aime-2024.parquet")
+def test_math_reward_on_zero_padded_parquet_truths(shared_data: Path) -> None:
+    problems = load_dataset(shared_data / "aime-2024.parquet")
     padded = [p for p in problems if p.ground_truth.startswith("0")]
     assert padded  # e.g. "025"
     for p in padded:
