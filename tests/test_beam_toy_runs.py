@@ -28,7 +28,8 @@ def tiny_beam(tmp_path_factory) -> Path:
 
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("recipe", RUNS)
-def test_beam_run_at_toy_scale_trains_evaluates_checkpoints_and_exports(tmp_path, tiny_beam, recipe):
+def test_beam_run_at_toy_scale_trains_evaluates_checkpoints_and_exports(tmp_path, tiny_beam, recipe, shared_data):
+    # shared_data: the recipes train on the guide's DAPO-Math slice and evaluate on AIME from ../shared/data
     out = tmp_path / "run"
     # One run logs to an offline Weights & Biases run, set through the guide's variables (LOGGER, LOG_PATH).
     wandb_env = {"LOGGER": "wandb", "LOG_PATH": str(tmp_path / "logs"), "WANDB_MODE": "offline", "WANDB_SILENT": "true"}
