@@ -341,8 +341,10 @@ class DemoLauncher:
         rewards = [s["reward_mean"] for s in steps]
         last = steps[-1] if steps else {}
         versions = self.fleet_versions(client)
+        skipped = sum(1 for s in steps if s.get("skipped"))
         return {
-            "steps": len(steps),
+            "steps": len(steps) - skipped,  # optimizer steps taken: one that trained nothing is not a step
+            "steps_skipped": skipped,
             "reward_first5": sum(rewards[:5]) / max(1, len(rewards[:5])),
             "reward_last5": sum(rewards[-5:]) / max(1, len(rewards[-5:])),
             "max_staleness_allowed": self.config.max_staleness,

@@ -111,7 +111,7 @@ def restore(config, stop: threading.Event):
     )
     # The run's counts go on from the checkpoint: a restarted trainer reports the samples of the whole run.
     saved = {name: int(value) for name, value in state.totals.items() if name in TrainerTotals.__dataclass_fields__}
-    trainer.totals = TrainerTotals(**{"steps": state.step, **saved})
+    trainer.totals = TrainerTotals(**{"steps": state.step - saved.get("steps_skipped", 0), **saved})
     side = RedisSide(config.redis_url, config, trainer, stop) if ranks.world_rank() == 0 else None
     return trainer, checkpoints, side, restored, state.step
 
@@ -244,8 +244,7 @@ def checkpoint_step(config, checkpoints, side, trainer, step: int, writer=None) 
     every rank saves its shard at once, then rank 0 acknowledges.
 
     ``trainer.ckpt_interval`` 0 saves nothing: the entries are acknowledged after the last step only. A trainer
-    restarted before then starts from model_path with an empty ledger and gets every entry of the run again, so
-    the weights that survive still consumed each group exactly once."""
+    restarted after it published has nothing to resume from and refuses to start (``CannotResume``)."""
     from trainer_service import ranks
     from trainer_service.checkpoint import TrainerState
 
@@ -286,9 +285,9 @@ def record_version_offset(side, policy_version: int, step: int) -> None:
 
 def catch_up_published(side, trainer, publish_current, restored, step: int):
     """Versions past the checkpoint were published by the previous trainer: restored from a checkpoint, the trainer
-    replays their steps (returns the ``Replay``; trainer_service/replay.py). Without one (a lineage of its own),
-    versions only go up, so its weights go out as the next one and the fleet moves onto them (every rank takes part
-    in the export). Restored at the published version itself, it publishes that version again from its own address."""
+    replays their steps (returns the ``Replay``; trainer_service/replay.py). Without one, its weights are
+    model_path's, v0: behind a published version it raises ``CannotResume`` (a version names the weights, and versions
+    only go up). Restored at the published version itself, it publishes that version again from its own address."""
     from trainer_service import metrics, ranks
     from trainer_service.replay import Replay
 
@@ -307,11 +306,17 @@ def catch_up_published(side, trainer, publish_current, restored, step: int):
             len(trainer.ledger),
             ranks.world_size(),
         )
+    if not restored and published > trainer.policy_version:
+        raise CannotResume(
+            f"trainer start: v{published} of this run is published but no checkpoint was restored (none in the "
+            "checkpoint directory, or trainer.resume=none): the weights here are "
+            f"v{trainer.policy_version} (model_path), and publishing them as v{published + 1} would rewind the "
+            "policy under a newer number. Resume from a checkpoint of this run (trainer.ckpt_interval > 0 makes "
+            "them), or start a new run (another run_id)"
+        )
     replay = Replay(published if restored and published > trainer.policy_version else None)
     if replay.target is not None:
         logger.info("trainer start: replaying the steps of v%d..v%d", trainer.policy_version + 1, replay.target)
-    elif published > trainer.policy_version:
-        publish_new_lineage(side, trainer, published, step, publish_current)
     else:
         if side:
             record_version_offset(side, trainer.policy_version, step)
@@ -324,6 +329,10 @@ def catch_up_published(side, trainer, publish_current, restored, step: int):
         side.board.init_version(trainer.policy_version)
         metrics.POLICY_VERSION.set(trainer.policy_version)
     return replay
+
+
+class CannotResume(RuntimeError):
+    """The run's state forbids this trainer to start (a restart would fail the same way): exit EXIT_CANNOT_RESTART."""
 
 
 def _totals(trainer) -> dict[str, float]:
@@ -348,7 +357,13 @@ def main(argv: list[str] | None = None) -> None:
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    run(args, stop)
+    try:
+        run(args, stop)
+    except CannotResume as refused:
+        from protos.exit_codes import EXIT_CANNOT_RESTART
+
+        logger.error("%s", refused)
+        raise SystemExit(EXIT_CANNOT_RESTART) from None
 
 
 if __name__ == "__main__":

@@ -132,6 +132,15 @@ class RedisSide:
         metrics.POLICY_VERSION.set(trainer.policy_version)
         # retried for 30 s, then dropped (logged): a lost report costs a dashboard point, an exit a model reload
         self.metrics.post(MetricsReport("trainer", step, trainer.policy_version, time.time(), values), timeout_s=30.0)
+        if values["skipped"]:
+            logger.warning(
+                "step %d trained nothing (%d samples stale, staleness_max=%d): no version published, policy_version=%d",
+                step,
+                values["stale_dropped_step"],
+                values["staleness_max"],
+                trainer.policy_version,
+            )
+            return
         logger.info(
             "step %d policy_version=%d reward=%.3f staleness_max=%d loss=%.4f step_s=%.2f",
             step,

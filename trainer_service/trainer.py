@@ -23,7 +23,7 @@ def staleness_of(group: TrajectoryGroup, policy_version: int) -> int:
 
 @dataclass
 class TrainerTotals:
-    steps: int = 0
+    steps: int = 0  # optimizer steps taken (a published version each); a step that trained nothing is not one
     samples_trained: int = 0
     stale_dropped: int = 0
     max_staleness_seen: int = 0
@@ -125,10 +125,10 @@ class Trainer:
             values["r3_replayed"] = float(batch.routed_experts_BTLK is not None)
             values["reward_mean"] = float(batch.rewards_B.mean())
             totals.samples_trained += int(batch.rewards_B.numel())
-        totals.steps += 1
-        if values["skipped"]:
+        if values["skipped"]:  # nothing trained (every group stale, or a non-finite update): not a step
             totals.steps_skipped += 1
         else:
+            totals.steps += 1
             self.policy_version += 1
         trained = "nonfinite" if values["skipped"] else "trained"
         for group, lag in zip(groups, staleness, strict=True):

@@ -267,33 +267,34 @@ def test_a_redis_outage_while_the_trainer_waits_for_groups_neither_stops_it_nor_
     assert "Redis unreachable" in log.read_text() or "failed, retrying" in log.read_text()
 
 
-def test_with_checkpoints_off_nothing_is_acknowledged_before_the_end_and_a_restart_retrains_the_whole_run(
+def test_a_trainer_restarted_without_a_checkpoint_behind_a_published_version_refuses_and_publishes_nothing(
     redis_server, tmp_path, fresh_run
 ):
-    from protos.records import decode_metrics
+    """The H200 run's find (issue 26): restarted with no checkpoint, the trainer published its model_path weights as
+    latest + 1 (v11: the policy rewound under a newer number) and dropped every queued group as stale. It must
+    refuse to start, with the exit code the launcher does not restart, and publish nothing."""
+    from protos.exit_codes import EXIT_CANNOT_RESTART
 
     keys, client, model_dir = fresh_run
-    ckpt_dir, log, export = tmp_path / "ckpt", tmp_path / "trainer.log", tmp_path / "export"
+    ckpt_dir, log = tmp_path / "ckpt", tmp_path / "trainer.log"
     push_groups(redis_server.url, keys, list(range(NUM_GROUPS)))
-    off = ["trainer.ckpt_interval=0", f"export_dir={export}"]
+    off = ["trainer.ckpt_interval=0"]  # as a ckpt_interval beyond the step the trainer died at
     first = _start_trainer(model_dir, redis_server.url, ckpt_dir, log, *off)
     deadline = time.monotonic() + 180
-    while int(client.get(keys.policy_version) or 0) < 3:  # three steps trained, none saved
+    while int(client.get(keys.policy_version) or 0) < 3:  # three steps trained and published, none saved
         assert first.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
         time.sleep(0.05)
     os.killpg(first.pid, signal.SIGKILL)
     first.wait(timeout=30)
     assert _pending(client, keys) >= 3 * GROUPS_PER_STEP  # every entry read is still pending: nothing acknowledged
-    assert not list(ckpt_dir.glob("step-*"))
+    published = int(client.get(keys.policy_version))
+    announced = client.xlen(keys.weight_announcements)
 
     second = _start_trainer(model_dir, redis_server.url, ckpt_dir, log, *off)
-    assert second.wait(timeout=300) == 0, log.read_text()[-3000:]
-    assert _pending(client, keys) == 0 and not list(ckpt_dir.glob("step-*"))
-    reports = [decode_metrics(f[b"m"]) for _, f in client.xrange(keys.metrics("trainer")) if b"m" in f]
-    last = reports[-1].values  # the restarted trainer's totals: it started from model_path and got every group
-    assert reports[-1].step == NUM_GROUPS // GROUPS_PER_STEP
-    assert last["samples_trained"] == 4 * NUM_GROUPS and last["duplicates_skipped"] == 0
-    assert (export / "hf" / "model.safetensors.index.json").exists()  # the run completed: the final policy exported
+    assert second.wait(timeout=120) == EXIT_CANNOT_RESTART, log.read_text()[-3000:]
+    assert int(client.get(keys.policy_version)) == published and not client.exists(keys.manifest(published + 1))
+    assert client.xlen(keys.weight_announcements) == announced  # nothing published under any number
+    assert _pending(client, keys) >= 3 * GROUPS_PER_STEP  # the entries wait for a trainer that can resume
 
 
 def test_an_idle_trainer_acknowledges_the_entries_of_its_durable_checkpoint_without_another_step(
