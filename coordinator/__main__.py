@@ -58,6 +58,7 @@ async def build_pipeline(config, client, keys, fleet) -> Pipeline:
     from coordinator.rewards import get_reward_fn
     from coordinator.scheduler import Scheduler
     from coordinator.tasks import PromptRenderer, ResponseScorer, build_task, load_tokenizer
+    from protos.config.coordinator import BUILT_IN_TASKS
 
     cfg = config.coordinator
     if cfg.sampling.top_p < 1.0 or cfg.sampling.top_k > 0:
@@ -68,7 +69,7 @@ async def build_pipeline(config, client, keys, fleet) -> Pipeline:
             cfg.sampling.top_p,
             cfg.sampling.top_k,
         )
-    needs_tokenizer = cfg.task != "echo" or bool(cfg.eval.datasets)
+    needs_tokenizer = cfg.task not in BUILT_IN_TASKS or bool(cfg.eval.datasets)
     tokenizer = load_tokenizer(config.model_path) if needs_tokenizer else None
     executor = ThreadPoolExecutor(cfg.reward_threads, thread_name_prefix="reward")
     task = build_task(cfg, config.rollout.max_model_len, tokenizer, executor)

@@ -296,6 +296,8 @@ class Scheduler:
     ) -> tuple[TrajectoryGroup, list[float]]:
         floor = self.version_floor(slot)
         sampling = self.run.training_sampling()  # this request's settings; a live change applies to later ones
+        if 0 < prompt.max_tokens < sampling.max_tokens:  # a prompt that asks for less (the tail task's)
+            sampling = sampling.model_copy(update={"max_tokens": prompt.max_tokens})
         results, client = await self.fleet.generate(
             prompt.prompt_token_ids,
             self.config.group_size,

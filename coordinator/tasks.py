@@ -38,7 +38,8 @@ class TaskPrompt:
     prompt_id: str
     prompt_token_ids: list[int]
     data_source: str
-    payload: Any  # echo: the target token id; datasets: the Problem
+    payload: Any  # echo: the target token id; tail: (length, digit); datasets: the Problem
+    max_tokens: int = 0  # this prompt's own response limit (the tail task's); 0 = the run's sampling.max_tokens
 
 
 class Task(Protocol):
@@ -260,11 +261,15 @@ def load_problems(path: str, config: CoordinatorConfig, limit: int | None) -> li
 
 
 def build_task(config: CoordinatorConfig, max_model_len: int, tokenizer: Any, executor: Executor | None) -> Task:
-    """The task named by ``config.task``: 'echo' or a dataset file scored by ``config.reward_fn``."""
+    """The task named by ``config.task``: 'echo', 'tail' or a dataset file scored by ``config.reward_fn``."""
     if config.task == "echo":
         return EchoTask(seed=config.seed, max_tokens=config.sampling.max_tokens)
+    if config.task == "tail":
+        from coordinator.tail_task import TailTask  # it builds on this module's TaskPrompt
+
+        return TailTask(seed=config.seed, min_tokens=config.tail_min_tokens, max_tokens=config.sampling.max_tokens)
     if not is_dataset_path(config.task):
-        raise ValueError(f"coordinator.task {config.task!r}: expected 'echo' or a .jsonl/.parquet dataset path")
+        raise ValueError(f"coordinator.task {config.task!r}: expected 'echo', 'tail' or a .jsonl/.parquet dataset path")
     problems = load_problems(config.task, config, config.dataset_limit)
     scorer = ResponseScorer(tokenizer, get_reward_fn(config.reward_fn), executor, config.reward_timeout_s)
     renderer = PromptRenderer(tokenizer, config.template_kwargs())

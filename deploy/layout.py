@@ -11,6 +11,7 @@ import posixpath
 from dataclasses import dataclass
 
 from protos.config import RunConfig
+from protos.config.coordinator import BUILT_IN_TASKS
 
 RUN_VOLUME_PATH = "/fleetrl-run"  # the shared ReadWriteMany volume: out_dir, checkpoints, weight snapshots
 CONFIG_DIR = "/etc/fleetrl"  # where the ConfigMap is mounted; every role reads CONFIG_DIR/config.json
@@ -154,6 +155,6 @@ def dataset_paths(config: RunConfig, workdir: str) -> list[str]:
     """The files the coordinator reads (task and eval sets, under ``data_dir``), resolved against the image's working
     directory."""
     config = config.with_dataset_paths()
-    paths = [] if config.coordinator.task == "echo" else [config.coordinator.task]
+    paths = [] if config.coordinator.task in BUILT_IN_TASKS else [config.coordinator.task]
     paths += config.coordinator.eval.datasets
     return [posixpath.normpath(posixpath.join(workdir, path)) for path in paths]

@@ -235,7 +235,7 @@ class PromptCursor(msgspec.Struct, array_like=True, gc=False, frozen=True):
     """Where a restarted coordinator resumes its prompt stream. Producer: the coordinator, with each group it pushes
     (in one server-side step with the XADD, RedisKeys.prompt_cursor); consumer: the next coordinator of the run."""
 
-    task: str  # the task's name: "echo" or the dataset's
+    task: str  # the task's name: "echo", "tail" or the dataset's
     group_id: str  # the group pushed with it: a push retried after a lost reply finds here that it landed
     position: dict[str, int]  # the task's position before the first draw of the earliest unpushed slot
 

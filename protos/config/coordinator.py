@@ -67,10 +67,19 @@ class EvalConfig(Strict):
         return self
 
 
+BUILT_IN_TASKS = ("echo", "tail")  # coordinator.task values that name no file
+
+
 class CoordinatorConfig(Strict):
     """Prompts, grouping, admission and the push onto the trajectory queue."""
 
-    task: str = Field("echo", description="Built-in task name ('echo') or a dataset path (.jsonl/.parquet).")
+    task: str = Field(
+        "echo",
+        description="Built-in task ('echo'; 'tail': long-tailed response lengths) or a dataset path (.jsonl/.parquet).",
+    )
+    tail_min_tokens: int = Field(
+        1, ge=1, description="The tail task's shortest response; lengths are log-uniform up to sampling.max_tokens."
+    )
     reward_fn: str = Field(
         "math", description="Dataset tasks: built-in reward ('math') or 'module.path:function' (sync or async)."
     )

@@ -10,7 +10,7 @@ from pydantic import Field, field_validator, model_validator
 
 from protos.config.agent import AgentConfig
 from protos.config.base import Strict
-from protos.config.coordinator import CoordinatorConfig, SamplingConfig
+from protos.config.coordinator import BUILT_IN_TASKS, CoordinatorConfig, SamplingConfig
 from protos.config.launcher import LauncherConfig
 from protos.config.logger import LoggerConfig
 from protos.config.rollout import RolloutConfig
@@ -193,7 +193,7 @@ class RunConfig(Strict):
             return self
         coordinator = self.coordinator
         evals = coordinator.eval
-        task = coordinator.task if coordinator.task == "echo" else self.dataset_path(coordinator.task)
+        task = coordinator.task if coordinator.task in BUILT_IN_TASKS else self.dataset_path(coordinator.task)
         resolved_eval = evals.model_copy(
             update={
                 "datasets": [self.dataset_path(path) for path in evals.datasets],
