@@ -357,11 +357,12 @@ def main(argv: list[str] | None = None) -> None:
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
+    from protos.exit_codes import EXIT_CANNOT_RESTART
+    from trainer_service.checkpoint import CheckpointSpaceError
+
     try:
         run(args, stop)
-    except CannotResume as refused:
-        from protos.exit_codes import EXIT_CANNOT_RESTART
-
+    except (CannotResume, CheckpointSpaceError) as refused:  # a restart would meet the same state, the same disk
         logger.error("%s", refused)
         raise SystemExit(EXIT_CANNOT_RESTART) from None
 

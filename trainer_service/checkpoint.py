@@ -52,6 +52,26 @@ class PendingCheckpoint:
     final: Path
 
 
+class CheckpointSpaceError(OSError):
+    """The checkpoint directory's filesystem cannot hold the next checkpoint (checked before writing it)."""
+
+
+def free_bytes(path: Path) -> int:
+    """Bytes free to this user on ``path``'s filesystem."""
+    return shutil.disk_usage(path).free
+
+
+def directory_bytes(path: Path) -> int:
+    return sum(file.stat().st_size for file in path.rglob("*") if file.is_file())
+
+
+def parameter_bytes(backend) -> int:
+    """Bytes of this process's model parameters (``backend.model``: one module, or megatron's list of chunks)."""
+    model = backend.model
+    chunks = model if isinstance(model, list) else [model]
+    return sum(p.numel() * p.element_size() for chunk in chunks for p in chunk.parameters())
+
+
 def _fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -76,15 +96,35 @@ class CheckpointManager:
 
     def write(self, backend, state: TrainerState) -> PendingCheckpoint:
         """The first half of a save: ``backend`` and ``state`` as they are now, into the partial directory (not
-        durable, not found by ``latest`` until ``make_durable``)."""
+        durable, not found by ``latest`` until ``make_durable``). Refuses (``CheckpointSpaceError``) when the disk
+        cannot hold it; a write that fails removes its partial directory, the previous checkpoints stay whole."""
         final = self.root / f"step-{state.step:06d}"
         partial = final.with_suffix(".partial")
         shutil.rmtree(partial, ignore_errors=True)
+        self.check_space(backend)
         partial.mkdir()
-        backend.save_checkpoint(partial)
-        with open(partial / STATE_FILE, "w") as handle:
-            json.dump(asdict(state), handle)
+        try:
+            backend.save_checkpoint(partial)
+            with open(partial / STATE_FILE, "w") as handle:
+                json.dump(asdict(state), handle)
+        except BaseException:
+            shutil.rmtree(partial, ignore_errors=True)  # its bytes would only fill the disk further
+            raise
         return PendingCheckpoint(partial, final)
+
+    def check_space(self, backend) -> None:
+        """Raise ``CheckpointSpaceError`` unless the checkpoint directory's filesystem has room for one more
+        checkpoint: as large as the newest complete one, or without one 3x the backend's parameter bytes (weights
+        and two Adam moments; the first checkpoint's size is not known before it is written)."""
+        previous = self.latest()
+        needed = directory_bytes(previous) if previous is not None else 3 * parameter_bytes(backend)
+        free = free_bytes(self.root)
+        if needed > free:
+            raise CheckpointSpaceError(
+                f"checkpoint directory {self.root}: {needed} bytes needed (the size of "
+                f"{previous.name if previous else 'the weights and Adam state'}), {free} bytes free; free space "
+                "there, lower trainer.keep_last_checkpoints or point trainer.ckpt_dir elsewhere"
+            )
 
     def make_durable(self, pending: PendingCheckpoint) -> Path:
         """The second half: fsync every file, rename the directory, point ``latest`` at it, prune old ones."""
@@ -97,7 +137,7 @@ class CheckpointManager:
         pointer.write_text(pending.final.name)
         os.replace(pointer, self.root / "latest")
         _fsync_dir(self.root)
-        self._prune()
+        self._prune(pending.final)
         return pending.final
 
     def latest(self) -> Path | None:
@@ -133,10 +173,15 @@ class CheckpointManager:
             raw = json.load(handle)
         return TrainerState(**raw)
 
-    def _prune(self) -> None:
+    def _prune(self, newest: Path) -> None:
+        """Keep the last ``keep_last`` complete checkpoints; drop the partial ones older than ``newest`` (saves a
+        crash or a failed write cut short: nothing will complete them)."""
         complete = sorted(p for p in self.root.glob("step-*") if p.suffix != ".partial")
         for old in complete[: -self.keep_last]:
             shutil.rmtree(old, ignore_errors=True)
+        for stale in self.root.glob("step-*.partial"):
+            if stale.stem < newest.name:
+                shutil.rmtree(stale, ignore_errors=True)
 
 
 class CheckpointWriter:

@@ -192,6 +192,7 @@ class _PathAnnouncingBackend:
 
     def __init__(self, backend):
         self.backend = backend
+        self.model = backend.model  # the free-space check counts its parameters
 
     def save_checkpoint(self, directory) -> None:
         broadcast_bytes(str(directory).encode(), src=0)
@@ -201,12 +202,21 @@ class _PathAnnouncingBackend:
 def save_checkpoint(checkpoints, backend, state) -> None:
     """Every rank writes its model/optimizer shard into the directory rank 0 prepared; rank 0 writes the trainer
     state and publishes the checkpoint. Returns on rank 0 once every rank's shard is written (a barrier)."""
+    from trainer_service.checkpoint import CheckpointSpaceError
+
     if world_size() == 1:
         checkpoints.save(backend, state)
     elif world_rank() == 0:
-        checkpoints.save(_PathAnnouncingBackend(backend), state)
+        try:
+            checkpoints.save(_PathAnnouncingBackend(backend), state)
+        except CheckpointSpaceError:
+            broadcast_bytes(b"", src=0)  # refused before the path went out: the other ranks wait for it
+            raise
     else:
-        backend.save_checkpoint(broadcast_bytes(None, src=0).decode())
+        directory = broadcast_bytes(None, src=0).decode()
+        if not directory:
+            raise CheckpointSpaceError("rank 0 refused the checkpoint: no room for it (its log says where)")
+        backend.save_checkpoint(directory)
 
 
 def resolve_checkpoint(checkpoints, resume: str):

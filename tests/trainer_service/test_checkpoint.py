@@ -146,3 +146,74 @@ def test_a_failed_durable_half_raises_on_the_training_thread(model_dir, tmp_path
         writer.wait(timeout_s=60)
     assert checkpoints.latest() is None and writer.wait() == []
     writer.close()
+
+
+def test_a_checkpoint_the_disk_cannot_hold_is_refused_before_writing_naming_path_needed_and_free(
+    model_dir, tmp_path, monkeypatch
+):
+    """The H200 run's find: a 15.3 GB torch.save on a full disk died inside the write ("unexpected pos")."""
+    from trainer_service import checkpoint
+
+    checkpoints = CheckpointManager(tmp_path, keep_last=2)
+    backend = TorchBackend(model_dir, CONFIG)
+    first = checkpoints.save(backend, TrainerState(1, 1, {"g0": "trained"}))
+    needed = checkpoint.directory_bytes(first)
+    monkeypatch.setattr(checkpoint, "free_bytes", lambda path: needed - 1)  # the filesystem: an external edge
+    with pytest.raises(checkpoint.CheckpointSpaceError) as refused:
+        checkpoints.write(backend, TrainerState(2, 2, {}))
+    assert str(tmp_path) in str(refused.value) and f"{needed} bytes needed" in str(refused.value)
+    assert f"{needed - 1} bytes free" in str(refused.value)
+    assert not list(tmp_path.glob("*.partial")) and checkpoints.latest() == first
+
+
+class DiskFullBackend(TorchBackend):
+    """A backend whose write stops half-way with ENOSPC, as a full disk stops ``torch.save``."""
+
+    def save_checkpoint(self, directory):
+        import errno
+
+        super().save_checkpoint(directory)
+        (directory / "optimizer.pt").write_bytes(b"half")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+
+def test_a_write_that_fails_half_way_leaves_the_previous_checkpoint_whole_and_no_partial(model_dir, tmp_path):
+    checkpoints = CheckpointManager(tmp_path, keep_last=1)
+    trainer = Trainer(TorchBackend(model_dir, CONFIG), max_staleness=100)
+    _train(trainer, range(1))
+    good = checkpoints.save(trainer.backend, TrainerState(1, trainer.policy_version, trainer.ledger))
+    failing = DiskFullBackend(model_dir, CONFIG)
+    with pytest.raises(OSError, match="No space left"):
+        checkpoints.write(failing, TrainerState(2, 2, {}))
+    assert checkpoints.latest() == good and not list(tmp_path.glob("*.partial"))
+    restored = TorchBackend(model_dir, CONFIG)
+    state = CheckpointManager.load(checkpoints.latest(), restored)
+    assert state.step == 1 and list(state.ledger) == ["g0", "g1"]
+    for name, tensor in restored.model.state_dict().items():
+        assert torch.equal(tensor, trainer.backend.model.state_dict()[name]), name
+
+
+def test_partial_checkpoints_a_crash_left_behind_are_removed_by_the_next_durable_one(model_dir, tmp_path):
+    checkpoints = CheckpointManager(tmp_path, keep_last=2)
+    (tmp_path / "step-000003.partial").mkdir()  # a save cut short by a crash: nothing will complete it
+    checkpoints.save(TorchBackend(model_dir, CONFIG), TrainerState(4, 4, {}))
+    assert [p.name for p in tmp_path.glob("step-*")] == ["step-000004"]
+
+
+def test_a_megatron_checkpoint_before_the_first_optimizer_step_saves_and_resumes_bit_exactly(model_dir, tmp_path):
+    """The H200 run's find: every group stale, no optimizer step, then the checkpoint died in megatron's distributed
+    optimizer (``assert len(steps) == 1`` in ``state_dict``)."""
+    from trainer_service.batch import build_batch
+    from trainer_service.megatron.backend import MegatronBackend
+
+    config = TrainerConfig(backend="megatron", lr=1e-2, geo_mask=None)
+    checkpoints = CheckpointManager(tmp_path, keep_last=2)
+    never_stepped = MegatronBackend(model_dir, config)
+    saved = checkpoints.save(never_stepped, TrainerState(1, 0, {"g0": "stale"}))
+    restored = MegatronBackend(model_dir, config)
+    assert CheckpointManager.load(saved, restored).ledger == {"g0": "stale"}
+    batch = build_batch([make_group(0, seed=3), make_group(1, seed=3)])
+    assert restored.train_step(batch)["loss"] == never_stepped.train_step(batch)["loss"]
+    for (name, mine), (_, theirs) in zip(restored.export_hf_weights(), never_stepped.export_hf_weights(), strict=True):
+        assert torch.equal(mine, theirs), name
+    checkpoints.save(restored, TrainerState(2, 1, {}))  # and once stepped, the optimizer state is saved

@@ -43,13 +43,17 @@ def save(model: list, optimizer, directory: str | Path) -> None:
         "tracker": get_cuda_rng_tracker().get_states(),
     }
     adapters_only = _has_frozen_base(model)
+    stepped = has_stepped(optimizer)
     with cpu_shims.cuda_tensors_on_cpu():
         state = {
             "model": [_model_state(chunk, adapters_only) for chunk in model],
             "adapters_only": adapters_only,
             "experts_layout": experts_layout(model),
-            "optimizer": optimizer.state_dict(),
-            "optimizer_params": [_param_state(sub) for sub in sub_optimizers(optimizer)],
+            # None before the first optimizer step: the state is the one a new optimizer has, and megatron's
+            # distributed optimizer cannot write it (``state_dict`` asserts one shared Adam step count, of which
+            # there is none yet: issue 26, a trainer whose every group was stale checkpointed so)
+            "optimizer": optimizer.state_dict() if stepped else None,
+            "optimizer_params": [_param_state(sub) for sub in sub_optimizers(optimizer)] if stepped else None,
             "rng": rng,
         }
     torch.save(state, path / f"rank{dist.get_rank():05d}.pt")
@@ -75,13 +79,8 @@ def load(model: list, optimizer, directory: str | Path) -> None:
         )
     for chunk, chunk_state in zip(model, state["model"], strict=True):
         _load_model_state(chunk, _adapter_wrapper_keys(chunk, chunk_state), state.get("adapters_only", False))
-    # no_grad: the state is copied into views of the parameters.
-    with torch.no_grad(), cpu_shims.cuda_tensors_on_cpu():
-        optimizer.load_state_dict(state["optimizer"])
-        for sub, param_state in zip(sub_optimizers(optimizer), state["optimizer_params"], strict=True):
-            _unshare_step_counters(sub)
-            if param_state is not None:
-                sub.load_parameter_state_from_dp_reshardable(param_state)
+    if state["optimizer"] is not None:  # None: saved before the first step, the optimizer stays as built
+        _load_optimizer(optimizer, state)
     rng = state["rng"]
     random.setstate(rng["python"])
     np.random.set_state(rng["numpy"])
@@ -89,6 +88,21 @@ def load(model: list, optimizer, directory: str | Path) -> None:
     if rng["cuda"] is not None:
         torch.cuda.set_rng_state_all(rng["cuda"])
     get_cuda_rng_tracker().set_states(rng["tracker"])
+
+
+def _load_optimizer(optimizer, state: dict) -> None:
+    # no_grad: the state is copied into views of the parameters.
+    with torch.no_grad(), cpu_shims.cuda_tensors_on_cpu():
+        optimizer.load_state_dict(state["optimizer"])
+        for sub, param_state in zip(sub_optimizers(optimizer), state["optimizer_params"], strict=True):
+            _unshare_step_counters(sub)
+            if param_state is not None:
+                sub.load_parameter_state_from_dp_reshardable(param_state)
+
+
+def has_stepped(optimizer) -> bool:
+    """Whether any of the chained optimizers took a step (its inner torch optimizer holds per-parameter state)."""
+    return any(len(getattr(sub, "optimizer", sub).state) > 0 for sub in sub_optimizers(optimizer))
 
 
 def experts_layout(model: list) -> str | None:
