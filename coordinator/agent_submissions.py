@@ -105,8 +105,12 @@ class Submissions:
         await self.scheduler.complete_external(group.slot, build_trajectory_group(group, group.submitted()))
 
     async def record_pushed(self, group_id: str) -> None:
-        """The scheduler pushed agent group ``group_id``: record it (a restart must not push it again)."""
-        group = self.completing.get(group_id)
+        """The scheduler pushed agent group ``group_id``: record it (a restart must not push it again).
+
+        The group leaves ``completing`` before its record is written, so the expiry loop (which retries failed
+        PUSHED records) never writes it a second time concurrently; a failed write puts it back for that retry.
+        """
+        group = self.completing.pop(group_id, None)
         if group is None:
             return
         group.pushed = True
@@ -114,8 +118,7 @@ class Submissions:
             await self.records.write(group, group=self.records.group(group))
         except Unavailable as error:  # the prompt cursor names it until the next push; expiry retries meanwhile
             logger.error("agent group %s pushed, its record not updated yet: %s", group_id, error)
-            return
-        del self.completing[group_id]
+            self.completing[group_id] = group
 
     def _result(self, group: AgentGroup) -> SubmitResult:
         if group.skipped:

@@ -187,3 +187,37 @@ def test_dynamic_sampling_skips_a_uniform_agent_group_and_keeps_the_last_try(rol
             assert len(h.queued()) == 1
 
     asyncio.run(after_a_restart(asyncio.run(scenario())))
+
+
+def test_expiry_racing_a_push_record_neither_fails_the_submit_nor_stops_later_pushes(rollout_server, redis_url):
+    """The expiry loop retries PUSHED records; it must not also write (and delete) one the push is writing now: the
+    second delete raised KeyError in Submit and left the groups buffered behind it unpushed (the demo stalled)."""
+
+    async def expire_until(done: asyncio.Event, book) -> None:
+        while not done.is_set():
+            await book.expire()
+            await asyncio.sleep(0)  # every await of the push's record write lets this round run
+
+    async def scenario():
+        async with harness(rollout_server, redis_url) as h:  # max_staleness 1: two slots
+            front = await open_group(h.book, "front")
+            behind = await open_group(h.book, "behind")
+            for i, session in enumerate(behind):
+                await h.book.submit(OWNER, session.session_id, f"b{i}", float(i), [])
+            await h.book.submit(OWNER, front[0].session_id, "f0", 1.0, [])
+            done = asyncio.Event()
+            expiry = asyncio.create_task(expire_until(done, h.book))
+            try:  # completes the front group: it is pushed, then the behind group, each with its PUSHED record
+                result = await h.book.submit(OWNER, front[1].session_id, "f1", 0.0, [])
+            finally:
+                done.set()
+                await expiry
+            assert result.state is GroupState.QUEUED
+            assert [g.group_id for g in h.queued()] == [front[0].group.group_id, behind[0].group.group_id]
+            assert h.book.completing == {} and h.scheduler.in_flight == set()
+            stored = await h.store.load()
+            assert sorted(g.state for g in stored.groups.values()) == [AgentGroupState.PUSHED] * 2
+            h.scheduler.set_trainer_version(1)  # the trainer took the front group: one more slot is admissible
+            assert h.scheduler.admit_external() == 2
+
+    asyncio.run(scenario())
