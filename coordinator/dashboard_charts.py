@@ -37,9 +37,9 @@ CHARTS = (
     ChartSpec("reward", "Reward", "", (SeriesRef("trainer", "reward_mean", "trained batch mean"),)),
     ChartSpec(
         "rollout_tokens",
-        "Rollout tokens/s",
+        "Rollout tokens/s (each server over its last 10 s)",
         "tok/s",
-        (SeriesRef("coordinator", "tokens_per_s", "fleet (coordinator)"), SeriesRef("rollout", "tokens_per_s", "")),
+        (SeriesRef("coordinator", "tokens_per_s", "fleet"), SeriesRef("rollout", "tokens_per_s", "")),
     ),
     ChartSpec(
         "trainer_samples", "Trainer samples/s", "samples/s", (SeriesRef("trainer", "samples_per_s", "samples/s"),)

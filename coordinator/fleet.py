@@ -208,6 +208,7 @@ class FleetWatcher:
         by_address = {report.address: report for report in reports.values()}
         for client in self.fleet.clients:
             report = by_address.get(client.address)
+            client.tokens_per_s = 0.0 if report is None else report.tokens_per_s
             if report is not None and report.policy_version != client.policy_version:
                 client.policy_version = report.policy_version
         self.fleet.notify_changed()

@@ -23,7 +23,7 @@ from channels.retry import UNREACHABLE
 from channels.trajectory_stream import TrajectoryStreamWriter
 from coordinator.evaluation import EvalRunner
 from coordinator.scheduler import Scheduler
-from protos.records import MetricsReport
+from protos.records import ROLLOUT_RATE_WINDOW_S, MetricsReport
 from protos.redis_keys import RedisKeys
 
 logger = logging.getLogger(__name__)
@@ -94,17 +94,19 @@ class MetricsReporter:
         return await self.stream.post(MetricsReport("coordinator", step, version, time.time(), values))
 
     async def run(self, stop: asyncio.Event, interval_s: float = 1.0) -> None:
-        last_tokens, last_groups, last_time = 0, 0, time.monotonic()
+        last_groups, last_time = 0, time.monotonic()
         while True:
             try:
                 await asyncio.wait_for(stop.wait(), timeout=interval_s)
             except TimeoutError:
                 pass
             now, stats = time.monotonic(), self.scheduler.stats
-            elapsed = max(1e-6, now - last_time)
-            self.tokens_per_s = (stats.tokens_generated - last_tokens) / elapsed
-            self.groups_per_s = (stats.groups_pushed - last_groups) / elapsed
-            last_tokens, last_groups, last_time = stats.tokens_generated, stats.groups_pushed, now
+            # The fleet's rate is the sum of the servers' own (counted as they generate, over their window), so
+            # the console, the dashboard, `fleetrl status` and Prometheus show one figure; counting here, when a
+            # response completes, jumped between 0 and several times the mean from one second to the next.
+            self.tokens_per_s = fleet_tokens_per_s(self.scheduler.fleet.clients)
+            self.groups_per_s = (stats.groups_pushed - last_groups) / max(1e-6, now - last_time)
+            last_groups, last_time = stats.groups_pushed, now
             try:
                 self.queue_depth = await self.queue.depth()
             except UNREACHABLE as error:  # periodic: the next report reads it again
@@ -112,6 +114,11 @@ class MetricsReporter:
             await self.report()
             if stop.is_set():  # one last report after the stop so the totals are final
                 return
+
+
+def fleet_tokens_per_s(clients) -> float:
+    """The fleet's generation rate: the sum of the rates its servers reported last (each over its own window)."""
+    return sum(client.tokens_per_s for client in clients)
 
 
 def rollout_busy_s(clients) -> float:
@@ -144,6 +151,11 @@ class CoordinatorCollector:
             "coordinator_trainer_policy_version": (scheduler.trainer_version, "Trainer's latest published version."),
             "coordinator_groups_in_flight": (len(scheduler.in_flight), "Admitted group slots not yet pushed."),
             "coordinator_max_staleness": (scheduler.run.max_staleness, "The staleness bound k in force."),
+            "coordinator_rollout_tokens_per_s": (
+                reporter.tokens_per_s,
+                f"The fleet's generated tokens/s: the sum of the servers' rates, each over its last "
+                f"{ROLLOUT_RATE_WINDOW_S:g} s.",
+            ),
         }
         for name, (value, doc) in gauges.items():
             yield GaugeMetricFamily(name, doc, value=value)

@@ -53,6 +53,7 @@ class RolloutClient:
         self.healthy = True
         self.policy_version = 0
         self.server_id = ""
+        self.tokens_per_s = 0.0  # the server's own generation rate (its window), from its last fleet report
 
     def busy_s(self, now: float | None = None) -> float:
         """Seconds this server had at least one Generate call of this client open (the one open now counted to

@@ -143,6 +143,9 @@ class ReportStatus(enum.IntEnum):
     FAILED = 2
 
 
+ROLLOUT_RATE_WINDOW_S = 10.0  # VersionReport.tokens_per_s and every displayed rollout tokens/s average this long
+
+
 class VersionReport(msgspec.Struct, array_like=True, gc=False, frozen=True):
     """A rollout server's registration: address, current policy version, load. Producer: rollout server ->
     coordinator (discovery, routing), launchers, CLI."""
@@ -160,6 +163,7 @@ class VersionReport(msgspec.Struct, array_like=True, gc=False, frozen=True):
     running: int = 0  # added in v3: requests the engine's scheduler is running
     waiting: int = 0  # added in v3: requests waiting in the engine's scheduler
     capacity: int = 0  # added in v3: sequences the engine schedules at once (rollout.max_num_seqs); 0 = unknown
+    tokens_per_s: float = 0.0  # added in v4: tokens the engine generated per second, the last ROLLOUT_RATE_WINDOW_S
 
 
 class MetricsReport(msgspec.Struct, array_like=True, gc=False, frozen=True):

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 from protos.config import RolloutConfig
 from protos.records import decode_manifest
-from rollout_service import vllm_adapter
+from rollout_service import metrics, vllm_adapter
 from rollout_service.lora_slot import LoraSlot, adapter_to_load, check_engine_supports, engine_lora_kwargs, lora_root
 from rollout_service.vllm_adapter import ChunkBuffer, VersionSpanTracker, current_platform_is_cpu, make_load_tracker
 from weight_bus.ipc import IpcUnavailable
@@ -117,7 +117,7 @@ class RolloutEngine:
         args = AsyncEngineArgs(**self.engine_kwargs(on_cpu))
         self._prefix_caching = self.config.prefix_caching_enabled(on_cpu)
         started = time.monotonic()
-        self._load_tracker = make_load_tracker()
+        self._load_tracker = make_load_tracker(metrics.count_generated)
         self._llm = AsyncLLM.from_engine_args(args, stat_loggers=[self._load_tracker])
         model_config = self._llm.model_config
         self.vocab_size = model_config.get_vocab_size()

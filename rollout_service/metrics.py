@@ -1,25 +1,35 @@
 """A rollout server's figures: Prometheus metrics named ``rollout_<thing>_<unit>`` (``rollout/`` in docs; the Grafana
 dashboard and deploy/prometheus/alerts.yml read them), and ``RolloutReporter``, which writes the same figures every
 ``REPORT_INTERVAL_S`` onto the run's ``rollout`` metrics stream (channels/metrics_stream.py) for the dashboard.
+
+Tokens are counted as the engine generates them (every engine step: vLLM's iteration stats; the synthetic engine's
+chunks), not when a response is sent: with a stream interval as long as a response, counting at the send made the
+rate jump between 0 and several times its mean. The rate an operator reads is one figure, ``current_rate()``: the
+tokens of the last ``RATE_WINDOW_S`` seconds. The server's metrics reports, its heartbeat (which the coordinator
+sums into the fleet's rate: the console line, the dashboard's fleet series, ``fleetrl status``) and the
+``rollout_tokens_per_s`` gauge all read it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+from collections import deque
 
 from prometheus_client import Counter, Gauge, Histogram
 
 from channels.metrics_stream import AsyncMetricsStreamWriter
-from protos.records import MetricsReport
+from protos.records import ROLLOUT_RATE_WINDOW_S, MetricsReport
 
 REPORT_INTERVAL_S = 2.0
 # Up to 10 minutes: a large model's update takes longer than the default buckets' top (10 s), and the alert on slow
 # updates needs buckets above its threshold.
 DURATION_BUCKETS_S = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 REJECT_REASONS = ("invalid", "busy", "draining")
+RATE_WINDOW_S = ROLLOUT_RATE_WINDOW_S  # every displayed rollout tokens/s is the mean over this many seconds
 
-TOKENS = Counter("rollout_generated_tokens", "Tokens generated (rate() gives tokens/s)")
+TOKENS = Counter("rollout_generated_tokens", "Tokens generated, counted per engine step (rate() gives tokens/s)")
+TOKENS_PER_S = Gauge("rollout_tokens_per_s", f"Tokens generated per second over the last {RATE_WINDOW_S:g} s")
 RUNNING = Gauge("rollout_requests_running", "Generate calls in flight")
 WAITING = Gauge("rollout_requests_waiting", "Requests queued in the engine scheduler (last engine step)")
 KV_CACHE_USAGE = Gauge("rollout_kv_cache_usage_ratio", "Fraction of the KV cache in use (last engine step)")
@@ -39,11 +49,47 @@ for _reason in REJECT_REASONS:  # every series exists from the start: rate() and
 _tokens_generated = 0  # the same count as TOKENS, readable without prometheus_client internals
 
 
-def count_tokens(num_tokens: int) -> None:
-    """Tokens sent to a caller (the servicer's Generate)."""
+class WindowedRate:
+    """The rate of a growing count over the last ``window_s`` seconds, from the samples taken at each read.
+
+    The oldest sample kept is the newest one at least ``window_s`` old, so the rate spans ``window_s`` plus at most
+    one gap between reads (reads come every second or two: the heartbeat, the reports, scrapes); before the first
+    ``window_s`` it spans what there is.
+    """
+
+    def __init__(self, window_s: float):
+        self.window_s = window_s
+        self._samples: deque[tuple[float, int]] = deque()
+
+    def update(self, now_s: float, total: int) -> float:
+        samples = self._samples
+        samples.append((now_s, total))
+        while len(samples) > 1 and samples[1][0] <= now_s - self.window_s:
+            samples.popleft()
+        first_s, first_total = samples[0]
+        return (total - first_total) / (now_s - first_s) if now_s > first_s else 0.0
+
+
+_rate = WindowedRate(RATE_WINDOW_S)
+
+
+def count_generated(num_tokens: int) -> None:
+    """Tokens the engine generated (called per engine step by the engine, not per response)."""
     global _tokens_generated
     _tokens_generated += num_tokens
     TOKENS.inc(num_tokens)
+
+
+def tokens_generated_total() -> int:
+    return _tokens_generated
+
+
+def current_rate() -> float:
+    """Tokens generated per second over the last ``RATE_WINDOW_S`` (the one rate every display shows)."""
+    return _rate.update(time.monotonic(), _tokens_generated)
+
+
+TOKENS_PER_S.set_function(current_rate)
 
 
 def track_engine(engine) -> None:
@@ -70,15 +116,12 @@ class RolloutReporter:
         self.follower = follower
         self.stream = stream
         self.num_reports = 0
-        self._last = (time.monotonic(), _tokens_generated)
 
     def values(self) -> dict[str, float]:
-        now, tokens = time.monotonic(), _tokens_generated
-        (last_time, last_tokens), self._last = self._last, (now, tokens)
         running, waiting, kv_cache = self.engine.load()
         values = {
-            "tokens_per_s": (tokens - last_tokens) / max(1e-6, now - last_time),
-            "tokens_generated": float(tokens),
+            "tokens_per_s": current_rate(),
+            "tokens_generated": float(_tokens_generated),
             "generate_calls": float(self.servicer.inflight),
             "requests_running": float(running),
             "requests_waiting": float(waiting),

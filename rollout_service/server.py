@@ -108,7 +108,6 @@ class RolloutServicer(pb_grpc.RolloutServiceServicer):
                 if first:
                     metrics.TTFT.observe(time.monotonic() - started)
                     first = False
-                metrics.count_tokens(len(chunk.token_ids))
                 yield chunk_to_proto(chunk)
         except RequestRejected as error:
             metrics.REJECTED.labels("invalid").inc()

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from protos.config import RolloutConfig
+from rollout_service import metrics
 from rollout_service.engine import RequestRejected, SampleChunk, SamplingRequest
 
 logger = logging.getLogger(__name__)
@@ -166,6 +167,7 @@ class SyntheticEngine:
             chunk.version_spans = [tuple(span) for span in sample.spans]
             return chunk
         token_ids, logprobs = sample.take(step, self.policy_version)
+        metrics.count_generated(len(token_ids))  # a paced chunk is this engine's step
         chunk = SampleChunk(request_id, index, token_ids, logprobs)
         if sample.sent >= len(sample.token_ids):
             sample.closed = True

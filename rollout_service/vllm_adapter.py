@@ -21,6 +21,7 @@ import asyncio
 import logging
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 logger = logging.getLogger(__name__)
@@ -152,8 +153,9 @@ def moe_factory():
     return getattr(fused_moe, "FusedMoEFactory", None) or fused_moe.FusedMoE
 
 
-def make_load_tracker():
-    """A vLLM stat-logger factory whose loggers keep the scheduler's latest figures (running, waiting)."""
+def make_load_tracker(count_generated: Callable[[int], None]):
+    """A vLLM stat-logger factory whose loggers keep the scheduler's latest figures (running, waiting) and pass each
+    engine step's generated tokens to ``count_generated`` (the server's rate counts tokens as they are made)."""
     from vllm.v1.metrics.loggers import StatLoggerBase
 
     class LoadTracker(StatLoggerBase):
@@ -165,6 +167,8 @@ def make_load_tracker():
         def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx: int = 0):
             if scheduler_stats is not None:
                 LoadTracker.latest = scheduler_stats
+            if iteration_stats is not None:
+                count_generated(iteration_stats.num_generation_tokens)
 
         def log_engine_initialized(self):
             pass

@@ -110,6 +110,7 @@ class WeightFollower:
             running=running,
             waiting=waiting,
             capacity=engine.config.max_num_seqs,
+            tokens_per_s=metrics.current_rate(),
         )
         await self.board.report_version(report, changed)
 

@@ -20,7 +20,7 @@ DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 DASHBOARD = DEPLOY / "grafana" / "fleetrl-dashboard.json"
 
 ROLLOUT_METRICS = {
-    "rollout_generated_tokens_total",
+    "rollout_tokens_per_s",
     "rollout_requests_running",
     "rollout_requests_waiting",
     "rollout_requests_rejected_total",
@@ -35,6 +35,7 @@ COORDINATOR_METRICS = {
     "coordinator_groups_pushed_total",
     "coordinator_redispatches_total",
     "coordinator_queue_depth",
+    "coordinator_rollout_tokens_per_s",
     "coordinator_trainer_policy_version",
     "coordinator_eval_accuracy",
 }

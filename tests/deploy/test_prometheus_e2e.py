@@ -185,6 +185,7 @@ def check_what_prometheus_holds(prometheus: Prometheus, start: float, end: float
     assert prometheus.range_values("coordinator_queue_depth", start, end), "no coordinator queue depth"
     assert prometheus.range_values("trainer_queue_depth", start, end), "no trainer queue depth"
     assert max(prometheus.range_values("rate(rollout_generated_tokens_total[5s])", start, end)) > 0
+    assert max(prometheus.range_values("rollout_tokens_per_s", start, end)) > 0  # the rate the console shows
     assert max(prometheus.range_values("trainer_samples_trained_total", start, end)) >= 48  # 6 x 2 groups x 4
     assert max(prometheus.range_values("coordinator_groups_pushed_total", start, end)) > 0  # it exits at 12
     # what the alert rules read beyond the dashboard's series

@@ -26,7 +26,7 @@ pytestmark = pytest.mark.unit
 # schema evolution (append-only records)
 
 
-class _VersionReportV4(msgspec.Struct, array_like=True, frozen=True):
+class _VersionReportV5(msgspec.Struct, array_like=True, frozen=True):
     """VersionReport as a future writer would send it: one more trailing field with a default."""
 
     server_id: str
@@ -40,15 +40,18 @@ class _VersionReportV4(msgspec.Struct, array_like=True, frozen=True):
     running: int = 0
     waiting: int = 0
     capacity: int = 0
-    queue_len: int = 0  # added in v4
+    tokens_per_s: float = 0.0
+    queue_len: int = 0  # added in v5
 
 
 def test_old_reader_ignores_a_trailing_field_from_a_new_writer():
     data = encode(
-        _VersionReportV4("rollout-3", "10.0.0.1:9", 8, ReportStatus.OK, "", 12.5, 2.0, capacity=4, queue_len=42)
+        _VersionReportV5(
+            "rollout-3", "10.0.0.1:9", 8, ReportStatus.OK, "", 12.5, 2.0, capacity=4, tokens_per_s=9.5, queue_len=42
+        )
     )
     assert decode_report(data) == VersionReport(
-        "rollout-3", "10.0.0.1:9", 8, ReportStatus.OK, "", 12.5, 2.0, capacity=4
+        "rollout-3", "10.0.0.1:9", 8, ReportStatus.OK, "", 12.5, 2.0, capacity=4, tokens_per_s=9.5
     )
 
 

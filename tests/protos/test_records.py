@@ -96,6 +96,7 @@ def _report() -> VersionReport:
         running=3,
         waiting=1,
         capacity=256,
+        tokens_per_s=1536.5,
     )
 
 
@@ -135,7 +136,9 @@ REPORT_V1_HEX = (
 )
 # Written before the heartbeat's ``running``, ``waiting`` and ``capacity`` were appended (v2): still decodes.
 REPORT_V2_HEX = REPORT_V1_HEX.replace("96a9", "98a9", 1) + "cb3ff8000000000000cb3fd0000000000000"
-REPORT_HEX = REPORT_V2_HEX.replace("98a9", "9ba9", 1) + "0301cd0100"
+# Written before the rate ``tokens_per_s`` was appended (v3): still decodes, with rate 0.
+REPORT_V3_HEX = REPORT_V2_HEX.replace("98a9", "9ba9", 1) + "0301cd0100"
+REPORT_HEX = REPORT_V3_HEX.replace("9ba9", "9ca9", 1) + "cb4098020000000000"
 # Written before ``source`` was appended (v1, by the trainer): still decodes, with source "".
 METRICS_V1_HEX = (
     "95a7747261696e65720a05cb41d954fc40e0000082a46c6f7373cb3fe0000000000000ab7265776172645f6d65616ecb3fe8000000000000"
@@ -182,7 +185,9 @@ def test_golden_bytes_decode_to_the_same_records():
     assert older == msgspec.structs.replace(_group(), sampling_temperature=-1.0)
     assert decode_manifest(bytes.fromhex(MANIFEST_HEX)) == _manifest()
     assert decode_report(bytes.fromhex(REPORT_HEX)) == _report()
-    before_heartbeat = msgspec.structs.replace(_report(), running=0, waiting=0, capacity=0)
+    before_rate = msgspec.structs.replace(_report(), tokens_per_s=0.0)
+    assert decode_report(bytes.fromhex(REPORT_V3_HEX)) == before_rate
+    before_heartbeat = msgspec.structs.replace(before_rate, running=0, waiting=0, capacity=0)
     assert decode_report(bytes.fromhex(REPORT_V2_HEX)) == before_heartbeat
     older = decode_report(bytes.fromhex(REPORT_V1_HEX))
     assert older == msgspec.structs.replace(before_heartbeat, update_s=0.0, paused_s=0.0)

@@ -22,7 +22,7 @@ import pytest
 from modeling.tiny_model import init_tiny
 from protos.config import RolloutConfig, TrainerConfig
 from protos.records import encode
-from rollout_service import vllm_adapter
+from rollout_service import metrics, vllm_adapter
 from rollout_service.engine import RolloutEngine, SamplingRequest
 from rollout_service.vllm_adapter import ChunkBuffer, UnsupportedVllm, VersionSpanTracker
 from trainer_service.torch_backend import TorchBackend
@@ -135,6 +135,33 @@ def test_the_fallback_stream_interval_chunks_exactly_as_the_engine_does(engine_o
         assert engine_sample["sizes"] == own_sample["sizes"] == [1, 4, 4, 3]
         assert len(own_sample["logprobs"]) == 12
         assert own_sample["tokens"] == engine_sample["tokens"]  # seeded: the same samples either way
+
+
+async def _count_while_generating(engine, request: SamplingRequest) -> tuple[list[int], int]:
+    """The server's generated-token count as seen at every turn of the loop while ``request`` runs (before its one
+    final chunk arrives), and the tokens the request returned."""
+    seen, generated = [metrics.tokens_generated_total()], 0
+    stream = engine.generate(request)
+    chunk_task = asyncio.ensure_future(anext(stream))
+    while True:
+        done, _ = await asyncio.wait({chunk_task}, timeout=0.001)
+        seen.append(metrics.tokens_generated_total())
+        if not done:
+            continue
+        try:
+            chunk = chunk_task.result()
+        except StopAsyncIteration:
+            return seen, generated
+        generated += len(chunk.token_ids)
+        chunk_task = asyncio.ensure_future(anext(stream))
+
+
+def test_tokens_are_counted_as_the_engine_generates_them_not_when_the_response_is_sent(engine_on_loop):
+    engine, loop, _, _ = engine_on_loop
+    # one chunk for the first token, one for the other 47: counting at the send would see two jumps
+    seen, generated = loop.run(_count_while_generating(engine, _request(48, stream_interval=48)))
+    assert generated == 48 and seen[-1] - seen[0] == 48  # every token counted once
+    assert len(set(seen)) > 4, sorted(set(seen))  # and step by step while it generated
 
 
 def _staging_file(tmp_path, model: str, version: int):
