@@ -5,7 +5,10 @@ Ray actor holds one on its node. A process runs in its own session (a stop takes
 its torchrun ranks too) and appends its output to ``logs/<name>.log``. A rollout server that exits, or any role that
 exits non-zero, is restarted after ``launcher.restart`` backoff (``backoff_s``, doubled per restart, at most
 ``max_backoff_s``); one failure more than ``max_restarts`` raises ``RoleFailed``, which ends the run with the role's
-name, exit code and last log lines. What a restart resumes is the role's own business: a rollout server catches up to
+name, exit code and last log lines. What a restart cannot fix ends the run at the first failure, with the same
+message: a role that exits ``EXIT_CANNOT_RESTART`` (protos/exit_codes.py: its configuration refused, a module
+missing, a model that does not fit, a trainer with no checkpoint behind a published version), and a role with a
+readiness signal (a rollout server's address file) that exits before it was ever ready. What a restart resumes is the role's own business: a rollout server catches up to
 the latest version and registers again, the trainer resumes from its checkpoint, the coordinator from its cursor.
 """
 
@@ -23,6 +26,7 @@ from pathlib import Path
 
 from coordinator.roles import RoleSpec
 from protos.config import RestartPolicy
+from protos.exit_codes import EXIT_CANNOT_RESTART
 
 logger = logging.getLogger(__name__)
 
@@ -79,6 +83,7 @@ class SupervisedProcess:
         self.restart_at: float | None = None  # monotonic time of a scheduled restart
         self.finished = False  # exited 0 with its work done
         self.failed = ""  # why it is down for good ("" = not)
+        self.served = False  # ready in some start (a rollout server wrote its address): a later exit is a crash
         self.stopping = False
 
     @property
@@ -131,12 +136,21 @@ class SupervisedProcess:
             self.start()
             return f"{self.name} restarted ({self.restarts} of at most {self.policy.max_restarts})"
         code = self.process.poll()
+        self.served = self.served or self.serving_now()
         if code is None:
             return ""
         if code == 0 and not self.spec.serves_until_stopped:
             self.finished = True
             return f"{self.name} finished"
         self.kill_group()  # engine processes or ranks the dead leader left behind
+        refused = self.unrestartable(code)
+        if refused:
+            self.failed = f"{self.name} {refused}"
+            if not self.restart:
+                return self.failed
+            raise RoleFailed(
+                f"{self.failed}; not restarted (it would fail the same way); last log lines:\n{log_tail(self.log_path)}"
+            )
         if not self.restart:
             self.failed = f"{self.name} exited with code {code}"
             return self.failed
@@ -149,6 +163,20 @@ class SupervisedProcess:
         delay_s = self.policy.delay_s(self.restarts + 1)
         self.restart_at = now_s + delay_s
         return f"{self.name} exited with code {code}; restart {self.restarts + 1} in {delay_s:.1f}s"
+
+    def serving_now(self) -> bool:
+        """Whether this start is serving: a role with an address file has written it (``start`` removed the old)."""
+        return bool(self.spec.address_file) and Path(self.spec.address_file).exists()
+
+    def unrestartable(self, code: int) -> str:
+        """Why a restart cannot fix this exit ("" where it may): the role said so (EXIT_CANNOT_RESTART: a
+        configuration or a run state it refuses), or it never served in any start (a rollout server whose
+        configuration, imports or model fail before its engine is up fails the same way at every start)."""
+        if code == EXIT_CANNOT_RESTART:
+            return f"refused to start (exit code {code})"
+        if self.spec.address_file and not self.served:
+            return f"exited with code {code} before it was ready (it never served)"
+        return ""
 
     def terminate(self) -> None:
         """First half of a stop: SIGTERM to the process group (graceful: a rollout server drains); no restart."""

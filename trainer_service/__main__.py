@@ -13,6 +13,7 @@ import signal
 import sys
 import threading
 import time
+from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
 
@@ -80,8 +81,20 @@ def load_config(args: argparse.Namespace):
         args.config, [*flag_overrides({"model_path": args.model, "redis_url": args.redis_url}), *args.overrides]
     )
     if not config.model_path or not config.redis_url:
-        raise SystemExit("trainer: model_path and redis_url must be set (config keys, or --model / --redis-url)")
+        raise ValueError("trainer: model_path and redis_url must be set (config keys, or --model / --redis-url)")
     return config
+
+
+@contextmanager
+def refused_at_start(what: str):
+    """What fails the same way at every start (a configuration refused, a missing module, a model that does not fit
+    the device) raises ``CannotStart``: the launcher ends the run with this message instead of restarting."""
+    import torch
+
+    try:
+        yield
+    except (ValueError, ImportError, FileNotFoundError, torch.OutOfMemoryError) as error:
+        raise CannotStart(f"trainer: {what} failed: {type(error).__name__}: {error}") from error
 
 
 def restore(config, stop: threading.Event):
@@ -96,10 +109,12 @@ def restore(config, stop: threading.Event):
     from trainer_service.trainer import Trainer, TrainerTotals
 
     tcfg = config.trainer
-    backend = make_backend(config.model_path, config)
+    with refused_at_start(f"building the {tcfg.backend} backend of {config.model_path}"):
+        backend = make_backend(config.model_path, config)
     checkpoints = CheckpointManager(checkpoint_root(config), tcfg.keep_last_checkpoints)
-    restored = ranks.resolve_checkpoint(checkpoints, resume_target(tcfg))
-    state = CheckpointManager.load(restored, backend) if restored else TrainerState(step=0, policy_version=0)
+    with refused_at_start("finding and loading the checkpoint to resume from"):
+        restored = ranks.resolve_checkpoint(checkpoints, resume_target(tcfg))
+        state = CheckpointManager.load(restored, backend) if restored else TrainerState(step=0, policy_version=0)
     trainer = Trainer(
         backend,
         config.max_staleness,
@@ -124,7 +139,8 @@ def run(args: argparse.Namespace, stop: threading.Event) -> None:
     from trainer_service.checkpoint import CheckpointWriter
     from trainer_service.redis_side import apply_commands
 
-    config = load_config(args)
+    with refused_at_start("reading the configuration"):
+        config = load_config(args)
     torch.set_num_threads(1)
 
     # 0) restore every rank from the same checkpoint; rank 0 opens Redis and takes over the entries a dead trainer
@@ -331,8 +347,12 @@ def catch_up_published(side, trainer, publish_current, restored, step: int):
     return replay
 
 
-class CannotResume(RuntimeError):
-    """The run's state forbids this trainer to start (a restart would fail the same way): exit EXIT_CANNOT_RESTART."""
+class CannotStart(RuntimeError):
+    """This trainer cannot start, and a restart would fail the same way: it exits EXIT_CANNOT_RESTART."""
+
+
+class CannotResume(CannotStart):
+    """The run's state forbids this trainer to start (a published version it has no checkpoint of)."""
 
 
 def _totals(trainer) -> dict[str, float]:
@@ -362,7 +382,7 @@ def main(argv: list[str] | None = None) -> None:
 
     try:
         run(args, stop)
-    except (CannotResume, CheckpointSpaceError) as refused:  # a restart would meet the same state, the same disk
+    except (CannotStart, CheckpointSpaceError) as refused:  # a restart would meet the same state, the same disk
         logger.error("%s", refused)
         raise SystemExit(EXIT_CANNOT_RESTART) from None
 

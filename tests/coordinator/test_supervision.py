@@ -114,3 +114,42 @@ def test_a_stop_takes_down_the_children_of_the_role_process_too(tmp_path):
     child.wait(timeout=10)  # killed with the group; psutil.TimeoutExpired if it outlived the stop
     assert role.supervise() == ""  # a stopped role is not restarted
     assert os.getpgid(os.getpid()) != role.pid  # the role ran in its own group, not the test's
+
+
+def test_a_role_that_exits_cannot_restart_ends_the_run_at_once_with_its_own_message(tmp_path):
+    """The H200 run's find: a configuration the role refuses was restarted three times (~3.5 min) before the run
+    gave up; it fails the same way every time."""
+    from protos.exit_codes import EXIT_CANNOT_RESTART
+
+    code = f"print('quantization mxfp8 needs receive_mode mxfp8'); raise SystemExit({EXIT_CANNOT_RESTART})"
+    role = SupervisedProcess(lambda: _spec(TRAINER, code, "trainer"), tmp_path, RestartPolicy(max_restarts=3))
+    role.start()
+    _exited(role)
+    with pytest.raises(RoleFailed, match=r"(?s)trainer refused to start \(exit code 78\); not restarted.*mxfp8"):
+        role.supervise()
+    assert role.restarts == 0 and role.restart_at is None and role.report()["state"] == "failed"
+
+
+def test_a_rollout_server_that_exits_before_it_ever_served_is_not_restarted(tmp_path):
+    address_file = tmp_path / "rollout-0.address"
+    code = "import sys; sys.exit('ValueError: rollout.quantization=mxfp8 is refused')"
+    spec = RoleSpec("rollout-0", ROLLOUT, ("-c", code), address_file=str(address_file))
+    role = SupervisedProcess(lambda: spec, tmp_path, RestartPolicy(max_restarts=3))
+    role.start()
+    _exited(role)
+    with pytest.raises(RoleFailed, match=r"(?s)rollout-0 exited with code 1 before it was ready.*mxfp8 is refused"):
+        role.supervise()
+    assert role.restarts == 0 and role.report()["state"] == "failed"
+
+
+def test_a_rollout_server_that_crashes_after_it_served_is_restarted(tmp_path):
+    address_file = tmp_path / "rollout-0.address"
+    code = f"open({str(address_file)!r}, 'w').write('127.0.0.1:7001'); import os; os.abort()"
+    spec = RoleSpec("rollout-0", ROLLOUT, ("-c", code), address_file=str(address_file))
+    role = SupervisedProcess(lambda: spec, tmp_path, RestartPolicy(max_restarts=3, backoff_s=0.1))
+    role.start()
+    _exited(role)
+    assert role.supervise(0.0).startswith("rollout-0 exited with code -6; restart 1")
+    assert role.supervise(1.0) == "rollout-0 restarted (1 of at most 3)"
+    _exited(role)  # served once: every later exit is a crash, restarted
+    assert role.supervise(2.0).startswith("rollout-0 exited with code -6; restart 2")
