@@ -33,6 +33,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         print(f"fleetrl demo: invalid config: {describe_config_error(error)}", file=sys.stderr)
         return 2
     out_dir = Path(args.out or f"runs/demo-{time.strftime('%Y%m%d-%H%M%S')}")
+    _stop_on_signals()
     try:
         summary = run_demo(config, out_dir)
     except RoleFailed as error:
@@ -63,7 +64,7 @@ def _cmd_up(args: argparse.Namespace) -> int:
         print(f"fleetrl up: invalid config: {describe_config_error(error)}", file=sys.stderr)
         return 2
     out_dir = Path(args.out or f"runs/up-{config.run_id}-{time.strftime('%Y%m%d-%H%M%S')}")
-    signal.signal(signal.SIGTERM, _interrupt)  # a stop by signal still stops every actor and process
+    _stop_on_signals()
     try:
         summary = run_up(config, out_dir)
     except RoleFailed as error:
@@ -81,8 +82,20 @@ def _cmd_up(args: argparse.Namespace) -> int:
     return 0
 
 
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)  # what kill, systemd, Kubernetes, Ray and a closed terminal send
+
+
+def _stop_on_signals() -> None:
+    """SIGTERM and SIGHUP stop a run as Ctrl-C does: every role process (engines and ranks with their process
+    groups), every actor and the embedded Redis, on the launcher's way out."""
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, _interrupt)
+
+
 def _interrupt(signum, frame) -> None:
-    raise KeyboardInterrupt
+    for sig in STOP_SIGNALS:  # the stop that follows runs to its end; a second Ctrl-C still cuts it short
+        signal.signal(sig, signal.SIG_IGN)
+    raise KeyboardInterrupt(signal.Signals(signum).name)
 
 
 def _run_location(args: argparse.Namespace, verb: str):

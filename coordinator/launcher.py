@@ -29,7 +29,7 @@ from channels.retry import UNREACHABLE, retry_sync
 from channels.version_board import VersionBoard
 from coordinator import roles
 from coordinator.demo_agents import demo_agent_commands, prepare_agents
-from coordinator.redis_server import EmbeddedRedis
+from coordinator.redis_server import free_port, redis_spec, wait_accepting
 from coordinator.roles import RoleSpec
 from coordinator.run_figures import replay_figures, speed_figures
 from coordinator.run_logger import RunLogger, append_step, read_reports
@@ -114,7 +114,6 @@ class DemoLauncher:
         self.keys = RedisKeys(config.run_id)
         self.roles: dict[str, SupervisedProcess] = {}
         self.posted_reports: dict[str, dict] = {}  # what roles.json holds
-        self.redis_server: EmbeddedRedis | None = None
         self.started = time.monotonic()
         self.rollout_rates: list[float] = []  # the coordinator's tokens/s reports (summary median)
         self.redis_down_since: float | None = None  # monotonic time the monitor lost Redis (None: it reaches it)
@@ -145,13 +144,14 @@ class DemoLauncher:
         return {name: role.restarts for name, role in self.roles.items()}
 
     def stop_all(self, grace_s: float = 10.0) -> None:
-        for role in self.roles.values():
-            role.terminate()
-        deadline = time.monotonic() + grace_s
-        for role in self.roles.values():
-            role.wait_stopped(deadline)
-        if self.redis_server is not None:
-            self.redis_server.stop()
+        """Every role, the embedded Redis last (the others may still write on their way out)."""
+        last = [role for role in self.roles.values() if role.spec.kind == roles.REDIS]
+        for group in ([role for role in self.roles.values() if role not in last], last):
+            for role in group:
+                role.terminate()
+            deadline = time.monotonic() + grace_s
+            for role in group:
+                role.wait_stopped(deadline)
 
     # the run -------------------------------------------------------------------------------
     def prepare(self, redis_url: str) -> Path:
@@ -170,8 +170,7 @@ class DemoLauncher:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         redis_url = self.config.redis_url or os.environ.get("REDIS_URL", "")
         if not redis_url:
-            self.redis_server = EmbeddedRedis().start()
-            redis_url = self.redis_server.url
+            redis_url = self.start_redis()
         config_path = self.prepare(redis_url)
         rollouts = [
             partial(roles.rollout_spec, self.config, config_path, self.out_dir, i)
@@ -184,6 +183,17 @@ class DemoLauncher:
         self.spawn(lambda: roles.coordinator_spec(self.config, config_path, self.current_addresses() or addresses))
         self.spawn_demo_agents(self.agent_token)
         return redis_url
+
+    def start_redis(self, timeout_s: float = 30.0) -> str:
+        """The embedded valkey as a supervised role with its AOF in <run dir>/valkey (coordinator/redis_server.py):
+        restarted on the same address after a crash, it comes back with the run's queue. Returns its URL."""
+        host = "127.0.0.1"
+        port = free_port(host)
+        spec = redis_spec(self.out_dir / "valkey", host, port)
+        self.spawn(lambda: spec)  # the same spec at every restart: the same port and data directory
+        role = self.roles[spec.name]
+        wait_accepting(host, port, timeout_s, lambda: None if role.running else role.process.returncode)
+        return f"redis://{host}:{port}/0"
 
     def current_addresses(self) -> list[str]:
         """The rollout servers serving now (a restarted coordinator without discovery gets these)."""

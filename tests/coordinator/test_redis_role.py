@@ -1,0 +1,47 @@
+"""The embedded valkey as a supervised role (``fleetrl demo``): restarted on the same address after a crash, with
+the run's streams, consumer groups and pending entries back from its append-only file."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+import redis
+
+from coordinator.redis_server import free_port, redis_spec, wait_accepting
+from coordinator.supervision import SupervisedProcess
+from protos.config import RestartPolicy
+
+pytestmark = pytest.mark.integration
+
+
+def test_a_killed_valkey_role_comes_back_on_its_address_with_every_acknowledged_write(tmp_path):
+    port = free_port()
+    spec = redis_spec(tmp_path / "valkey", "127.0.0.1", port)
+    role = SupervisedProcess(lambda: spec, tmp_path / "logs", RestartPolicy(backoff_s=0.1))
+    role.start()
+    try:
+        wait_accepting("127.0.0.1", port, 30.0)
+        client = redis.Redis(port=port, socket_timeout=5)
+        client.xgroup_create("trajectories", "trainer", id="0", mkstream=True)
+        for index in range(3):
+            client.xadd("trajectories", {"g": f"g{index}"})
+        first = client.xreadgroup("trainer", "t0", {"trajectories": ">"}, count=2)[0][1]
+        client.xack("trajectories", "trainer", first[0][0])  # one trained and acknowledged, one in flight
+        os.killpg(role.pid, signal.SIGKILL)  # mid-run, as the chaos run killed it at step 40
+        role.process.wait(timeout=30)
+        deadline = time.monotonic() + 30
+        while not role.running:
+            assert time.monotonic() < deadline, "valkey was not restarted"
+            role.supervise()
+            time.sleep(0.05)
+        wait_accepting("127.0.0.1", port, 30.0)
+        assert role.restarts == 1
+        pending = client.xpending_range("trajectories", "trainer", "-", "+", 10)
+        assert [p["message_id"] for p in pending] == [first[1][0]]  # the in-flight entry, still pending
+        rest = client.xreadgroup("trainer", "t0", {"trajectories": ">"})[0][1]
+        assert [fields[b"g"] for _, fields in rest] == [b"g2"]  # nothing delivered twice, nothing lost
+    finally:
+        role.stop(grace_s=5)
