@@ -45,6 +45,10 @@ def resume_target(tcfg) -> str:
     return tcfg.resume_path if tcfg.resume == "from_path" else tcfg.resume
 
 
+class CannotStart(RuntimeError):
+    """This trainer cannot start, and a restart would fail the same way: it exits EXIT_CANNOT_RESTART."""
+
+
 def refuse_unimplemented(tcfg) -> None:
     """Switches the config holds ahead of their trainer-side implementation: refused at start, never ignored."""
     megatron = tcfg.megatron
@@ -138,6 +142,7 @@ def run(args: argparse.Namespace, stop: threading.Event) -> None:
     from trainer_service import ranks
     from trainer_service.checkpoint import CheckpointWriter
     from trainer_service.redis_side import apply_commands
+    from trainer_service.versions import PolicyVersions
 
     with refused_at_start("reading the configuration"):
         config = load_config(args)
@@ -152,7 +157,8 @@ def run(args: argparse.Namespace, stop: threading.Event) -> None:
         return ranks.publish_weights(publisher, trainer.backend, trainer.policy_version)
 
     feed = ranks.OrderFeed(side.read_groups if side else None, partial(apply_commands, trainer, publish_current))
-    replay = catch_up_published(side, trainer, publish_current, restored, start_step)
+    versions = PolicyVersions(side, trainer, publish_current)
+    versions.start(restored, start_step)  # catch up with what is published (trainer_service/versions.py)
     # one process: checkpoints become durable (fsync, rename) on a thread while the next step trains
     writer = CheckpointWriter(checkpoints) if ranks.world_size() == 1 else None
     if writer is not None and side:
@@ -171,7 +177,7 @@ def run(args: argparse.Namespace, stop: threading.Event) -> None:
         values = trainer.step(groups)
         # 4) publish weights v+1 if the step was taken (a replayed one is out already: checked against it); a step
         #    that was not moves the coordinator's slot map back
-        publish_s = publish_step(side, trainer, previous_version, step, publish_current, replay)
+        publish_s = versions.after_step(previous_version, step)
         # 5) checkpoint (every rank its shard, rank 0 the ledger), then rank 0 acknowledges what it holds
         ckpt_s = checkpoint_step(config, checkpoints, side, trainer, step, writer)
         # 6) log and report
@@ -198,55 +204,6 @@ def export_final(config, trainer) -> None:
     export_policy(
         trainer.backend, config.model_path, config.export_path(), config.trainer.lora.enabled, ranks.world_rank() == 0
     )
-
-
-def publish_step(side, trainer, previous_version: int, step: int, publish_current, replay) -> float:
-    """Step 4: publish the new version if the step was taken (seconds spent); a skipped step instead moves the
-    version offset, so that the coordinator's slot map follows. A replayed version (``trainer_service.replay``) was
-    published by the trainer that died: it is checked against that one instead (the last one replayed is then
-    published again from this trainer's address), and one that differs goes out as the latest + 1."""
-    if trainer.policy_version == previous_version:
-        if side:
-            record_version_offset(side, trainer.policy_version, step)
-        return 0.0
-    if replay.covers(trainer.policy_version):
-        started, latest = time.monotonic(), replay.target
-        if replay.checked(trainer.policy_version, replayed_differs(side, trainer, replay)):
-            if trainer.policy_version == latest:
-                # The latest version's manifest names the dead trainer's address: a server that had not fetched it
-                # yet never could, and waits for an announcement that needs its groups. The same version, the same
-                # bytes, published again from here (servers that hold it take the announcement as a no-op).
-                publish_current()
-            return time.monotonic() - started
-        replay.target = None
-        return publish_new_lineage(side, trainer, latest, step, publish_current)
-    return publish_current()
-
-
-def replayed_differs(side, trainer, replay) -> list[str]:
-    """Every rank exports (a collective); rank 0 compares the export with the manifest of the trainer's version."""
-    from trainer_service import ranks
-    from trainer_service.replay import differing_tensors
-    from weight_bus.packing import WireCodec
-
-    tensors = trainer.backend.export_hf_weights()
-    differing: list[str] = []
-    if side is None:
-        for _name, _tensor in tensors:  # drained: the export is a collective
-            pass
-    else:
-        manifest = side.board.manifest(trainer.policy_version)
-        differing = differing_tensors(manifest, tensors, WireCodec.from_config(side.config.weight_bus))
-    return ranks.broadcast_json(differing) if ranks.world_size() > 1 else differing
-
-
-def publish_new_lineage(side, trainer, published: int, step: int, publish_current) -> float:
-    """The trainer's weights go out as ``published`` + 1 (versions only go up): a lineage of its own, and the version
-    offset rises with it (set before the publish: the coordinator must not see the version without its offset)."""
-    if side:
-        record_version_offset(side, published + 1, step)
-    trainer.policy_version = published + 1
-    return publish_current()
 
 
 def checkpoint_step(config, checkpoints, side, trainer, step: int, writer=None) -> float:
@@ -293,68 +250,6 @@ def finish_checkpoints(writer, side, timeout_s: float = 600.0) -> None:
         writer.close()
 
 
-def record_version_offset(side, policy_version: int, step: int) -> None:
-    """Set the run's ``version_offset`` to ``policy_version - step`` (RedisKeys.version_offset), the coordinator's key to
-    which version trains which slot. A SET of the value: repeating it (a restart before the publish) changes nothing."""
-    side.board.set_version_offset(policy_version - step)
-
-
-def catch_up_published(side, trainer, publish_current, restored, step: int):
-    """Versions past the checkpoint were published by the previous trainer: restored from a checkpoint, the trainer
-    replays their steps (returns the ``Replay``; trainer_service/replay.py). Without one, its weights are
-    model_path's, v0: behind a published version it raises ``CannotResume`` (a version names the weights, and versions
-    only go up). Restored at the published version itself, it publishes that version again from its own address."""
-    from trainer_service import metrics, ranks
-    from trainer_service.replay import Replay
-
-    published = side.published_version() if side else None
-    if ranks.world_size() > 1:
-        published = ranks.broadcast_json(published)
-    if side:
-        logger.info(
-            "trainer start: step %d, policy_version=%d (checkpoint %s), published v%d, %d entries reclaimed, "
-            "ledger %d groups, %d ranks",
-            step,
-            trainer.policy_version,
-            restored,
-            published,
-            side.reclaimed,
-            len(trainer.ledger),
-            ranks.world_size(),
-        )
-    if not restored and published > trainer.policy_version:
-        raise CannotResume(
-            f"trainer start: v{published} of this run is published but no checkpoint was restored (none in the "
-            "checkpoint directory, or trainer.resume=none): the weights here are "
-            f"v{trainer.policy_version} (model_path), and publishing them as v{published + 1} would rewind the "
-            "policy under a newer number. Resume from a checkpoint of this run (trainer.ckpt_interval > 0 makes "
-            "them), or start a new run (another run_id)"
-        )
-    replay = Replay(published if restored and published > trainer.policy_version else None)
-    if replay.target is not None:
-        logger.info("trainer start: replaying the steps of v%d..v%d", trainer.policy_version + 1, replay.target)
-    else:
-        if side:
-            record_version_offset(side, trainer.policy_version, step)
-        if restored and published == trainer.policy_version > 0:
-            # The checkpoint holds the published version's weights, but its manifest names the weight bus of the
-            # trainer that died: a server that had not fetched it yet never could (the long chaos soak stalled so).
-            # The same version goes out again from here (servers that hold it take the announcement as a no-op).
-            publish_current()
-    if side:
-        side.board.init_version(trainer.policy_version)
-        metrics.POLICY_VERSION.set(trainer.policy_version)
-    return replay
-
-
-class CannotStart(RuntimeError):
-    """This trainer cannot start, and a restart would fail the same way: it exits EXIT_CANNOT_RESTART."""
-
-
-class CannotResume(CannotStart):
-    """The run's state forbids this trainer to start (a published version it has no checkpoint of)."""
-
-
 def _totals(trainer) -> dict[str, float]:
     totals = trainer.totals
     return {
@@ -379,10 +274,15 @@ def main(argv: list[str] | None = None) -> None:
         signal.signal(sig, lambda *_: stop.set())
     from protos.exit_codes import EXIT_CANNOT_RESTART
     from trainer_service.checkpoint import CheckpointSpaceError
+    from trainer_service.versions import CannotResume
 
     try:
         run(args, stop)
-    except (CannotStart, CheckpointSpaceError) as refused:  # a restart would meet the same state, the same disk
+    except (
+        CannotStart,
+        CannotResume,
+        CheckpointSpaceError,
+    ) as refused:  # a restart would meet the same state, the same disk
         logger.error("%s", refused)
         raise SystemExit(EXIT_CANNOT_RESTART) from None
 

@@ -2,7 +2,7 @@
 
 A trainer that dies after publishing version v, before the checkpoint that holds v's step is durable, leaves v on the
 rollout servers and in the tokens of queued groups, while the trainer restarted from its checkpoint holds older
-weights. Publishing those as latest + 1 (a new lineage, ``catch_up_published``) skips versions: every group admitted
+weights. Publishing those as latest + 1 (a new lineage, ``versions.PolicyVersions``) skips versions: every group admitted
 under the old numbering then looks older than it is (version arithmetic counts v_trainer - token version), and the
 trainer dropped whole steps of on-policy groups as stale (the chaos soak, docs/chaos.md).
 
