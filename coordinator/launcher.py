@@ -33,7 +33,7 @@ from coordinator.redis_server import free_port, redis_spec, wait_accepting
 from coordinator.roles import RoleSpec
 from coordinator.run_figures import replay_figures, speed_figures
 from coordinator.run_logger import RunLogger, append_step, read_reports
-from coordinator.supervision import RoleFailed, SupervisedProcess, write_roles
+from coordinator.supervision import RoleFailed, SupervisedProcess, log_tail, write_roles
 from protos.config import RunConfig
 from protos.records import RoleDone
 from protos.redis_keys import RedisKeys
@@ -192,7 +192,12 @@ class DemoLauncher:
         spec = redis_spec(self.out_dir / "valkey", host, port)
         self.spawn(lambda: spec)  # the same spec at every restart: the same port and data directory
         role = self.roles[spec.name]
-        wait_accepting(host, port, timeout_s, lambda: None if role.running else role.process.returncode)
+        try:
+            wait_accepting(host, port, timeout_s, lambda: None if role.running else role.process.returncode)
+        except (RuntimeError, TimeoutError) as error:
+            raise RoleFailed(
+                f"the embedded Redis did not start: {error}; its log:\n{log_tail(role.log_path)}"
+            ) from None
         return f"redis://{host}:{port}/0"
 
     def current_addresses(self) -> list[str]:

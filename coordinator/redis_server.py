@@ -46,17 +46,21 @@ def valkey_argv(host: str, port: int, data_dir: str | Path, appendonly: bool = T
 
 
 def wait_accepting(host: str, port: int, timeout_s: float, exited=lambda: None) -> None:
-    """Until ``host:port`` accepts connections; raises if ``exited()`` returns an exit code first, or at timeout."""
+    """Until the server on ``host:port`` answers PING (loaded: one still reading its AOF answers -LOADING); raises if
+    ``exited()`` returns an exit code first (another process holding the port does not answer), or at timeout."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         code = exited()
         if code is not None:
             raise RuntimeError(f"valkey-server exited with {code} on port {port}")
         try:
-            with socket.create_connection((host, port), timeout=0.2):
-                return
+            with socket.create_connection((host, port), timeout=0.2) as connection:
+                connection.sendall(b"PING\r\n")
+                if connection.recv(64).startswith(b"+PONG"):
+                    return
         except OSError:
-            time.sleep(0.05)
+            pass
+        time.sleep(0.05)
     raise TimeoutError(f"valkey-server did not accept connections on {host}:{port} within {timeout_s}s")
 
 

@@ -45,3 +45,24 @@ def test_a_killed_valkey_role_comes_back_on_its_address_with_every_acknowledged_
         assert [fields[b"g"] for _, fields in rest] == [b"g2"]  # nothing delivered twice, nothing lost
     finally:
         role.stop(grace_s=5)
+
+
+def test_an_embedded_redis_that_cannot_start_ends_the_demo_with_its_log(tmp_path, monkeypatch):
+    import socket
+
+    from coordinator import launcher as launcher_module
+    from coordinator.launcher import DemoLauncher
+    from coordinator.supervision import RoleFailed
+    from protos.config import load_run_config
+
+    with socket.socket() as taken:  # another server holds the port the launcher picked
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        monkeypatch.setattr(launcher_module, "free_port", lambda host: taken.getsockname()[1])
+        launcher = DemoLauncher(load_run_config(), tmp_path)
+        try:
+            with pytest.raises(RoleFailed, match=r"(?s)the embedded Redis did not start.*its log"):
+                launcher.start_redis(timeout_s=30.0)
+        finally:
+            launcher.stop_all(grace_s=5)
+    assert launcher.roles["valkey"].report()["state"] != "running"
