@@ -210,8 +210,8 @@ def checkpoint_step(config, checkpoints, side, trainer, step: int, writer=None) 
     """Step 5: at the interval (and the last step) save the trainer state; the queue entries it holds are
     acknowledged once it is durable. Returns the seconds the loop spent (0 between checkpoints).
 
-    One process (``writer``): the files are written now and made durable (fsync, rename) on the writer's thread
-    while the next step trains; its entries are acknowledged at the first poll of the wait for groups (one at every
+    One process (``writer``): the state is copied to host memory now, its files written and made durable (fsync,
+    rename) on the writer's thread while the next step trains; its entries are acknowledged at the first poll of the wait for groups (one at every
     step, then about one a second while idle) that finds it durable (at the latest the next checkpoint, or the
     run's end). Several ranks:
     every rank saves its shard at once, then rank 0 acknowledges.
@@ -235,7 +235,7 @@ def checkpoint_step(config, checkpoints, side, trainer, step: int, writer=None) 
         if side:
             side.ack_consumed()
     else:
-        pending = checkpoints.write(trainer.backend, state)
+        pending = checkpoints.write(trainer.backend, state, snapshot=True)  # files and syncs on the writer's thread
         side.ack(writer.submit(pending, side.take_unacked()))
     return time.monotonic() - started
 

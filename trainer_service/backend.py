@@ -7,7 +7,7 @@ their signatures against it, so a method added to one backend and used by the tr
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
@@ -40,6 +40,10 @@ class Backend(Protocol):
 
     def save_checkpoint(self, directory: Path) -> None:
         """Model, optimizer and RNG state into ``directory`` (this rank's shard)."""
+
+    def checkpoint_snapshot(self) -> Callable[[Path], None]:
+        """One process: the state ``save_checkpoint`` writes, as it is now, copied to host memory; the function
+        returned writes those files into a directory on any thread (the next step may train meanwhile)."""
 
     def load_checkpoint(self, directory: Path) -> None:
         """Restore what ``save_checkpoint`` wrote; the next step is bit-identical to continuing."""

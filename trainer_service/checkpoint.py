@@ -9,10 +9,12 @@ lineage of weights that survives.
 Layout: ``<root>/step-000042/{trainer_state.json, <backend files>}`` written as ``step-000042.partial``
 and renamed when complete; ``<root>/latest`` names the newest complete one (replaced atomically).
 
-A save is two halves: ``write`` puts the files in the partial directory (the page cache: milliseconds), and
-``make_durable`` fsyncs them, renames the directory and moves ``latest`` (the disk: most of a save's time). The
-files hold the state of the moment ``write`` ran, so the second half can run while training goes on:
-``CheckpointWriter`` runs it on a thread, and the entries a checkpoint holds are acknowledged once it is durable.
+A save is two halves: ``write`` puts the files in the partial directory, and ``make_durable`` fsyncs them, renames
+the directory and moves ``latest``. The files hold the state of the moment ``write`` ran, so the second half can run
+while training goes on: ``CheckpointWriter`` runs it on a thread, and the entries a checkpoint holds are acknowledged
+once it is durable. A one-process trainer writes snapshots (``write(..., snapshot=True)``): the state is copied to
+host memory at the step and its files are written on the thread as well, so the step waits for neither the
+disk's writes nor its syncs.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import json
 import logging
 import os
 import shutil
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -46,14 +49,27 @@ class TrainerState:
 
 @dataclass(frozen=True)
 class PendingCheckpoint:
-    """A checkpoint written into ``partial`` but not yet durable; ``make_durable`` turns it into ``final``."""
+    """A checkpoint written into ``partial`` but not yet durable; ``make_durable`` turns it into ``final``. A snapshot
+    (``write(..., snapshot=True)``) carries its files still to write: ``files`` (the backend's) and ``state_json``."""
 
     partial: Path
     final: Path
+    files: Callable[[Path], None] | None = None
+    state_json: str = ""  # the trainer state as of ``write`` (its ledger goes on growing)
 
 
 class CheckpointSpaceError(OSError):
     """The checkpoint directory's filesystem cannot hold the next checkpoint (checked before writing it)."""
+
+
+def write_files(partial: Path, backend_files: Callable[[Path], None], state_json: str) -> None:
+    """The backend's files and the trainer state into ``partial``; removed whole if any write fails (a full disk)."""
+    try:
+        backend_files(partial)
+        (partial / STATE_FILE).write_text(state_json)
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)  # its bytes would only fill the disk further
+        raise
 
 
 def free_bytes(path: Path) -> int:
@@ -94,22 +110,24 @@ class CheckpointManager:
         """Write a complete checkpoint of ``backend`` and ``state``; durable when this returns."""
         return self.make_durable(self.write(backend, state))
 
-    def write(self, backend, state: TrainerState) -> PendingCheckpoint:
+    def write(self, backend, state: TrainerState, snapshot: bool = False) -> PendingCheckpoint:
         """The first half of a save: ``backend`` and ``state`` as they are now, into the partial directory (not
-        durable, not found by ``latest`` until ``make_durable``). Refuses (``CheckpointSpaceError``) when the disk
-        cannot hold it; a write that fails removes its partial directory, the previous checkpoints stay whole."""
+        durable, not found by ``latest`` until ``make_durable``). ``snapshot``: copied to host memory only, the files
+        are written by ``make_durable`` (one process: on the writer's thread, so the step does not wait for the
+        disk). Refuses (``CheckpointSpaceError``) when the disk cannot hold it; a write that fails removes its partial
+        directory, the previous checkpoints stay whole."""
         final = self.root / f"step-{state.step:06d}"
         partial = final.with_suffix(".partial")
         shutil.rmtree(partial, ignore_errors=True)
         self.check_space(backend)
         partial.mkdir()
-        try:
-            backend.save_checkpoint(partial)
-            with open(partial / STATE_FILE, "w") as handle:
-                json.dump(asdict(state), handle)
-        except BaseException:
-            shutil.rmtree(partial, ignore_errors=True)  # its bytes would only fill the disk further
-            raise
+        if snapshot:
+            try:
+                return PendingCheckpoint(partial, final, backend.checkpoint_snapshot(), json.dumps(asdict(state)))
+            except BaseException:
+                shutil.rmtree(partial, ignore_errors=True)
+                raise
+        write_files(partial, backend.save_checkpoint, json.dumps(asdict(state)))
         return PendingCheckpoint(partial, final)
 
     def check_space(self, backend) -> None:
@@ -127,7 +145,10 @@ class CheckpointManager:
             )
 
     def make_durable(self, pending: PendingCheckpoint) -> Path:
-        """The second half: fsync every file, rename the directory, point ``latest`` at it, prune old ones."""
+        """The second half: write a snapshot's files, fsync every file, rename the directory, point ``latest`` at
+        it, prune old ones."""
+        if pending.files is not None:
+            write_files(pending.partial, pending.files, pending.state_json)
         for file in pending.partial.iterdir():  # the rename below must not outrun the files' bytes
             with open(file, "rb") as handle:
                 os.fsync(handle.fileno())

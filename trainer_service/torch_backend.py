@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -203,22 +203,33 @@ class TorchBackend:
 
     def save_checkpoint(self, directory: Path) -> None:
         """Model (LoRA: the adapters) as safetensors; optimizer, LR schedule and RNG as a tensors-only torch file."""
-        from safetensors.torch import save_file, save_model
+        self.checkpoint_snapshot()(directory)
+
+    def checkpoint_snapshot(self) -> Callable[[Path], None]:
+        """The state of ``save_checkpoint`` as it is now, copied to host memory; the function returned writes it."""
+        from safetensors.torch import save_file
+
+        from trainer_service.snapshots import copied, model_tensors
 
         if self.config.lora.enabled:
-            save_file(
-                {k: v.contiguous() for k, v in lora.adapter_state(self.model).items()},
-                str(directory / "adapters.safetensors"),
-            )
+            name, metadata = "adapters.safetensors", None
+            tensors = {k: copied(v).contiguous() for k, v in lora.adapter_state(self.model).items()}
         else:
-            save_model(self.model, str(directory / "model.safetensors"))
-        state = {
-            "optimizer": self.optimizer.state_dict(),
-            "scheduler": self.scheduler.state_dict(),
-            "cpu_rng": torch.get_rng_state(),
-            "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
-        }
-        torch.save(state, directory / "optimizer.pt")
+            name, (tensors, metadata) = "model.safetensors", model_tensors(self.model)
+        state = copied(
+            {
+                "optimizer": self.optimizer.state_dict(),
+                "scheduler": self.scheduler.state_dict(),
+                "cpu_rng": torch.get_rng_state(),
+                "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+            }
+        )
+
+        def write(directory: Path) -> None:
+            save_file(tensors, str(Path(directory) / name), metadata=metadata or None)
+            torch.save(state, Path(directory) / "optimizer.pt")
+
+        return write
 
     def load_checkpoint(self, directory: Path) -> None:
         from safetensors.torch import load_model

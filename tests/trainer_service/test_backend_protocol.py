@@ -29,6 +29,7 @@ def test_each_backend_has_every_method_of_the_protocol_with_its_parameters(backe
         "export_adapter_weights",
         "adapter_record",
         "save_checkpoint",
+        "checkpoint_snapshot",
         "load_checkpoint",
     }
     for name in MEMBERS:

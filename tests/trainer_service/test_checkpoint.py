@@ -115,7 +115,9 @@ def test_the_next_step_trains_while_a_checkpoint_becomes_durable_and_its_entries
     trainer = Trainer(TorchBackend(model_dir, CONFIG), max_staleness=100)
     _train(trainer, range(2))
     at_save = {k: v.clone() for k, v in trainer.backend.model.state_dict().items()}
-    pending = checkpoints.write(trainer.backend, TrainerState(2, trainer.policy_version, trainer.ledger))
+    state = TrainerState(2, trainer.policy_version, trainer.ledger)
+    pending = checkpoints.write(trainer.backend, state, snapshot=True)  # copied at the step, written on the thread
+    assert not (pending.partial / "model.safetensors").exists()  # the step does not wait for the disk's writes
     assert writer.submit(pending, ["1-0", "2-0"]) == []  # nothing durable before it
     _train(trainer, range(2, 4))  # training goes on while the checkpoint of step 2 is not durable
     assert checkpoints.latest() is None  # a crash now restores nothing of step 2: its entries stay pending
@@ -216,4 +218,9 @@ def test_a_megatron_checkpoint_before_the_first_optimizer_step_saves_and_resumes
     assert restored.train_step(batch)["loss"] == never_stepped.train_step(batch)["loss"]
     for (name, mine), (_, theirs) in zip(restored.export_hf_weights(), never_stepped.export_hf_weights(), strict=True):
         assert torch.equal(mine, theirs), name
-    checkpoints.save(restored, TrainerState(2, 1, {}))  # and once stepped, the optimizer state is saved
+    # Once stepped, the optimizer state is saved; a snapshot (the one-process trainer's) restores the same state.
+    pending = checkpoints.write(restored, TrainerState(2, 1, {}), snapshot=True)
+    restored.train_step(batch)  # trains on while the snapshot waits for its writer
+    resumed = MegatronBackend(model_dir, config)
+    CheckpointManager.load(checkpoints.make_durable(pending), resumed)
+    assert resumed.train_step(batch)["loss"] == never_stepped.train_step(batch)["loss"]

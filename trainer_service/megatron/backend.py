@@ -22,7 +22,7 @@ Shape legend: _BT [samples, tokens], _BTV [samples, tokens, vocab], routes_BTLK 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from functools import partial
 from pathlib import Path
 
@@ -259,6 +259,11 @@ class MegatronBackend:
     def save_checkpoint(self, directory: str | Path) -> None:
         """Model, optimizer (incl. the distributed optimizer's sharded Adam state) and RNG states, a file per rank."""
         megatron_checkpoint.save(self.model, self.optimizer, directory)
+
+    def checkpoint_snapshot(self) -> Callable[[Path], None]:
+        """One process: the state of ``save_checkpoint`` as it is now, in host memory; the function returned writes
+        it (no collective: on the checkpoint writer's thread while the next step trains)."""
+        return partial(megatron_checkpoint.write, megatron_checkpoint.snapshot(self.model, self.optimizer))
 
     def load_checkpoint(self, directory: str | Path) -> None:
         """Restore what ``save_checkpoint`` wrote (same parallel layout); the next step is bit-identical."""

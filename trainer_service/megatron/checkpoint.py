@@ -29,12 +29,21 @@ from trainer_service.megatron import cpu_shims
 
 
 def save(model: list, optimizer, directory: str | Path) -> None:
-    """Write model chunks, optimizer (with the distributed optimizer's Adam shards) and RNG states, a file per rank."""
+    """Write model chunks, optimizer (with the distributed optimizer's Adam shards) and RNG states, a file per rank;
+    returns on every rank once all ranks' files are written (a barrier)."""
     import torch.distributed as dist
+
+    write(snapshot(model, optimizer), directory)
+    dist.barrier()
+
+
+def snapshot(model: list, optimizer) -> dict:
+    """What ``save`` writes, as it is now, copied to host memory (``write`` may then run on another thread while
+    training goes on: one process, ``CheckpointWriter``)."""
     from megatron.core.tensor_parallel import get_cuda_rng_tracker
 
-    path = Path(directory)
-    path.mkdir(parents=True, exist_ok=True)
+    from trainer_service.snapshots import copied
+
     rng = {
         "python": random.getstate(),
         "numpy": np.random.get_state(),
@@ -45,19 +54,28 @@ def save(model: list, optimizer, directory: str | Path) -> None:
     adapters_only = _has_frozen_base(model)
     stepped = has_stepped(optimizer)
     with cpu_shims.cuda_tensors_on_cpu():
-        state = {
-            "model": [_model_state(chunk, adapters_only) for chunk in model],
-            "adapters_only": adapters_only,
-            "experts_layout": experts_layout(model),
-            # None before the first optimizer step: the state is the one a new optimizer has, and megatron's
-            # distributed optimizer cannot write it (``state_dict`` asserts one shared Adam step count, of which
-            # there is none yet: issue 26, a trainer whose every group was stale checkpointed so)
-            "optimizer": optimizer.state_dict() if stepped else None,
-            "optimizer_params": [_param_state(sub) for sub in sub_optimizers(optimizer)] if stepped else None,
-            "rng": rng,
-        }
+        return copied(
+            {
+                "model": [_model_state(chunk, adapters_only) for chunk in model],
+                "adapters_only": adapters_only,
+                "experts_layout": experts_layout(model),
+                # None before the first optimizer step: the state is the one a new optimizer has, and megatron's
+                # distributed optimizer cannot write it (``state_dict`` asserts one shared Adam step count, of which
+                # there is none yet: issue 26, a trainer whose every group was stale checkpointed so)
+                "optimizer": optimizer.state_dict() if stepped else None,
+                "optimizer_params": [_param_state(sub) for sub in sub_optimizers(optimizer)] if stepped else None,
+                "rng": rng,
+            }
+        )
+
+
+def write(state: dict, directory: str | Path) -> None:
+    """This rank's file of a ``snapshot`` (no collective: safe on a thread of its own)."""
+    import torch.distributed as dist
+
+    path = Path(directory)
+    path.mkdir(parents=True, exist_ok=True)
     torch.save(state, path / f"rank{dist.get_rank():05d}.pt")
-    dist.barrier()
 
 
 def load(model: list, optimizer, directory: str | Path) -> None:
