@@ -210,14 +210,17 @@ def checkpoint_step(config, checkpoints, side, trainer, step: int, writer=None) 
     """Step 5: at the interval (and the last step) save the trainer state; the queue entries it holds are
     acknowledged once it is durable. Returns the seconds the loop spent (0 between checkpoints).
 
-    One process (``writer``): the state is copied to host memory now, its files written and made durable (fsync,
-    rename) on the writer's thread while the next step trains; its entries are acknowledged at the first poll of the wait for groups (one at every
+    One process (``writer``): the files are written now (on a GPU: the state is copied to host memory now and its
+    files are written on the writer's thread) and made durable (fsync, rename) on the writer's thread while the next
+    step trains; its entries are acknowledged at the first poll of the wait for groups (one at every
     step, then about one a second while idle) that finds it durable (at the latest the next checkpoint, or the
     run's end). Several ranks:
     every rank saves its shard at once, then rank 0 acknowledges.
 
     ``trainer.ckpt_interval`` 0 saves nothing: the entries are acknowledged after the last step only. A trainer
     restarted after it published has nothing to resume from and refuses to start (``CannotResume``)."""
+    import torch
+
     from trainer_service import ranks
     from trainer_service.checkpoint import TrainerState
 
@@ -235,7 +238,13 @@ def checkpoint_step(config, checkpoints, side, trainer, step: int, writer=None) 
         if side:
             side.ack_consumed()
     else:
-        pending = checkpoints.write(trainer.backend, state, snapshot=True)  # files and syncs on the writer's thread
+        # On a GPU the state is snapshot into host memory and its files are written on the writer's thread (the step
+        # waits for the device-to-host copy, not the disk); on a CPU writing into the page cache costs the step less
+        # than a copy (benchmarks/checkpoint_snapshot.py: 0.13 s against 0.7-2 s for 0.2 GiB on the CI machine).
+        snapshot = torch.cuda.is_available()
+        if snapshot:
+            side.ack(writer.wait())  # the previous snapshot written: this one reuses its host buffers
+        pending = checkpoints.write(trainer.backend, state, snapshot=snapshot)
         side.ack(writer.submit(pending, side.take_unacked()))
     return time.monotonic() - started
 

@@ -11,20 +11,28 @@ from __future__ import annotations
 import torch
 
 
-def copied(value):
-    """``value`` with every tensor inside (dicts, lists, tuples) copied to host memory; other leaves as they are."""
+def copied(value, into=None):
+    """``value`` with every tensor inside (dicts, lists, tuples) copied to host memory; other leaves as they are.
+
+    ``into``: an earlier copy of the same structure, whose host tensors are reused where shape and dtype match (a
+    fresh allocation is touched page by page: about 1 GB/s on the CI machine, against 5 GB/s into touched memory).
+    Its files must be written already: its tensors are overwritten.
+    """
     if isinstance(value, torch.Tensor):
+        if isinstance(into, torch.Tensor) and into.shape == value.shape and into.dtype == value.dtype:
+            return into.copy_(value.detach())
         return value.detach().to("cpu", copy=True)
     if isinstance(value, dict):
-        return {key: copied(item) for key, item in value.items()}
-    if isinstance(value, list):
-        return [copied(item) for item in value]
-    if isinstance(value, tuple):
-        return tuple(copied(item) for item in value)
+        into = into if isinstance(into, dict) else {}
+        return {key: copied(item, into.get(key)) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        into = into if isinstance(into, type(value)) and len(into) == len(value) else [None] * len(value)
+        items = [copied(item, previous) for item, previous in zip(value, into, strict=True)]
+        return items if isinstance(value, list) else tuple(items)
     return value
 
 
-def model_tensors(model: torch.nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+def model_tensors(model: torch.nn.Module, into=None) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """What ``safetensors.torch.save_model`` writes of ``model``, copied: its state dict less the names that share a
     tensor (tied embeddings), and the metadata naming each dropped one's kept name (``load_model`` expects both).
     ``_remove_duplicate_names`` is the rule ``save_model`` and ``load_model`` themselves apply."""
@@ -36,4 +44,5 @@ def model_tensors(model: torch.nn.Module) -> tuple[dict[str, torch.Tensor], dict
         for name in dropped:
             metadata[name] = kept
             del state[name]
-    return {name: copied(tensor).contiguous() for name, tensor in state.items()}, metadata
+    into = into or {}
+    return {name: copied(tensor.contiguous(), into.get(name)) for name, tensor in state.items()}, metadata

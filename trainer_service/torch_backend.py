@@ -206,24 +206,28 @@ class TorchBackend:
         self.checkpoint_snapshot()(directory)
 
     def checkpoint_snapshot(self) -> Callable[[Path], None]:
-        """The state of ``save_checkpoint`` as it is now, copied to host memory; the function returned writes it."""
+        """The state of ``save_checkpoint`` as it is now, copied to host memory (into the previous snapshot's buffers,
+        whose files must be written by now); the function returned writes it."""
         from safetensors.torch import save_file
 
         from trainer_service.snapshots import copied, model_tensors
 
+        previous_tensors, previous_state = getattr(self, "_snapshot", (None, None))
         if self.config.lora.enabled:
             name, metadata = "adapters.safetensors", None
-            tensors = {k: copied(v).contiguous() for k, v in lora.adapter_state(self.model).items()}
+            tensors = copied({k: v.contiguous() for k, v in lora.adapter_state(self.model).items()}, previous_tensors)
         else:
-            name, (tensors, metadata) = "model.safetensors", model_tensors(self.model)
+            name, (tensors, metadata) = "model.safetensors", model_tensors(self.model, previous_tensors)
         state = copied(
             {
                 "optimizer": self.optimizer.state_dict(),
                 "scheduler": self.scheduler.state_dict(),
                 "cpu_rng": torch.get_rng_state(),
                 "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
-            }
+            },
+            previous_state,
         )
+        self._snapshot = (tensors, state)
 
         def write(directory: Path) -> None:
             save_file(tensors, str(Path(directory) / name), metadata=metadata or None)

@@ -224,3 +224,20 @@ def test_a_megatron_checkpoint_before_the_first_optimizer_step_saves_and_resumes
     resumed = MegatronBackend(model_dir, config)
     CheckpointManager.load(checkpoints.make_durable(pending), resumed)
     assert resumed.train_step(batch)["loss"] == never_stepped.train_step(batch)["loss"]
+
+
+def test_a_snapshot_reuses_the_host_buffers_of_the_one_written_before_and_holds_its_own_step(model_dir, tmp_path):
+    checkpoints = CheckpointManager(tmp_path, keep_last=2)
+    trainer = Trainer(TorchBackend(model_dir, CONFIG), max_staleness=100)
+    _train(trainer, range(1))
+    first = checkpoints.make_durable(checkpoints.write(trainer.backend, TrainerState(1, 1, {}), snapshot=True))
+    buffers = {name: tensor.data_ptr() for name, tensor in trainer.backend._snapshot[0].items()}
+    _train(trainer, range(1, 2))
+    at_second = {k: v.clone() for k, v in trainer.backend.model.state_dict().items()}
+    second = checkpoints.write(trainer.backend, TrainerState(2, 2, {}), snapshot=True)
+    assert {name: tensor.data_ptr() for name, tensor in trainer.backend._snapshot[0].items()} == buffers
+    restored = TorchBackend(model_dir, CONFIG)
+    CheckpointManager.load(checkpoints.make_durable(second), restored)
+    for name, tensor in restored.model.state_dict().items():
+        assert torch.equal(tensor, at_second[name]), name
+    assert CheckpointManager.load(first, TorchBackend(model_dir, CONFIG)).step == 1  # written before the reuse

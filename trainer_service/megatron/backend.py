@@ -261,9 +261,11 @@ class MegatronBackend:
         megatron_checkpoint.save(self.model, self.optimizer, directory)
 
     def checkpoint_snapshot(self) -> Callable[[Path], None]:
-        """One process: the state of ``save_checkpoint`` as it is now, in host memory; the function returned writes
-        it (no collective: on the checkpoint writer's thread while the next step trains)."""
-        return partial(megatron_checkpoint.write, megatron_checkpoint.snapshot(self.model, self.optimizer))
+        """One process: the state of ``save_checkpoint`` as it is now, in host memory (the previous snapshot's buffers,
+        whose file must be written by now); the function returned writes it (no collective: on the checkpoint
+        writer's thread while the next step trains)."""
+        self._snapshot = megatron_checkpoint.snapshot(self.model, self.optimizer, getattr(self, "_snapshot", None))
+        return partial(megatron_checkpoint.write, self._snapshot)
 
     def load_checkpoint(self, directory: str | Path) -> None:
         """Restore what ``save_checkpoint`` wrote (same parallel layout); the next step is bit-identical."""

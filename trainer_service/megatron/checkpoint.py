@@ -33,13 +33,14 @@ def save(model: list, optimizer, directory: str | Path) -> None:
     returns on every rank once all ranks' files are written (a barrier)."""
     import torch.distributed as dist
 
-    write(snapshot(model, optimizer), directory)
+    write(snapshot(model, optimizer), directory)  # no reuse: the host copy is freed after the write
     dist.barrier()
 
 
-def snapshot(model: list, optimizer) -> dict:
+def snapshot(model: list, optimizer, into: dict | None = None) -> dict:
     """What ``save`` writes, as it is now, copied to host memory (``write`` may then run on another thread while
-    training goes on: one process, ``CheckpointWriter``)."""
+    training goes on: one process, ``CheckpointWriter``); ``into``: an earlier snapshot whose host buffers are reused
+    (its file written already)."""
     from megatron.core.tensor_parallel import get_cuda_rng_tracker
 
     from trainer_service.snapshots import copied
@@ -65,7 +66,8 @@ def snapshot(model: list, optimizer) -> dict:
                 "optimizer": optimizer.state_dict() if stepped else None,
                 "optimizer_params": [_param_state(sub) for sub in sub_optimizers(optimizer)] if stepped else None,
                 "rng": rng,
-            }
+            },
+            into,
         )
 
 
