@@ -1,10 +1,11 @@
-"""The OpenAI-compatible door: ``POST /v1/chat/completions`` onto SessionBook sessions (docs/openai_door.md).
+"""The OpenAI-compatible door: ``POST /v1/chat/completions`` onto SessionBook sessions (docs/agents.md).
 
 An adapter like ``agent_api.py``, over HTTP: an agent that speaks the OpenAI chat API trains by changing its base
 URL. Each request's messages are rendered with the model's chat template; the first request of a session opens
 it with that rendering as its prompt, a later one (header ``X-Fleetrl-Session``) must render to the session's
 record followed by new tokens, which are appended (mask 0) before the model's turn. Token truth is the core's:
-what is trained is the record, never the agent's text.
+what is trained is the record, never the agent's text. Reading the request and rendering it are in
+``openai_requests.py``: rendering runs in a worker thread, bounded by the context before any tokenizing.
 """
 
 from __future__ import annotations
@@ -14,13 +15,16 @@ import json
 import logging
 import math
 import time
-from dataclasses import dataclass
 
 from aiohttp import web
 
 from coordinator.agent_errors import AgentRefused
+from coordinator.agent_groups import GroupState
 from coordinator.agent_sessions import Session, SessionBook
+from coordinator.openai_requests import ChatRenderer, ChatRequest, DoorRefused, parse_chat
 from protos.records import FinishReason
+
+__all__ = ["DoorRefused", "build_app", "start_openai_door"]
 
 logger = logging.getLogger(__name__)
 
@@ -30,48 +34,16 @@ ERROR_TYPE = {
     401: "authentication_error",
     403: "permission_error",
     404: "not_found_error",
+    405: "invalid_request_error",  # as OpenAI's API answers a wrong method
     409: "conflict_error",
+    413: "invalid_request_error",
     429: "rate_limit_error",
     503: "service_unavailable",
 }
-# Fields that would change the sampling distribution: accepted only at their neutral values (the trainer needs
-# the logprobs of full-vocabulary sampling at the group's temperature). Other unknown fields are ignored.
-NEUTRAL = {
-    "n": (1,),
-    "best_of": (1,),
-    "top_p": (1,),
-    "top_k": (0, -1),
-    "min_p": (0,),
-    "presence_penalty": (0,),
-    "frequency_penalty": (0,),
-    "repetition_penalty": (1,),
-    "logit_bias": ({},),
-    "top_logprobs": (0,),
-    "stream": (False,),
-    "tool_choice": ("auto", "none"),
-    "response_format": ({"type": "text"},),
-}
-MAX_BODY_BYTES = 64 * 2**20  # a long agent history in JSON
+# The core's names of fields that the door's clients send under OpenAI's names.
+DOOR_FIELDS = {"sampling.temperature": "temperature", "prompt_token_ids": "messages", "token_ids": "messages"}
+MAX_BODY_BYTES = 16 * 2**20  # a long agent history in JSON; larger bodies are refused 413 while being read
 SESSION_ID = web.RequestKey("fleetrl_session_id", str)  # answered as X-Fleetrl-Session, refusals included
-
-
-class DoorRefused(Exception):
-    """An HTTP refusal: ``authorize`` raises it (401 missing/unknown token, 403 scope, 429 rate), so does the door."""
-
-    def __init__(self, status: int, message: str, param: str | None = None, retry_after_ms: int = 0):
-        super().__init__(message)
-        self.status, self.param, self.retry_after_ms = status, param, retry_after_ms
-
-
-@dataclass
-class ChatRequest:
-    messages: list
-    max_tokens: int
-    temperature: float | None
-    stop_token_ids: list[int]
-    model: str
-    logprobs: bool
-    template_kwargs: dict
 
 
 def _refusal(status: int, message: str, param: str | None = None, retry_after_ms: int = 0) -> web.Response:
@@ -90,9 +62,12 @@ async def refusals(request: web.Request, handler) -> web.StreamResponse:
     except DoorRefused as error:
         response = _refusal(error.status, str(error), error.param, error.retry_after_ms)
     except AgentRefused as error:
-        field = str(error).split(":", 1)[0]
-        param = field if field.replace("_", "").replace(".", "").isalnum() else None
-        response = _refusal(STATUS[error.kind], str(error), param, error.retry_after_ms)
+        field, _, rest = str(error).partition(":")
+        param = field if rest and field.replace("_", "").replace(".", "").isalnum() else None
+        message = str(error)
+        if param in DOOR_FIELDS:  # the door's clients sent it under OpenAI's name
+            param, message = DOOR_FIELDS[param], DOOR_FIELDS[param] + ":" + rest
+        response = _refusal(STATUS[error.kind], message, param, error.retry_after_ms)
     except web.HTTPException as error:  # unknown route, wrong method, body too large
         response = _refusal(error.status, error.reason)
     except Exception:
@@ -106,8 +81,10 @@ async def refusals(request: web.Request, handler) -> web.StreamResponse:
 class OpenAIDoor:
     """Handlers of the door; every decision about sessions stays in ``SessionBook``."""
 
-    def __init__(self, book: SessionBook, tokenizer, authorize):
+    def __init__(self, book: SessionBook, tokenizer, authorize, model_id: str = ""):
         self.book, self.tokenizer, self.authorize = book, tokenizer, authorize
+        self.renderer = ChatRenderer(tokenizer, book.max_model_len)
+        self.model_id = model_id or getattr(tokenizer, "name_or_path", "") or "fleetrl"
 
     async def grant(self, request: web.Request, scope: str) -> str:
         header = request.headers.get("Authorization", "")
@@ -118,8 +95,8 @@ class OpenAIDoor:
     # 1) completions ------------------------------------------------------------------------------
     async def completions(self, request: web.Request) -> web.Response:
         owner = await self.grant(request, "generate")
-        chat = self.parse(await _json_body(request))
-        rendered = self.render(chat)
+        chat = parse_chat(await _json_body(request), self.tokenizer, self.book.max_model_len)
+        rendered = await self.renderer.render(chat)  # in a worker thread: the loop serves other requests meanwhile
         session_id = request.headers.get("X-Fleetrl-Session", "")
         if session_id:
             session = self.book.get(owner, session_id)
@@ -140,49 +117,6 @@ class OpenAIDoor:
                 await self.book.append(owner, session.session_id, rendered[len(record) :], len(record))
             index = await self.generate(owner, session, chat, len(rendered))
         return web.json_response(self.answer(session, index, chat))
-
-    def parse(self, body: dict) -> ChatRequest:
-        for name, neutral in NEUTRAL.items():
-            if body.get(name) is not None and body[name] not in neutral:
-                why = "streaming is not supported; send stream false" if name == "stream" else "unsupported"
-                raise DoorRefused(400, f"{name}: {body[name]!r} {why} (fleetrl trains on its own sampling)", name)
-        messages = body.get("messages")
-        if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
-            raise DoorRefused(400, "messages: a non-empty list of message objects is required", "messages")
-        max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
-        if max_tokens is None:
-            max_tokens = self.book.max_model_len  # OpenAI's default: up to the context; the core clips to the room
-        if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens <= 0:
-            raise DoorRefused(400, f"max_tokens: {max_tokens!r}, must be an integer > 0", "max_tokens")
-        temperature = body.get("temperature")
-        if temperature is not None and (isinstance(temperature, bool) or not isinstance(temperature, int | float)):
-            raise DoorRefused(400, f"temperature: {temperature!r} is not a number", "temperature")
-        kwargs = dict(body.get("chat_template_kwargs") or {})
-        if body.get("tools"):
-            kwargs["tools"] = body["tools"]
-        model = body.get("model") if isinstance(body.get("model"), str) else "fleetrl"
-        stop = self.stop_tokens(body.get("stop"))
-        return ChatRequest(messages, max_tokens, temperature, stop, model, bool(body.get("logprobs")), kwargs)
-
-    def stop_tokens(self, stop) -> list[int]:
-        """OpenAI stop strings, each of which must be one token (the core stops on token ids only)."""
-        stops = [stop] if isinstance(stop, str) else stop or []
-        ids = []
-        for text in stops:
-            encoded = self.tokenizer.encode(text, add_special_tokens=False) if isinstance(text, str) else []
-            if len(encoded) != 1:
-                raise DoorRefused(400, f"stop: {text!r} is not a single token of this model's vocabulary", "stop")
-            ids += encoded
-        return ids
-
-    def render(self, chat: ChatRequest) -> list[int]:
-        try:
-            result = self.tokenizer.apply_chat_template(
-                chat.messages, add_generation_prompt=True, tokenize=True, **chat.template_kwargs
-            )
-        except Exception as error:  # a template's own refusal (a role it does not know, a missing key)
-            raise DoorRefused(400, f"messages: the chat template cannot render them: {error}", "messages") from error
-        return list(result if isinstance(result, list) else result["input_ids"])
 
     async def open(self, request: web.Request, owner: str, prompt: list[int], temperature) -> Session:
         key = request.headers.get("X-Fleetrl-Group-Key", "")
@@ -255,9 +189,16 @@ class OpenAIDoor:
         submission_id, reward = body.get("submission_id", ""), body.get("reward")
         if not isinstance(submission_id, str):
             raise DoorRefused(400, "submission_id: must be a string", "submission_id")
-        if reward is not None and (isinstance(reward, bool) or not isinstance(reward, int | float)):
-            raise DoorRefused(400, f"reward: {reward!r} is not a number (or null to set it later)", "reward")
+        reward = _reward(reward, required=False)
         result = await self.book.submit(owner, session_id, submission_id, reward, [])
+        if (
+            result.state == GroupState.WAITING
+            and reward is not None
+            and self.book.get(owner, session_id).reward is None
+        ):
+            # the same submit again, now with the reward it was submitted without: set it
+            await self.book.set_reward(owner, session_id, reward)
+            result = await self.book.submit(owner, session_id, submission_id, reward, [])
         return web.json_response(
             {
                 "session_id": session_id,
@@ -267,6 +208,21 @@ class OpenAIDoor:
                 "group_id": result.group_id,
             }
         )
+
+    async def reward(self, request: web.Request) -> web.Response:
+        """A reward set after the submit (submitted with ``reward: null``); the group is queued with its last."""
+        owner = await self.grant(request, "submit")
+        body = await _json_body(request)
+        session_id = request[SESSION_ID] = request.match_info["session_id"]
+        reward = _reward(body.get("reward"), required=True)
+        state = await self.book.set_reward(owner, session_id, reward)
+        return web.json_response({"session_id": session_id, "state": state.name.lower()})
+
+    async def models(self, request: web.Request) -> web.Response:
+        """The one model this run trains (frameworks list the models before they chat)."""
+        await self.grant(request, "generate")
+        model = {"id": self.model_id, "object": "model", "created": 0, "owned_by": "fleetrl"}
+        return web.json_response({"object": "list", "data": [model]})
 
     async def abandon(self, request: web.Request) -> web.Response:
         owner = await self.grant(request, "generate")
@@ -285,6 +241,15 @@ async def _json_body(request: web.Request) -> dict:
     return body
 
 
+def _reward(reward, required: bool) -> float | None:
+    if reward is None and not required:
+        return None
+    if isinstance(reward, bool) or not isinstance(reward, int | float) or reward != reward:
+        later = "" if required else " (or null to set it later)"
+        raise DoorRefused(400, f"reward: {reward!r} is not a number{later}", "reward")
+    return float(reward)
+
+
 def _check_prefix(session_id: str, record: list[int], rendered: list[int]) -> None:
     """The rendering must start with every token the session holds; else name the first differing position."""
     if rendered[: len(record)] == record:
@@ -301,22 +266,26 @@ def _check_prefix(session_id: str, record: list[int], rendered: list[int]) -> No
     )
 
 
-def build_app(book: SessionBook, tokenizer, authorize) -> web.Application:
+def build_app(book: SessionBook, tokenizer, authorize, max_body_bytes: int = MAX_BODY_BYTES) -> web.Application:
     door = OpenAIDoor(book, tokenizer, authorize)
-    app = web.Application(middlewares=[refusals], client_max_size=MAX_BODY_BYTES)
+    app = web.Application(middlewares=[refusals], client_max_size=max_body_bytes)
+    app.router.add_get("/v1/models", door.models)
     app.router.add_post("/v1/chat/completions", door.completions)
+    app.router.add_post("/v1/fleetrl/sessions/{session_id}/reward", door.reward)
     app.router.add_post("/v1/fleetrl/sessions/{session_id}/submit", door.submit)
     app.router.add_post("/v1/fleetrl/sessions/{session_id}/abandon", door.abandon)
     return app
 
 
-async def start_openai_door(book: SessionBook, tokenizer, authorize, host: str, port: int) -> tuple[web.AppRunner, int]:
+async def start_openai_door(
+    book: SessionBook, tokenizer, authorize, host: str, port: int, max_body_bytes: int = MAX_BODY_BYTES
+) -> tuple[web.AppRunner, int]:
     """Serve the door on ``host:port`` (0 picks a free port); returns the runner and the bound port.
 
     ``authorize(token, scope) -> grant name`` (or an awaitable of it) raises ``DoorRefused``. Stop the door with
     ``await runner.cleanup()``.
     """
-    runner = web.AppRunner(build_app(book, tokenizer, authorize), access_log=None)
+    runner = web.AppRunner(build_app(book, tokenizer, authorize, max_body_bytes), access_log=None)
     await runner.setup()
     try:
         await web.TCPSite(runner, host, port).start()

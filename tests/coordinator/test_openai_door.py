@@ -7,11 +7,14 @@ this process, writing trajectory groups to the test's Redis (flushed per test).
 from __future__ import annotations
 
 import asyncio
+import json
+import time
 
 import aiohttp
+import openai
 import pytest
 
-from coordinator.openai_door import DoorRefused, start_openai_door
+from coordinator.openai_door import MAX_BODY_BYTES, DoorRefused, start_openai_door
 from coordinator.tasks import load_tokenizer
 from protos.redis_keys import RedisKeys
 from tests.coordinator.agent_core import BookHarness
@@ -53,13 +56,16 @@ def tokenizer(tiny_model):
 class DoorHarness(BookHarness):
     """The agent core + the door in this process, against the module's rollout server."""
 
-    def __init__(self, address: str, redis_url: str, tokenizer):
+    def __init__(self, address: str, redis_url: str, tokenizer, max_body_bytes: int = MAX_BODY_BYTES):
         super().__init__(address, redis_url, KEYS)
-        self.tokenizer = tokenizer
+        self.tokenizer, self.max_body_bytes = tokenizer, max_body_bytes
 
     async def __aenter__(self) -> DoorHarness:
         await super().__aenter__()
-        self.runner, port = await start_openai_door(self.book, self.tokenizer, authorize, "127.0.0.1", 0)
+        self.runner, port = await start_openai_door(
+            self.book, self.tokenizer, authorize, "127.0.0.1", 0, self.max_body_bytes
+        )
+        self.port = port
         self.base = f"http://127.0.0.1:{port}/v1"
         self.http = aiohttp.ClientSession()
         return self
@@ -207,5 +213,138 @@ def test_malformed_json_and_sampling_changes_are_400_naming_the_field_and_the_do
             assert status == 400 and error["error"]["param"] == "temperature"
             status, reply, _ = await h.chat(messages, session=sid, temperature=1.0)
             assert status == 200 and reply["fleetrl"]["turn_index"] == 2, reply
+
+    asyncio.run(scenario())
+
+
+def test_an_8_mb_request_is_refused_off_the_event_loop_while_small_requests_answer_within_100_ms(
+    rollout_server, redis_url, tokenizer
+):
+    big = json.dumps({"messages": [{"role": "user", "content": "3" * 8 * 2**20}], "max_tokens": 4}).encode()
+
+    async def scenario():
+        async with DoorHarness(rollout_server.address, redis_url, tokenizer) as h:
+            headers = {"Authorization": "Bearer secret-a", "X-Fleetrl-Group-Key": "big"}
+
+            async def small() -> float:
+                start = time.monotonic()
+                async with h.http.get(h.base + "/models", headers=headers) as reply:
+                    assert reply.status == 200
+                return time.monotonic() - start
+
+            await small()  # the connection pool warm, as in a running door
+            sending = asyncio.create_task(h.post("/chat/completions", big, **{"X-Fleetrl-Group-Key": "big"}))
+            latencies = []
+            while not sending.done():
+                latencies.append(await small())
+            status, error, _ = await sending
+            assert status == 400 and error["error"]["param"] == "messages", error
+            assert "max_model_len" in error["error"]["message"] and h.scheduler.stats.slots_admitted == 0
+            assert len(latencies) >= 2 and max(latencies) < 0.1, latencies
+
+    asyncio.run(scenario())
+
+
+def test_a_body_over_the_limit_is_413_and_a_wrong_method_405_both_typed_invalid_request_error(
+    rollout_server, redis_url, tokenizer
+):
+    async def scenario():
+        async with DoorHarness(rollout_server.address, redis_url, tokenizer, max_body_bytes=4096) as h:
+            status, error, _ = await h.post("/chat/completions", b"{" + b" " * 8192 + b"}")
+            assert status == 413 and error["error"]["type"] == "invalid_request_error", error
+            async with h.http.get(h.base + "/chat/completions") as reply:
+                error = await reply.json()
+                assert reply.status == 405 and error["error"]["type"] == "invalid_request_error", error
+
+    asyncio.run(scenario())
+
+
+def test_content_parts_train_as_their_text_and_other_parts_are_refused_naming_them(
+    rollout_server, redis_url, tokenizer
+):
+    async def scenario():
+        async with DoorHarness(rollout_server.address, redis_url, tokenizer) as h:
+            parts = {"role": "user", "content": [{"type": "text", "text": "31"}, {"type": "text", "text": "4"}]}
+            status, reply, headers = await h.chat([parts])
+            assert status == 200, reply
+            session = h.book.sessions[headers["X-Fleetrl-Session"]]
+            assert session.prompt == h.render([{"role": "user", "content": "31\n4"}])
+            image = {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:,"}}]}
+            status, error, _ = await h.chat([image], key="img")
+            assert (
+                status == 400 and "content[0]" in error["error"]["message"] and "image_url" in error["error"]["message"]
+            )
+
+    asyncio.run(scenario())
+
+
+def test_a_joining_session_at_another_temperature_is_refused_naming_temperature(rollout_server, redis_url, tokenizer):
+    async def scenario():
+        async with DoorHarness(rollout_server.address, redis_url, tokenizer) as h:
+            status, reply, _ = await h.chat([USER], key="t", size="2")
+            assert status == 200, reply
+            status, error, _ = await h.chat([USER], key="t", size="2", temperature=0.5)
+            assert status == 400 and error["error"]["param"] == "temperature", error
+            assert error["error"]["message"].startswith("temperature:")
+            status, error, _ = await h.chat([USER], key="u", temperature=-1)
+            assert status == 400 and error["error"]["param"] == "temperature", error
+
+    asyncio.run(scenario())
+
+
+def test_rewards_set_later_through_the_reward_route_or_a_second_submit_queue_the_group(
+    rollout_server, redis_url, tokenizer
+):
+    async def scenario():
+        async with DoorHarness(rollout_server.address, redis_url, tokenizer) as h:
+            sids = []
+            for _ in range(2):
+                status, reply, headers = await h.chat([USER], key="later", size="2")
+                assert status == 200, reply
+                sids.append(headers["X-Fleetrl-Session"])
+            for k, sid in enumerate(sids):
+                status, reply, _ = await h.post(f"/fleetrl/sessions/{sid}/submit", {"submission_id": f"s{k}"})
+                assert status == 200 and reply["state"] == "waiting", reply
+            status, reply, _ = await h.post(f"/fleetrl/sessions/{sids[0]}/reward", {"reward": 0.25})
+            assert status == 200 and reply["state"] == "waiting", reply
+            status, error, _ = await h.post(f"/fleetrl/sessions/{sids[1]}/reward", {"reward": None})
+            assert status == 400 and error["error"]["param"] == "reward"
+            submit = {"submission_id": "s1", "reward": 0.75}  # the same submit again, now with its reward
+            status, reply, _ = await h.post(f"/fleetrl/sessions/{sids[1]}/submit", submit)
+            assert status == 200 and reply["state"] == "queued", reply
+            [group] = h.queued()
+            assert sorted(s.reward for s in group.samples) == [0.25, 0.75]
+            assert h.scheduler.in_flight == set()
+
+    asyncio.run(scenario())
+
+
+def test_the_official_openai_client_lists_the_model_and_chats_through_the_door(rollout_server, redis_url, tokenizer):
+    async def scenario():
+        async with DoorHarness(rollout_server.address, redis_url, tokenizer) as h:
+            client = openai.AsyncOpenAI(base_url=h.base, api_key="secret-a", max_retries=0)
+            try:
+                models = await client.models.list()
+                assert [m.id for m in models.data] == [tokenizer.name_or_path]
+                parts = [{"type": "text", "text": "314"}]
+                reply = await client.chat.completions.with_raw_response.create(
+                    model=models.data[0].id,
+                    messages=[{"role": "user", "content": parts}],
+                    max_tokens=4,
+                    extra_headers={"X-Fleetrl-Group-Key": "sdk"},
+                )
+                completion = reply.parse()
+                session = h.book.sessions[reply.headers["X-Fleetrl-Session"]]
+                assert session.prompt == h.render([USER]) and completion.choices[0].message.role == "assistant"
+                with pytest.raises(openai.BadRequestError) as refused:
+                    await client.chat.completions.create(
+                        model="m",
+                        messages=[USER],
+                        temperature=0.5,
+                        extra_headers={"X-Fleetrl-Session": session.session_id},
+                    )
+                assert refused.value.body["param"] == "temperature"
+            finally:
+                await client.close()
 
     asyncio.run(scenario())
