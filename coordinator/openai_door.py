@@ -22,6 +22,7 @@ from coordinator.agent_errors import AgentRefused
 from coordinator.agent_groups import GroupState
 from coordinator.agent_sessions import Session, SessionBook
 from coordinator.openai_requests import ChatRenderer, ChatRequest, DoorRefused, parse_chat
+from coordinator.openai_stream import stream_answer
 from protos.records import FinishReason
 
 __all__ = ["DoorRefused", "build_app", "start_openai_door"]
@@ -93,7 +94,7 @@ class OpenAIDoor:
         return await name if inspect.isawaitable(name) else name
 
     # 1) completions ------------------------------------------------------------------------------
-    async def completions(self, request: web.Request) -> web.Response:
+    async def completions(self, request: web.Request) -> web.StreamResponse:
         owner = await self.grant(request, "generate")
         chat = parse_chat(await _json_body(request), self.tokenizer, self.book.max_model_len)
         rendered = await self.renderer.render(chat)  # in a worker thread: the loop serves other requests meanwhile
@@ -116,6 +117,8 @@ class OpenAIDoor:
             if len(rendered) > len(record):
                 await self.book.append(owner, session.session_id, rendered[len(record) :], len(record))
             index = await self.generate(owner, session, chat, len(rendered))
+        if chat.stream:
+            return await stream_answer(request, self.answer(session, index, chat), chat.include_usage)
         return web.json_response(self.answer(session, index, chat))
 
     async def open(self, request: web.Request, owner: str, prompt: list[int], temperature) -> Session:

@@ -26,7 +26,6 @@ NEUTRAL = {
     "top_logprobs": (0,),
     "tool_choice": ("auto", "none"),
     "response_format": ({"type": "text"},),
-    "stream": (False,),  # streaming is not served yet: refused rather than answered as one body
 }
 
 
@@ -47,6 +46,8 @@ class ChatRequest:
     model: str
     logprobs: bool
     template_kwargs: dict
+    stream: bool = False  # answered as server-sent events (openai_stream.py)
+    include_usage: bool = False  # stream_options.include_usage: a last chunk with the usage
 
 
 def parse_chat(body: dict, tokenizer, max_model_len: int) -> ChatRequest:
@@ -73,6 +74,11 @@ def parse_chat(body: dict, tokenizer, max_model_len: int) -> ChatRequest:
     kwargs = dict(kwargs)
     if body.get("tools"):
         kwargs["tools"] = body["tools"]
+    stream = body.get("stream") or False
+    if not isinstance(stream, bool):
+        raise DoorRefused(400, f"stream: {stream!r} is not a boolean", "stream")
+    options = body.get("stream_options") or {}
+    include_usage = bool(isinstance(options, dict) and options.get("include_usage"))
     model = body.get("model") if isinstance(body.get("model"), str) else "fleetrl"
     stop = stop_tokens(tokenizer, body.get("stop"))
     logprobs = bool(body.get("logprobs"))
@@ -84,6 +90,8 @@ def parse_chat(body: dict, tokenizer, max_model_len: int) -> ChatRequest:
         model,
         logprobs,
         kwargs,
+        stream,
+        include_usage,
     )
 
 

@@ -194,7 +194,7 @@ def test_malformed_json_and_sampling_changes_are_400_naming_the_field_and_the_do
         async with DoorHarness(rollout_server.address, redis_url, tokenizer) as h:
             status, error, _ = await h.post("/chat/completions", b"{not json", **{"X-Fleetrl-Group-Key": "k"})
             assert status == 400 and "JSON" in error["error"]["message"]
-            for field, value in [("top_p", 0.9), ("n", 2), ("logit_bias", {"5": 3}), ("stream", True)]:
+            for field, value in [("top_p", 0.9), ("n", 2), ("logit_bias", {"5": 3}), ("stream", "yes")]:
                 status, error, _ = await h.chat([USER], **{field: value})
                 assert status == 400 and error["error"]["param"] == field, (field, error)
             status, error, _ = await h.chat([USER], stop=["12"])
@@ -344,6 +344,21 @@ def test_the_official_openai_client_lists_the_model_and_chats_through_the_door(r
                         extra_headers={"X-Fleetrl-Session": session.session_id},
                     )
                 assert refused.value.body["param"] == "temperature"
+                stream = await client.chat.completions.create(
+                    model="m",
+                    messages=[USER, completion.choices[0].message.model_dump(exclude_none=True), USER],
+                    max_tokens=4,
+                    stream=True,
+                    stream_options={"include_usage": True},
+                    extra_headers={"X-Fleetrl-Session": session.session_id},
+                )
+                chunks = [chunk async for chunk in stream]
+                text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+                finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+                turn = session.turns[-1]  # the engine's tokens, recorded before the stream was sent
+                assert len(session.turns) == 3 and turn.generated and finish in (["stop"], ["length"])
+                assert text == tokenizer.decode(turn.token_ids[: len(text)], skip_special_tokens=False)
+                assert chunks[-1].usage.completion_tokens == len(turn.token_ids)
             finally:
                 await client.close()
 
