@@ -158,7 +158,8 @@ def run(args: argparse.Namespace, stop: threading.Event) -> None:
 
     feed = ranks.OrderFeed(side.read_groups if side else None, partial(apply_commands, trainer, publish_current))
     versions = PolicyVersions(side, trainer, publish_current)
-    versions.start(restored, start_step)  # catch up with what is published (trainer_service/versions.py)
+    # catch up with what is published (trainer_service/versions.py); resume=none may start a lineage of its own
+    versions.start(restored, start_step, new_lineage=config.trainer.resume == "none")
     # one process: checkpoints become durable (fsync, rename) on a thread while the next step trains
     writer = CheckpointWriter(checkpoints) if ranks.world_size() == 1 else None
     if writer is not None and side:

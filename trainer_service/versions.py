@@ -43,9 +43,13 @@ class PolicyVersions:
         self.publish_current = publish_current
         self.replay = Replay(None)
 
-    def start(self, restored, step: int) -> None:
+    def start(self, restored, step: int, new_lineage: bool = False) -> None:
         """Catch up with what is published: replay the versions past the checkpoint, publish the checkpoint's own
-        version again from here, or (nothing restored behind a published version) raise ``CannotResume``."""
+        version again from here, or (nothing restored behind a published version) raise ``CannotResume``.
+
+        ``new_lineage`` (``trainer.resume=none``, the operator's explicit choice to start from model_path): behind a
+        published version the model_path weights go out as the next version instead, a lineage of its own that the
+        version offset follows; they are those weights, named by a version no other weights had."""
         from trainer_service import metrics, ranks
 
         side, trainer = self.side, self.trainer
@@ -64,7 +68,18 @@ class PolicyVersions:
                 len(trainer.ledger),
                 ranks.world_size(),
             )
-        if not restored and published > trainer.policy_version:
+        starts_lineage = new_lineage and not restored and published > trainer.policy_version
+        if starts_lineage:
+            logger.warning(
+                "trainer start: trainer.resume=none behind published v%d: model_path's weights go out as v%d, "
+                "a new lineage (the fleet moves onto them; nothing of the earlier versions is resumed)",
+                published,
+                published + 1,
+            )
+            self.record_offset(published + 1, step)  # before the publish: no version without its offset
+            trainer.policy_version = published + 1
+            self.publish_current()
+        elif not restored and published > trainer.policy_version:
             raise CannotResume(
                 f"trainer start: v{published} of this run is published but no checkpoint was restored (none in the "
                 f"checkpoint directory, or trainer.resume=none): the weights here are v{trainer.policy_version} "
@@ -75,7 +90,7 @@ class PolicyVersions:
         self.replay = Replay(published if restored and published > trainer.policy_version else None)
         if self.replay.target is not None:
             logger.info("trainer start: replaying the steps of v%d..v%d", trainer.policy_version + 1, published)
-        else:
+        elif not starts_lineage:  # (a new lineage is published with its offset above)
             self.record_offset(trainer.policy_version, step)
             if restored and published == trainer.policy_version > 0:
                 # The checkpoint holds the published version's weights, but its manifest names the weight bus of the

@@ -151,7 +151,7 @@ def test_the_collector_exports_both_latency_histograms():
     scheduler.routing_latency.observe(0.0004)
 
     class Reporter:  # what the collector reads of a MetricsReporter
-        queue_depth, evals = 0, None
+        queue_depth, evals, tokens_per_s = 0, None, 0.0
 
     Reporter.scheduler = scheduler
     registry = CollectorRegistry(auto_describe=False)
