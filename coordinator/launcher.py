@@ -11,11 +11,9 @@ restarts per role. ``fleetrl up`` (coordinator/ray_launcher.py) runs the same ro
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
-import shutil
 import socket
 import time
 from collections.abc import Callable, Sequence
@@ -34,42 +32,13 @@ from coordinator.roles import RoleSpec
 from coordinator.run_figures import replay_figures, speed_figures
 from coordinator.run_logger import RunLogger, append_step, read_reports
 from coordinator.supervision import RoleFailed, SupervisedProcess, log_tail, write_roles
+from coordinator.tiny_models import tiny_model_dir
 from protos.config import RunConfig
 from protos.records import RoleDone
 from protos.redis_keys import RedisKeys
 from protos.trainer_command import trainer_argv
 
 logger = logging.getLogger(__name__)
-
-WARMUP_STEPS = 150
-
-
-def tiny_model_dir(family: str = "qwen3-moe", warmup_steps: int = WARMUP_STEPS) -> Path:
-    """Build (once, cached) the demo's tiny MoE of ``family`` with its short echo warm-up; returns its directory."""
-    from modeling import tiny_model
-
-    if family == "beam":
-        from modeling.beam import tiny as builder
-
-        sources = [Path(tiny_model.__file__)] + sorted(Path(builder.__file__).parent.glob("*.py"))
-        build = builder.init_tiny_beam
-    elif family == "qwen3-moe-1b":
-        sources = [Path(tiny_model.__file__)]
-
-        def build(path, warmup_steps):  # a lower warm-up lr than the tiny model's: 0.94 B parameters
-            return tiny_model.init_tiny(path, warmup_steps=warmup_steps, warmup_lr=1e-3, **tiny_model.GPU_DEMO_CONFIG)
-    else:
-        sources, build = [Path(tiny_model.__file__)], tiny_model.init_tiny
-    digest = hashlib.sha256(b"".join(p.read_bytes() for p in sources) + str(warmup_steps).encode()).hexdigest()[:12]
-    prefix = {"beam": "tiny-beam-echo", "qwen3-moe-1b": "gpu-demo-1b-echo"}.get(family, "tiny-echo")
-    cache = Path(os.environ.get("FLEETRL_CACHE", Path.home() / ".cache" / "fleetrl")) / f"{prefix}-{digest}"
-    if not (cache / "config.json").exists():
-        partial = cache.with_suffix(".partial")
-        shutil.rmtree(partial, ignore_errors=True)
-        print(f"building the tiny {family} model (warm-up {warmup_steps} steps) into {cache} ...", flush=True)
-        build(partial, warmup_steps=warmup_steps)
-        partial.rename(cache)
-    return cache
 
 
 def trainer_command(config: RunConfig, role_args: Sequence[str] = ()) -> list[str]:
