@@ -19,11 +19,10 @@ import math
 import random
 
 from coordinator.rewards import RewardResult
-from coordinator.tasks import TaskPrompt
+from coordinator.tasks import SeededStream, TaskPrompt
 from modeling.tiny_model import BOS_ID, DIGIT_IDS, EOS_ID, vocab
 
 STOP_BONUS = 0.1  # the reward's part for stopping at the right length; the rest is per correct position
-MAX_TAIL_PROMPT = 100_000  # tail-<n> is found by replaying n draws: ids stay cheap up to here
 _COLON_ID = vocab()[":"]
 
 
@@ -33,7 +32,12 @@ def draw_length(rng: random.Random, min_tokens: int, max_tokens: int) -> int:
     return min(max_tokens, int(math.exp(rng.uniform(low, high))))
 
 
-class TailTask:
+def _draw(rng: random.Random, min_tokens: int, max_tokens: int) -> tuple[int, int]:
+    """One prompt's (length, digit)."""
+    return draw_length(rng, min_tokens, max_tokens), rng.choice(DIGIT_IDS)
+
+
+class TailTask(SeededStream):
     """Seeded stream of long-tailed echo prompts and their reward (the ``Task`` protocol of coordinator/tasks.py)."""
 
     name = "tail"
@@ -46,36 +50,18 @@ class TailTask:
             )
         if max_tokens + 1 > 10**4:  # the prompt's length digits stay short
             raise ValueError(f"coordinator.sampling.max_tokens {max_tokens}: the tail task asks for at most 9999")
-        self.seed = seed
+        super().__init__(seed)
         self.min_tokens = min_tokens
         self.max_tokens = max_tokens
-        self._rng = random.Random(seed)
-        self._count = 0
-
-    def cursor(self) -> dict[str, int]:
-        return {"seed": self.seed, "draws": self._count}
-
-    def restore(self, cursor: dict[str, int]) -> None:
-        if cursor.get("seed") != self.seed:
-            raise ValueError(f"the cursor is for tail seed {cursor.get('seed')}, this task has seed {self.seed}")
-        self._rng, self._count = random.Random(self.seed), 0
-        for _ in range(cursor["draws"]):
-            self.next_prompt()
 
     def next_prompt(self) -> TaskPrompt:
         self._count += 1
-        return self._prompt(self._count, *self._draw(self._rng))
+        return self._prompt(self._count, *_draw(self._rng, self.min_tokens, self.max_tokens))
 
     def prompt_by_id(self, prompt_id: str) -> TaskPrompt:
-        """``tail-<n>``: the n-th prompt ``next_prompt`` draws from this seed (1 <= n <= MAX_TAIL_PROMPT)."""
-        name, _, number = prompt_id.partition("-")
-        if name != "tail" or not number.isdigit() or not 1 <= int(number) <= MAX_TAIL_PROMPT:
-            raise ValueError(f"{prompt_id!r} is no tail prompt id: 'tail-<n>' with 1 <= n <= {MAX_TAIL_PROMPT}")
-        length, digit = _tail_draw(self.seed, self.min_tokens, self.max_tokens, int(number))
-        return self._prompt(int(number), length, digit)
-
-    def _draw(self, rng: random.Random) -> tuple[int, int]:
-        return draw_length(rng, self.min_tokens, self.max_tokens), rng.choice(DIGIT_IDS)
+        """``tail-<n>``: the n-th prompt ``next_prompt`` draws from this seed."""
+        number = self.draw_number(prompt_id)
+        return self._prompt(number, *_tail_draw(self.seed, self.min_tokens, self.max_tokens, number))
 
     def _prompt(self, number: int, length: int, digit: int) -> TaskPrompt:
         length_ids = [DIGIT_IDS[int(c)] for c in str(length)]
@@ -96,5 +82,5 @@ class TailTask:
 def _tail_draw(seed: int, min_tokens: int, max_tokens: int, number: int) -> tuple[int, int]:
     rng = random.Random(seed)  # the draws of TailTask.next_prompt, replayed
     for _ in range(number):
-        draw = draw_length(rng, min_tokens, max_tokens), rng.choice(DIGIT_IDS)
+        draw = _draw(rng, min_tokens, max_tokens)
     return draw

@@ -30,7 +30,7 @@ from protos.config import CoordinatorConfig
 logger = logging.getLogger(__name__)
 
 DATASET_SUFFIXES = (".jsonl", ".parquet")
-MAX_ECHO_PROMPT = 100_000  # echo-<n> is found by replaying n draws: ids stay cheap up to here
+MAX_ECHO_PROMPT = 100_000  # <name>-<n> of a seeded task is found by replaying n draws: ids stay cheap up to here
 
 
 @dataclass(frozen=True)
@@ -62,16 +62,15 @@ class Task(Protocol):
         ...
 
 
-class EchoTask:
-    """Deterministic stream of echo prompts (seeded) and their reward."""
+class SeededStream:
+    """A built-in task whose prompts come from one seeded generator: the cursor is the number of draws, ``restore``
+    replays them (the only way to the generator's state), and ``<name>-<n>`` names the n-th draw."""
 
-    name = "echo"
+    name: str
 
-    def __init__(self, seed: int = 0, num_digits: int = 3, max_tokens: int = 8):
+    def __init__(self, seed: int):
         self.seed = seed
         self._rng = random.Random(seed)
-        self.num_digits = num_digits
-        self.max_tokens = max_tokens
         self._count = 0
 
     def cursor(self) -> dict[str, int]:
@@ -79,10 +78,33 @@ class EchoTask:
 
     def restore(self, cursor: dict[str, int]) -> None:
         if cursor.get("seed") != self.seed:
-            raise ValueError(f"the cursor is for echo seed {cursor.get('seed')}, this task has seed {self.seed}")
+            raise ValueError(f"the cursor is for {self.name} seed {cursor.get('seed')}, this task has seed {self.seed}")
         self._rng, self._count = random.Random(self.seed), 0
-        for _ in range(cursor["draws"]):  # replaying the draws is the only way to the generator's state
+        for _ in range(cursor["draws"]):
             self.next_prompt()
+
+    def next_prompt(self) -> TaskPrompt:
+        raise NotImplementedError
+
+    def draw_number(self, prompt_id: str) -> int:
+        """n of ``<name>-<n>`` (1 <= n <= MAX_ECHO_PROMPT); ValueError naming the id otherwise."""
+        name, _, number = prompt_id.partition("-")
+        if name != self.name or not number.isdigit() or not 1 <= int(number) <= MAX_ECHO_PROMPT:
+            raise ValueError(
+                f"{prompt_id!r} is no {self.name} prompt id: '{self.name}-<n>' with 1 <= n <= {MAX_ECHO_PROMPT}"
+            )
+        return int(number)
+
+
+class EchoTask(SeededStream):
+    """Deterministic stream of echo prompts (seeded) and their reward."""
+
+    name = "echo"
+
+    def __init__(self, seed: int = 0, num_digits: int = 3, max_tokens: int = 8):
+        super().__init__(seed)
+        self.num_digits = num_digits
+        self.max_tokens = max_tokens
 
     def next_prompt(self) -> TaskPrompt:
         digits = [self._rng.choice(DIGIT_IDS) for _ in range(self.num_digits)]
@@ -91,10 +113,7 @@ class EchoTask:
 
     def prompt_by_id(self, prompt_id: str) -> TaskPrompt:
         """``echo-<n>``: the n-th prompt ``next_prompt`` draws from this seed (1 <= n <= MAX_ECHO_PROMPT)."""
-        name, _, number = prompt_id.partition("-")
-        if name != "echo" or not number.isdigit() or not 1 <= int(number) <= MAX_ECHO_PROMPT:
-            raise ValueError(f"{prompt_id!r} is no echo prompt id: 'echo-<n>' with 1 <= n <= {MAX_ECHO_PROMPT}")
-        digits = _echo_digits(self.seed, self.num_digits, int(number))
+        digits = _echo_digits(self.seed, self.num_digits, self.draw_number(prompt_id))
         return TaskPrompt(prompt_id, [BOS_ID, *digits], self.name, digits[-1])
 
     def reward(self, prompt: TaskPrompt, response_token_ids: list[int]) -> float:

@@ -83,6 +83,15 @@ class DoorHarness(BookHarness):
         async with self.http.post(self.base + path, json=payload, data=data, headers=headers) as reply:
             return reply.status, await reply.json(), dict(reply.headers)
 
+    async def open_group(self, key: str, size: int) -> list[str]:
+        """The session ids of ``size`` chats opened as the members of group ``key`` (each answered 200)."""
+        sids = []
+        for _ in range(size):
+            status, reply, headers = await self.chat([USER], key=key, size=str(size))
+            assert status == 200, reply
+            sids.append(headers["X-Fleetrl-Session"])
+        return sids
+
     async def chat(self, messages, session="", key="task-1", size="", **fields) -> tuple[int, dict, dict]:
         headers = {"X-Fleetrl-Session": session} if session else {"X-Fleetrl-Group-Key": key}
         if size:
@@ -142,11 +151,7 @@ def test_two_sessions_of_a_group_submitted_through_the_door_queue_one_trajectory
 ):
     async def scenario():
         async with DoorHarness(rollout_server.address, redis_url, tokenizer) as h:
-            sids = []
-            for _ in range(2):
-                status, reply, headers = await h.chat([USER], key="g1", size="2")
-                assert status == 200, reply
-                sids.append(headers["X-Fleetrl-Session"])
+            sids = await h.open_group("g1", 2)
             for k, sid in enumerate(sids):
                 status, reply, _ = await h.post(
                     f"/fleetrl/sessions/{sid}/submit", {"submission_id": f"s{k}", "reward": float(k)}
@@ -297,11 +302,7 @@ def test_rewards_set_later_through_the_reward_route_or_a_second_submit_queue_the
 ):
     async def scenario():
         async with DoorHarness(rollout_server.address, redis_url, tokenizer) as h:
-            sids = []
-            for _ in range(2):
-                status, reply, headers = await h.chat([USER], key="later", size="2")
-                assert status == 200, reply
-                sids.append(headers["X-Fleetrl-Session"])
+            sids = await h.open_group("later", 2)
             for k, sid in enumerate(sids):
                 status, reply, _ = await h.post(f"/fleetrl/sessions/{sid}/submit", {"submission_id": f"s{k}"})
                 assert status == 200 and reply["state"] == "waiting", reply
