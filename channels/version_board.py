@@ -85,6 +85,18 @@ class VersionBoard:
 
         retry_sync(transaction, f"publishing the manifest of v{manifest.version}", timeout_s)
 
+    def replace_manifest(self, manifest: WeightManifest, timeout_s: float = 60.0) -> bool:
+        """Overwrite the stored manifest of an announced version (its checksummed form, transport 'ipc') without
+        announcing anything or changing its expiry; False when it is gone already (expired: nobody can fetch it)."""
+        key = self.keys.manifest(manifest.version)
+        return bool(
+            retry_sync(
+                lambda: self.client.set(key, encode(manifest), xx=True, keepttl=True),
+                f"storing the checksummed manifest of v{manifest.version}",
+                timeout_s,
+            )
+        )
+
     def manifest(self, version: int) -> WeightManifest | None:
         """The manifest of ``version``, or None (never published, or expired)."""
         raw = self.client.get(self.keys.manifest(version))

@@ -135,6 +135,9 @@ class WeightManifest(msgspec.Struct, array_like=True, gc=False, frozen=True):
     transport: str  # "tcp" | "nccl"
     created_s: float
     adapter: LoraAdapter | None = None  # added in v2: the tensors are this LoRA adapter (None: weights)
+    # added in v3: False while the entries' checksums are not computed yet (transport 'ipc' announces a version as
+    # soon as its device buckets are packed; the checksummed manifest replaces it once the host copy is held)
+    checksummed: bool = True
 
 
 class ReportStatus(enum.IntEnum):

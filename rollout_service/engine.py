@@ -352,10 +352,12 @@ class RolloutEngine:
                 if adapter_dir is not None:
                     await self.lora_slot.swap(self.llm, adapter_dir)
                 elif ipc_record is None:
-                    await self.llm.collective_rpc("fleetrl_load_staged_weights", args=(staging_path, manifest_bytes))
+                    await self.llm.collective_rpc(
+                        "fleetrl_load_staged_weights", args=(staging_path, manifest_bytes, self.config.refit_plan)
+                    )
                 else:
                     loaded = await self.llm.collective_rpc(
-                        "fleetrl_load_ipc_weights", args=(ipc_record, manifest_bytes)
+                        "fleetrl_load_ipc_weights", args=(ipc_record, manifest_bytes, self.config.refit_plan)
                     )
                     if any(count < 0 for count in loaded):
                         raise IpcUnavailable(f"v{version}: a worker could not open the IPC buckets")

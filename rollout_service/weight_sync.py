@@ -35,6 +35,7 @@ logger = logging.getLogger(__name__)
 # next announcement may never come (a restarted trainer waits for groups that only an updated server can make).
 FAILED_UPDATE_RETRY_S = 2.0
 
+CHECKSUM_POLL_S = 0.05  # how often a tcp receiver of an ipc version looks for its checksummed manifest
 STAGING_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else "/tmp"
 
 
@@ -210,12 +211,30 @@ class WeightFollower:
             return
         started = time.monotonic()
         try:
+            pending.manifest = await self._checksummed(pending.manifest)
             pending.source = await asyncio.to_thread(self._receive, pending.manifest, pending.path)
             self.last_receive_s = time.monotonic() - started
         except BaseException:
             self._drop_pending()  # a half-received version is never committed
             raise
         pending.loaded = True
+
+    async def _checksummed(self, manifest: WeightManifest) -> WeightManifest:
+        """``manifest`` with its checksums: an ipc version is announced before its host copy is held and checksummed
+        (weight_bus.ipc.HostMirror); a receiver over tcp waits for the stored manifest that has them."""
+        deadline = time.monotonic() + self.config.fetch_timeout_s
+        while not manifest.checksummed:
+            if time.monotonic() > deadline:
+                raise tcp.WeightUnavailableError(
+                    f"v{manifest.version}: the trainer's host copy (checksums, tcp hold) did not come within "
+                    f"weight_bus.fetch_timeout_s={self.config.fetch_timeout_s}s"
+                )
+            await asyncio.sleep(CHECKSUM_POLL_S)
+            stored = await self.board.manifest(manifest.version)
+            if stored is None:
+                raise LookupError(f"the manifest of v{manifest.version} expired before its host copy was held")
+            manifest = stored
+        return manifest
 
     async def _commit_locked(self, pending: PendingUpdate, started: float | None = None) -> float:
         """Commit ``pending``; ``started`` (monotonic) is when its update began, for the reported duration."""

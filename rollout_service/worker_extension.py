@@ -19,13 +19,13 @@ import os
 class WeightLoaderExtension:
     """Mixed into vLLM's worker class; ``self.model_runner`` is the worker's model runner."""
 
-    def fleetrl_load_staged_weights(self, staging_path: str, manifest_bytes: bytes) -> int:
+    def fleetrl_load_staged_weights(self, staging_path: str, manifest_bytes: bytes, use_plan: bool = True) -> int:
         """Load every tensor listed in the manifest from the staging file; returns the count loaded."""
+        import torch
+
         from protos.records import decode_manifest
-        from weight_bus.packing import iter_tensors
 
         manifest = decode_manifest(manifest_bytes)
-        dequantize_to = self._fleetrl_dequantize_target(manifest)
         fd = os.open(staging_path, os.O_RDONLY)
         try:
             size = os.fstat(fd).st_size
@@ -33,15 +33,12 @@ class WeightLoaderExtension:
             buffer = mmap.mmap(fd, size, access=mmap.ACCESS_COPY) if size else bytearray()
         finally:
             os.close(fd)
-        loaded = 0
-
-        def counted():
-            nonlocal loaded
-            for name, tensor in iter_tensors(manifest, memoryview(buffer), dequantize_to=dequantize_to):
-                loaded += 1
-                yield name, tensor
-
-        self.model_runner.reload_weights(weights_iterator=counted(), is_checkpoint_format=True)
+        flat = torch.frombuffer(buffer, dtype=torch.uint8) if size else torch.empty(0, dtype=torch.uint8)
+        starts = [0]
+        for nbytes in manifest.bucket_nbytes:
+            starts.append(starts[-1] + nbytes)
+        buckets = [flat[start:end] for start, end in zip(starts, starts[1:], strict=False)]
+        loaded = self._fleetrl_load(manifest, buckets, use_plan)
         self._prepack_cpu_moe_experts()
         return loaded
 
@@ -52,13 +49,13 @@ class WeightLoaderExtension:
 
         return why_not_openable(decode_ipc_version(record_bytes), self.model_runner.device)
 
-    def fleetrl_load_ipc_weights(self, record_bytes: bytes, manifest_bytes: bytes) -> int:
+    def fleetrl_load_ipc_weights(self, record_bytes: bytes, manifest_bytes: bytes, use_plan: bool = True) -> int:
         """Load a version straight from the trainer's device buckets (transport 'ipc'); returns the count loaded,
         or -1 when the buckets cannot be opened (nothing is loaded then: every handle opens before any write)."""
         import torch
 
         from protos.records import decode_ipc_version, decode_manifest
-        from weight_bus.ipc import IpcUnavailable, iter_device_tensors, open_version
+        from weight_bus.ipc import IpcUnavailable, open_version
 
         manifest = decode_manifest(manifest_bytes)
         try:
@@ -68,21 +65,94 @@ class WeightLoaderExtension:
 
             logging.getLogger(__name__).warning("weight bus (ipc): %s; the version comes over tcp", error)
             return -1
+        try:
+            loaded = self._fleetrl_load(manifest, buckets, use_plan)
+            torch.cuda.synchronize(self.model_runner.device)  # done reading the trainer's memory
+        finally:
+            buckets.clear()
+            torch.cuda.ipc_collect()
+        return loaded
+
+    def _fleetrl_load(self, manifest, buckets, use_plan: bool) -> int:
+        """Load one version from ``buckets`` (uint8 tensors, one per manifest bucket): through the layout's accepted
+        refit plan, else vLLM's reload (capturing and checking a plan on the way when one may be tried)."""
+        import logging
+
+        from rollout_service import refit_plan
+        from weight_bus.ipc import iter_device_tensors
+
+        log = logging.getLogger(__name__)
+        plans = self.__dict__.setdefault("_fleetrl_plans", {})  # layout -> RefitPlan, or why it was refused
+        layout = refit_plan.layout_key(manifest)
+        known = plans.get(layout)
+        if use_plan and isinstance(known, refit_plan.RefitPlan):
+            known.replay(buckets)
+            self.fleetrl_last_load_path = "plan"
+            return len(manifest.tensors)
+        dequantize_to = self._fleetrl_dequantize_target(manifest)
+        model = self.model_runner.get_model()
+        plan = masks = before = None
+        reason = self._fleetrl_plan_unavailable(manifest, dequantize_to) if use_plan and known is None else "-"
+        if not reason:
+            try:
+                plan = refit_plan.capture(model, iter_device_tensors(manifest, buckets), buckets, layout)
+                masks = refit_plan.written_masks(plan, model)
+                before = refit_plan.parameter_digests(model, masks)
+            except refit_plan.PlanRefused as error:
+                plan, plans[layout] = None, f"refused: {error}"
+                log.warning("weight updates keep vLLM's reload (no refit plan): %s", error)
+        elif reason != "-":
+            plans[layout] = f"refused: {reason}"
+            log.info("weight updates keep vLLM's reload (no refit plan): %s", reason)
         loaded = 0
 
         def counted():
             nonlocal loaded
-            for name, tensor in iter_device_tensors(manifest, buckets, self._fleetrl_dequantize_target(manifest)):
+            for name, tensor in iter_device_tensors(manifest, buckets, dequantize_to):
                 loaded += 1
                 yield name, tensor
 
-        try:
-            self.model_runner.reload_weights(weights_iterator=counted(), is_checkpoint_format=True)
-            torch.cuda.synchronize(self.model_runner.device)  # done reading the trainer's memory
-        finally:
-            buckets.clear()  # the closure above holds the list: drop the opened allocations
-            torch.cuda.ipc_collect()
+        self.model_runner.reload_weights(weights_iterator=counted(), is_checkpoint_format=True)
+        self.fleetrl_last_load_path = "reload"
+        if plan is not None:
+            try:
+                refit_plan.check(plan, model, buckets, before, masks)
+                plans[layout] = plan
+                log.info(
+                    "refit plan accepted: %d copies, %.1f MiB per update into %d parameters",
+                    len(plan.copies),
+                    plan.nbytes / 2**20,
+                    len(masks),
+                )
+            except refit_plan.PlanRefused as error:
+                plans[layout] = f"refused: {error}"
+                log.warning("weight updates keep vLLM's reload (refit plan refused): %s", error)
         return loaded
+
+    def _fleetrl_plan_unavailable(self, manifest, dequantize_to) -> str:
+        """'' when a refit plan may be tried for ``manifest``, else why not."""
+        runner = self.model_runner
+        if runner.device.type != "cuda":
+            return "on CPU vLLM's kernels keep repacked copies of the weights (linear layers, lm_head) a plan misses"
+        if runner.model_config.quantization is not None:
+            return f"quantization {runner.model_config.quantization!r} repacks the loaded weights"
+        if dequantize_to is not None or any(entry.codec != "raw" for entry in manifest.tensors):
+            return "MXFP8 pairs are decoded at load"
+        if getattr(runner, "lora_config", None) is not None:
+            return "LoRA layers derive state from the base weights at load"
+        return ""
+
+    def fleetrl_refit_plan_state(self) -> dict[str, str]:
+        """Per manifest layout: 'accepted (<copies>)' or why its plan was refused; plus the last load's path."""
+        from rollout_service.refit_plan import RefitPlan
+
+        plans = self.__dict__.get("_fleetrl_plans", {})
+        state = {
+            layout[:12]: (f"accepted ({len(plan.copies)} copies)" if isinstance(plan, RefitPlan) else plan)
+            for layout, plan in plans.items()
+        }
+        state["last_load"] = getattr(self, "fleetrl_last_load_path", "")
+        return state
 
     def _fleetrl_dequantize_target(self, manifest):
         """The dtype MXFP8 pairs are decoded to, or None to load them as they are."""

@@ -1,9 +1,11 @@
 """CUDA IPC transport of the weight bus: a trainer that shares its GPU with the rollout engine (colocated).
 
 Publisher, per version: pack every bucket on the GPU into device memory (MXFP8 quantized there, as for NCCL) ->
-copy the buckets to pinned host memory (checksums, the tcp hold for receivers that cannot open the handles, disk
-snapshots) -> the buckets' IPC handles into Redis (``RedisKeys.ipc_buckets``) -> the manifest (transport 'ipc'),
-which announces the version. Device buckets of the last ``IPC_KEEP_VERSIONS`` versions stay allocated; torch's
+the buckets' IPC handles into Redis (``RedisKeys.ipc_buckets``) -> the manifest (transport 'ipc', without
+checksums: ``checksummed=False``), which announces the version. Off the trainer's path, a ``HostMirror`` thread
+then copies the buckets to pinned host memory, checksums them, holds them on the tcp publisher (receivers that
+cannot open the handles, disk snapshots) and replaces the stored manifest with the checksummed one; a tcp receiver
+of an ipc version waits for that. Device buckets of the last ``IPC_KEEP_VERSIONS`` versions stay allocated; torch's
 IPC reference counting keeps an allocation alive while a consumer still holds it open.
 
 Receiver (inside the vLLM worker on the same GPU, ``open_version`` + ``iter_device_tensors``): every handle is
@@ -16,10 +18,12 @@ tcp as for ``transport=tcp``: the publisher degrades to ``WeightSender`` at star
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import msgspec
 import redis
@@ -151,10 +155,14 @@ class IpcWeightPublisher:
         self.device = device or torch.device("cuda", torch.cuda.current_device())
         self.uuid = device_uuid(self.device)
         self.held: dict[int, list[torch.Tensor]] = {}  # version -> its device buckets
+        self.mirror = HostMirror(self.fallback, self.device)
+        self.last_parts: dict[str, float] = {}  # seconds of the last publish's parts (benchmarks, logs)
 
     def publish(self, version: int, named_tensors) -> PublishStats:
+        self.mirror.raise_failure()  # a host copy that failed stops the trainer here, not silently
         started = time.monotonic()
-        named = list(named_tensors)
+        named = list(named_tensors)  # the export (a collective under Megatron) runs here
+        exported = time.monotonic()
         entries, sizes = packing.plan_layout(packing.encoded_metas(named, self.codec), self.fallback.bytes_per_bucket)
         buckets = [torch.empty(size, dtype=torch.uint8, device=self.device) for size in sizes]
         packer = ChunkPacker(named, self.codec, entries, self.device)
@@ -162,17 +170,17 @@ class IpcWeightPublisher:
         for index, (size, bucket) in enumerate(zip(sizes, buckets, strict=True)):
             packer.pack(ng.Chunk(index, 0, size, offset), bucket)
             offset += size
-        host = [host_buffer(size, self.device) for size in sizes]
-        for bucket, copy in zip(buckets, host, strict=True):
-            copy.copy_(bucket, non_blocking=True)
+        del named, packer  # the buckets hold the bytes now
         torch.cuda.current_stream(self.device).synchronize()
-        flat = FlatHost(host)
-        tensors = [msgspec.structs.replace(e, checksum=flat.crc32(e)) for e in entries]
-        manifest = WeightManifest(version, tensors, sizes, self.tcp.address, "ipc", time.time())
+        packed = time.monotonic()
+        manifest = WeightManifest(version, entries, sizes, self.tcp.address, "ipc", time.time(), checksummed=False)
         record = CudaIpcVersion(version, self.uuid, os.getpid(), [share_bucket(b) for b in buckets])
         self._hold(version, buckets, record)
-        self.fallback.announce(manifest, [bucket.numpy() for bucket in host])
-        return PublishStats(version, time.monotonic() - started, len(entries), sum(sizes), len(sizes))
+        self.board.publish_manifest(manifest)
+        self.mirror.submit(manifest, buckets)
+        done = time.monotonic()
+        self.last_parts = {"export_s": exported - started, "pack_s": packed - exported, "announce_s": done - packed}
+        return PublishStats(version, done - started, len(entries), sum(sizes), len(sizes))
 
     def _hold(self, version: int, buckets: list[torch.Tensor], record: CudaIpcVersion) -> None:
         """Keep this version's device buckets and publish their handles (before the manifest announces it)."""
@@ -184,6 +192,7 @@ class IpcWeightPublisher:
             del self.held[old]
 
     def close(self) -> None:
+        self.mirror.close()
         for version in list(self.held):
             try:
                 self.board.drop_ipc_record(version, timeout_s=0)
@@ -191,3 +200,61 @@ class IpcWeightPublisher:
                 logger.warning("weight bus (ipc): could not drop the handles of v%d: %s", version, error)
         self.held.clear()
         self.fallback.close()
+
+
+class HostMirror:
+    """The host side of ipc versions, made off the trainer's path by one thread, in version order: pinned copy of
+    the device buckets -> crc32 per tensor -> tcp hold (+ disk snapshot) -> the checksummed manifest in Redis."""
+
+    def __init__(self, sender: WeightSender, device: torch.device):
+        self.sender, self.device = sender, device
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ipc-host-mirror")
+        self.pending: list[Future] = []
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.last_seconds = 0.0
+
+    def submit(self, manifest: WeightManifest, buckets: list[torch.Tensor]) -> Future:
+        self.pending = [f for f in self.pending if not f.done() or f.exception() is not None]
+        future = self.pool.submit(self._mirror, manifest, buckets)
+        self.pending.append(future)
+        return future
+
+    def raise_failure(self) -> None:
+        for future in self.pending:
+            if future.done() and future.exception() is not None:
+                raise RuntimeError(
+                    f"weight bus (ipc): the host copy of a version failed: {future.exception()}"
+                ) from future.exception()
+
+    def wait(self, timeout_s: float) -> None:
+        """Until every submitted version is mirrored (tests, close)."""
+        for future in list(self.pending):
+            future.result(timeout=timeout_s)
+
+    def _mirror(self, manifest: WeightManifest, buckets: list[torch.Tensor]) -> None:
+        started = time.monotonic()
+        host = [host_buffer(bucket.numel(), self.device) for bucket in buckets]
+        with torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext():
+            for bucket, copy in zip(buckets, host, strict=True):
+                copy.copy_(bucket, non_blocking=self.stream is not None)
+        if self.stream is not None:
+            self.stream.synchronize()
+        flat = FlatHost(host)
+        tensors = [msgspec.structs.replace(e, checksum=flat.crc32(e)) for e in manifest.tensors]
+        checksummed = msgspec.structs.replace(manifest, tensors=tensors, checksummed=True)
+        arrays = [bucket.numpy() for bucket in host]
+        self.sender.tcp.hold(manifest.version, arrays)
+        if self.sender.snapshots is not None:
+            self.sender.snapshots.begin(manifest.version)
+            for array in arrays:
+                self.sender.snapshots.write_bucket(array)
+            self.sender.snapshots.commit(checksummed)
+        self.sender.board.replace_manifest(checksummed)
+        self.last_seconds = time.monotonic() - started
+
+    def close(self, timeout_s: float = 60.0) -> None:
+        try:
+            self.wait(timeout_s)
+        except Exception as error:  # noqa: BLE001 - closing: say what was lost, do not mask the caller's error
+            logger.warning("weight bus (ipc): a host copy did not finish before close: %s", error)
+        self.pool.shutdown(wait=False, cancel_futures=True)

@@ -110,6 +110,13 @@ class RolloutConfig(Strict):
         True, description="Drop KV cache on a weight update so later tokens see only new weights."
     )
     dtype: Literal["float32", "bfloat16"] = Field("float32", description="Engine dtype.")
+    refit_plan: bool = Field(
+        True,
+        description="Load weight updates through a copy plan (rollout_service.refit_plan): captured from vLLM's own "
+        "loaders on the first update, checked against vLLM's full reload of that version, then every later update "
+        "is one batched device copy. A plan that does not reproduce vLLM's reload exactly is dropped (logged) and "
+        "updates keep vLLM's reload; false always reloads.",
+    )
     weight_updates: Literal["follow", "manual"] = Field(
         "follow",
         description="follow: apply every announced version; manual: only gRPC weight-update calls do (a controller).",

@@ -126,10 +126,11 @@ MANIFEST_V1_HEX = (
     "6d5f686561642e776569676874a862666c6f617431369102a372617701400401922044ae3132372e302e302e313a353535"
     "35a3746370cb41d954fc40500000"
 )
-MANIFEST_HEX = MANIFEST_V1_HEX.replace("9602", "9702", 1) + "c0"
+MANIFEST_V2_HEX = MANIFEST_V1_HEX.replace("9602", "9702", 1) + "c0"
+MANIFEST_HEX = MANIFEST_V1_HEX.replace("9602", "9802", 1) + "c0c3"  # v3: checksummed (True)
 # A LoRA adapter version: LoraAdapter(rank 64, alpha 64.0, [q_proj, down_proj], expert_rank 8) as the last field.
 ADAPTER_HEX = "9440cb405000000000000092a6715f70726f6aa9646f776e5f70726f6a08"
-ADAPTER_MANIFEST_HEX = MANIFEST_V1_HEX.replace("9602", "9702", 1) + ADAPTER_HEX
+ADAPTER_MANIFEST_HEX = MANIFEST_V1_HEX.replace("9602", "9802", 1) + ADAPTER_HEX + "c3"
 # Written before ``update_s`` and ``paused_s`` were appended (v1): still decodes, with their defaults.
 REPORT_V1_HEX = (
     "96a9726f6c6c6f75742d30ae3132372e302e302e313a373030300501af66657463682074696d6564206f7574cb41d954fc40800000"
@@ -184,6 +185,7 @@ def test_golden_bytes_decode_to_the_same_records():
     older = decode_group(bytes.fromhex(GROUP_BEFORE_TEMPERATURE_HEX))
     assert older == msgspec.structs.replace(_group(), sampling_temperature=-1.0)
     assert decode_manifest(bytes.fromhex(MANIFEST_HEX)) == _manifest()
+    assert decode_manifest(bytes.fromhex(MANIFEST_V2_HEX)) == _manifest()  # before v3: checksummed by default
     assert decode_report(bytes.fromhex(REPORT_HEX)) == _report()
     before_rate = msgspec.structs.replace(_report(), tokens_per_s=0.0)
     assert decode_report(bytes.fromhex(REPORT_V3_HEX)) == before_rate

@@ -1,0 +1,242 @@
+"""Weight refit end to end: seconds from the trainer's step end to the engine serving the new version.
+
+For each model (HF Qwen3-MoE configs: the GPU demo's 0.94 B and a 3.2 B), one vLLM engine (fleetrl's RolloutEngine,
+bf16, ``load_format=dummy``: the benchmark's first update brings the weights) and one valkey; the "trainer" is this
+process holding the HF-named bf16 weights on the GPU, perturbed before every version so that each carries new bytes.
+Per transport (ipc, tcp) and engine path, ``--versions`` updates through fleetrl's real parts: ``WeightPublisher``
+(pack -> announce) and ``WeightFollower.update_to`` (fetch for tcp -> pause -> load -> resume -> report):
+
+- ``reload``: vLLM's ``reload_weights`` (checkpoint format, layerwise processing) per version (``rollout.refit_plan``
+  off): what every update did before the refit plan.
+- ``plan``: ``rollout.refit_plan`` on: the first update captures and checks the plan (``plan_first_s``), the later ones
+  replay it.
+
+Figures (medians over the versions after the first): ``update_s`` (publish + update_to), ``GBps`` (bytes / update_s),
+``publish_s`` with its parts (export = list the tensors, pack, announce), ``load_s`` (the engine's load alone),
+``paused_s`` (generation held), the device copy of the same bytes measured in the same run, and ``ratio`` = device copy
+/ update_s. Served weights are compared with the trainer's tensors (per-group sums) after each path, and after a plan
+update the per-parameter sums must equal those after a reload of the same bytes.
+
+    python benchmarks/weight_refit.py --models demo-1b,moe-3b --transports ipc,tcp --out refit.json
+    FLEETRL_GPU_CHECKS_DRY=1 python benchmarks/weight_refit.py --models tiny --transports tcp   # CPU smoke
+
+The last line printed is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+
+import torch  # noqa: E402
+from gpu_check_helpers import DRY, device_copy_s, expected_sums, served_equals  # noqa: E402
+
+MODELS = {  # tiny_model.tiny_config overrides
+    "tiny": dict(num_layers=2, hidden_size=64, num_experts=8, top_k=2, dtype="float32"),
+    "demo-1b": dict(
+        num_layers=12,
+        hidden_size=1024,
+        num_experts=48,
+        top_k=4,
+        num_heads=8,
+        num_kv_heads=2,
+        head_dim=128,
+        moe_intermediate_size=512,
+        dtype="bfloat16",
+    ),  # fmt: skip
+    "moe-3b": dict(
+        num_layers=8,
+        hidden_size=2048,
+        num_experts=64,
+        top_k=8,
+        num_heads=16,
+        num_kv_heads=4,
+        head_dim=128,
+        moe_intermediate_size=1024,
+        dtype="bfloat16",
+    ),  # fmt: skip
+}
+
+
+def model_dir(name: str, root: Path) -> tuple[Path, list[tuple[str, torch.Tensor]]]:
+    """A config-only checkpoint directory for vLLM (dummy load) and the trainer's HF-named weights on the device."""
+    from transformers import AutoModelForCausalLM
+
+    from modeling.tiny_model import build_tokenizer, tiny_config
+
+    overrides = MODELS[name]
+    config = tiny_config(**overrides)
+    path = root / name
+    config.save_pretrained(path)
+    build_tokenizer().save_pretrained(path)
+    (path / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": 2}))
+    with torch.device("meta"):
+        meta = AutoModelForCausalLM.from_config(config)
+    device = "cpu" if DRY else "cuda"
+    dtype = getattr(torch, overrides["dtype"])
+    generator = torch.Generator(device).manual_seed(0)
+    weights = [
+        (n, (torch.randn(p.shape, generator=generator, device=device) * 0.02).to(dtype))
+        for n, p in meta.named_parameters()
+    ]
+    return path, weights
+
+
+def perturb(weights, step: int) -> None:
+    with torch.no_grad():
+        for _, tensor in weights:
+            tensor.add_(1e-3 * (1 if step % 2 else -1))
+
+
+async def run_path(
+    engine, weights, transport: str, use_plan: bool, versions: range, redis_url: str, keys, vary: bool = True
+) -> dict:
+    import redis
+    import redis.asyncio as aioredis
+
+    from protos.config import WeightBusConfig
+    from rollout_service.weight_sync import WeightFollower
+    from trainer_service.publisher import WeightPublisher
+
+    bus = WeightBusConfig(transport=transport, bucket_mib=256)
+    engine.config = engine.config.model_copy(update={"refit_plan": use_plan})
+    publisher = WeightPublisher(redis.Redis.from_url(redis_url), keys, bus)
+    follower = WeightFollower(engine, aioredis.Redis.from_url(redis_url), keys, bus, "bench")
+    rows = []
+    try:
+        for version in versions:
+            if vary:
+                perturb(weights, version)
+            sync()
+            started = time.monotonic()
+            publish_s = publisher.publish(version, iter(weights))
+            await follower.update_to(version)
+            update_s = time.monotonic() - started
+            parts = getattr(publisher.sender, "last_parts", {})
+            rows.append(
+                dict(
+                    update_s=update_s,
+                    publish_s=publish_s,
+                    load_s=engine.last_load_s,
+                    paused_s=follower.last_paused_s,
+                    source=follower.last_source,
+                    **parts,
+                )
+            )
+        nbytes = publisher.last_stats.num_bytes
+    finally:
+        publisher.close()
+    state = (await engine.llm.collective_rpc("fleetrl_refit_plan_state"))[0]
+    steady = rows[1:] or rows
+    figures = {
+        key: round(statistics.median(r[key] for r in steady), 4)
+        for key in steady[0]
+        if isinstance(steady[0][key], float)
+    }
+    figures.update(bytes=nbytes, first_s=round(rows[0]["update_s"], 3), source=rows[-1]["source"])
+    figures["GBps"] = round(nbytes / figures["update_s"] / 1e9, 2)
+    figures["plan_state"] = state
+    figures["served_equal_trainer"] = await served_equals(engine, expected_sums(weights, _raw()))
+    return figures
+
+
+def _raw():
+    from weight_bus.packing import WireCodec
+
+    return WireCodec()
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+async def plan_equals_reload(engine, weights, redis_url: str, keys, version: int) -> dict:
+    """The same bytes loaded by vLLM's reload and then by the plan: every served parameter's sum must be equal."""
+    results = {}
+    for label, use_plan in (("reload", False), ("plan", True)):
+        transport = "tcp" if DRY else "ipc"
+        await run_path(engine, weights, transport, use_plan, range(version, version + 1), redis_url, keys, vary=False)
+        results[label] = (await engine.llm.collective_rpc("fleetrl_param_sums"))[0]
+        version += 1
+    differing = [name for name in results["reload"] if results["reload"][name] != results["plan"].get(name)]
+    return {"parameters": len(results["reload"]), "differing": differing[:8], "equal": not differing}
+
+
+async def bench_model(name: str, args, root: Path, redis_url: str) -> dict:
+    from protos.config import RolloutConfig
+    from protos.redis_keys import RedisKeys
+    from rollout_service.engine import RolloutEngine
+
+    path, weights = model_dir(name, root)
+    config = RolloutConfig(
+        dtype="float32" if DRY else "bfloat16",
+        load_format="dummy",
+        max_model_len=256,
+        gpu_memory_utilization=0.3,
+        kv_cache_gib=1 if DRY else 4,
+        enforce_eager=True,
+        return_routed_experts="off",
+    )
+    engine = RolloutEngine(str(path), config, server_id=f"refit-{name}")
+    started = time.monotonic()
+    await engine.start()
+    result: dict = {"engine_start_s": round(time.monotonic() - started, 1)}
+    nbytes = sum(t.numel() * t.element_size() for _, t in weights)
+    result["bytes"] = nbytes
+    result["device_copy_s"] = round(device_copy_s(nbytes), 5)
+    keys = RedisKeys(f"refit-{name}")
+    version = 1
+    try:
+        for transport in args.transports:
+            for label, use_plan in (("reload", False), ("plan", True)):
+                versions = range(version, version + args.versions)
+                figures = await run_path(engine, weights, transport, use_plan, versions, redis_url, keys)
+                figures["ratio_to_device_copy"] = round(result["device_copy_s"] / figures["update_s"], 4)
+                result[f"{transport}_{label}"] = figures
+                version += args.versions
+                print(name, transport, label, json.dumps(figures), flush=True)
+        result["plan_equals_reload"] = await plan_equals_reload(engine, weights, redis_url, keys, version)
+    finally:
+        engine.shutdown()
+    return result
+
+
+async def main_async(args) -> dict:
+    from coordinator.redis_server import EmbeddedRedis
+
+    out = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", "dry": DRY}
+    redis_server = EmbeddedRedis(appendonly=False).start()
+    try:
+        with tempfile.TemporaryDirectory() as root:
+            for name in args.models:
+                out[name] = await bench_model(name, args, Path(root), redis_server.url)
+                if args.out:
+                    Path(args.out).write_text(json.dumps(out, indent=1))
+    finally:
+        redis_server.stop()
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", type=lambda s: s.split(","), default=["demo-1b", "moe-3b"])
+    parser.add_argument("--transports", type=lambda s: s.split(","), default=["ipc", "tcp"])
+    parser.add_argument("--versions", type=int, default=4, help="updates per transport and path")
+    parser.add_argument("--out", default="", help="also write the JSON here (after every model)")
+    args = parser.parse_args()
+    out = asyncio.run(main_async(args))
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()

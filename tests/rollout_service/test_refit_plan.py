@@ -1,0 +1,160 @@
+"""The refit plan (rollout_service.refit_plan) on CPU: captured from vLLM-style loaders over packed buckets, checked
+against a real load of the same version, replayed into the served parameters; and refused wherever a replay would
+serve something other than what vLLM's own load serves."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from vllm.model_executor.model_loader.weight_utils import default_weight_loader
+
+from protos.records import WeightManifest
+from rollout_service import refit_plan
+from weight_bus import nccl_group as ng
+from weight_bus import packing
+from weight_bus.ipc import iter_device_tensors
+from weight_bus.nccl_device import ChunkPacker
+
+pytestmark = pytest.mark.unit
+
+
+def _param(*shape) -> nn.Parameter:
+    return nn.Parameter(torch.zeros(*shape), requires_grad=False)
+
+
+class TinyServedModel(nn.Module):
+    """vLLM's layout in miniature: q and k fused into one parameter (narrowed copies, as QKVParallelLinear), an
+    embedding padded past the vocabulary (rows beyond it never loaded), a norm through default_weight_loader."""
+
+    def __init__(self, loader_transposes: bool = False):
+        super().__init__()
+        self.qk = _param(6, 4)
+        self.embed = _param(8, 4)
+        self.norm = _param(4)
+        self.loader_transposes = loader_transposes
+
+    def load_weights(self, weights) -> set[str]:
+        for name, tensor in weights:
+            if name in ("q.weight", "k.weight"):
+                rows = (0, 4) if name == "q.weight" else (4, 2)
+                self.qk.data.narrow(0, *rows).copy_(tensor.t().contiguous().t() if self.loader_transposes else tensor)
+            elif name == "embed.weight":
+                self.embed.data[: tensor.shape[0]] = tensor
+            else:
+                default_weight_loader(self.norm, tensor)
+        return {"qk", "embed", "norm"}
+
+
+def checkpoint(seed: int) -> list[tuple[str, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(seed)
+    shapes = {"q.weight": (4, 4), "k.weight": (2, 4), "embed.weight": (5, 4), "norm.weight": (4,)}
+    return [(name, torch.randn(*shape, generator=gen)) for name, shape in shapes.items()]
+
+
+def pack(named) -> tuple[WeightManifest, list[torch.Tensor]]:
+    """The ipc publisher's packing, on the CPU: (manifest, uint8 buckets)."""
+    entries, sizes = packing.plan_layout(packing.encoded_metas(named, packing.RAW), 64)
+    buckets = [torch.empty(size, dtype=torch.uint8) for size in sizes]
+    packer = ChunkPacker(named, packing.RAW, entries, torch.device("cpu"))
+    for index, (size, bucket) in enumerate(zip(sizes, buckets, strict=True)):
+        packer.pack(ng.Chunk(index, 0, size, 0), bucket)
+    return WeightManifest(1, entries, sizes, "", "ipc", 0.0), buckets
+
+
+def captured_and_checked(model: nn.Module, manifest, buckets, process=None) -> refit_plan.RefitPlan:
+    """What the worker does on a layout's first version: capture, reload the safe way, check."""
+    plan = refit_plan.capture(model, iter_device_tensors(manifest, buckets), buckets, refit_plan.layout_key(manifest))
+    masks = refit_plan.written_masks(plan, model)
+    before = refit_plan.parameter_digests(model, masks)
+    model.load_weights(iter_device_tensors(manifest, buckets))  # the reload
+    if process is not None:
+        process(model)  # what a process_weights_after_loading would do
+    refit_plan.check(plan, model, buckets, before, masks)
+    return plan
+
+
+def test_a_plan_records_one_slice_copy_per_tensor_into_its_parameter():
+    manifest, buckets = pack(checkpoint(0))
+    model = TinyServedModel()
+    plan = refit_plan.capture(model, iter_device_tensors(manifest, buckets), buckets, refit_plan.layout_key(manifest))
+    assert [(c.parameter, c.shape) for c in plan.copies] == [
+        ("qk", (4, 4)),
+        ("qk", (2, 4)),
+        ("embed", (5, 4)),
+        ("norm", (4,)),
+    ]
+    assert model.qk.abs().sum() == 0  # capturing wrote nothing
+    assert plan.nbytes == (16 + 8 + 20 + 4) * 4
+
+
+def test_replaying_the_plan_serves_the_same_bytes_as_the_loaders_for_every_later_version():
+    manifest, buckets = pack(checkpoint(0))
+    served = TinyServedModel()
+    plan = captured_and_checked(served, manifest, buckets)
+    for seed in (1, 2):
+        later_manifest, later_buckets = pack(checkpoint(seed))
+        assert refit_plan.layout_key(later_manifest) == plan.layout
+        plan.replay(later_buckets)
+        reference = TinyServedModel()
+        reference.load_weights(checkpoint(seed))
+        for (name, got), (_, want) in zip(served.named_parameters(), reference.named_parameters(), strict=True):
+            assert torch.equal(got, want), name
+
+
+def test_a_loader_that_copies_from_a_computed_tensor_is_refused_at_capture():
+    manifest, buckets = pack(checkpoint(0))
+    with pytest.raises(refit_plan.PlanRefused, match="computed"):
+        refit_plan.capture(
+            TinyServedModel(loader_transposes=True), iter_device_tensors(manifest, buckets), buckets, "layout"
+        )
+
+
+def test_processing_after_the_load_that_changes_the_bytes_refuses_the_plan():
+    manifest, buckets = pack(checkpoint(0))
+
+    def scale_norm(model):
+        model.norm.data.mul_(2.0)
+
+    with pytest.raises(refit_plan.PlanRefused, match="norm"):
+        captured_and_checked(TinyServedModel(), manifest, buckets, process=scale_norm)
+
+
+def test_a_reload_that_writes_bytes_outside_the_plan_refuses_it():
+    manifest, buckets = pack(checkpoint(0))
+
+    def fill_padding(model):  # e.g. processing that writes the embedding rows past the vocabulary
+        model.embed.data[5:] = 1.0
+
+    with pytest.raises(refit_plan.PlanRefused, match="embed"):
+        captured_and_checked(TinyServedModel(), manifest, buckets, process=fill_padding)
+
+
+def test_an_in_place_change_of_a_parameter_other_than_a_copy_is_refused():
+    class Filling(TinyServedModel):
+        def load_weights(self, weights):
+            super().load_weights(weights)
+            self.norm.data.fill_(1.0)
+
+    manifest, buckets = pack(checkpoint(0))
+    with pytest.raises(refit_plan.PlanRefused, match="fill_"):
+        refit_plan.capture(Filling(), iter_device_tensors(manifest, buckets), buckets, "layout")
+
+
+def test_overlapping_copies_are_refused():
+    class Overlapping(TinyServedModel):
+        def load_weights(self, weights):
+            for name, tensor in weights:
+                if name == "q.weight":
+                    self.qk.data.narrow(0, 0, 4).copy_(tensor)
+                    self.qk.data.narrow(0, 2, 4).copy_(tensor)
+
+    manifest, buckets = pack(checkpoint(0))
+    with pytest.raises(refit_plan.PlanRefused, match="overlapping"):
+        refit_plan.capture(Overlapping(), iter_device_tensors(manifest, buckets), buckets, "layout")
+
+
+def test_the_layout_key_changes_with_any_entry():
+    manifest, _ = pack(checkpoint(0))
+    bigger, _ = pack(checkpoint(0) + [("extra.weight", torch.zeros(2))])
+    assert refit_plan.layout_key(manifest) != refit_plan.layout_key(bigger)
