@@ -64,3 +64,56 @@ def test_ipc_transport_without_cuda_at_the_trainer_publishes_over_tcp(redis_url)
         assert client.get(RedisKeys("ipc-cpu").ipc_buckets(1)) is None  # no handles: receivers use tcp
     finally:
         publisher.close()
+
+
+def test_an_ipc_version_announced_before_its_checksums_gets_them_from_the_host_mirror(redis_url, tmp_path):
+    """The ipc publisher announces a version before its host copy; the mirror then holds the bytes on tcp, writes
+    the snapshot and replaces the stored manifest with the checksummed one, which a tcp receiver verifies."""
+    import msgspec
+
+    from channels.version_board import VersionBoard
+    from weight_bus import receiver
+    from weight_bus.ipc import HostMirror
+
+    client = redis.Redis.from_url(redis_url)
+    keys = RedisKeys("ipc-mirror")
+    config = WeightBusConfig(transport="ipc", snapshot_dir=str(tmp_path))
+    sender = WeightSender(client, keys, config, transport="ipc", recycle=False)
+    mirror = HostMirror(sender, torch.device("cpu"))
+    try:
+        manifest, buckets = packing.pack(_named(), 4, 4096)
+        unchecked = msgspec.structs.replace(
+            manifest,
+            tensors=[msgspec.structs.replace(e, checksum=0) for e in manifest.tensors],
+            publisher_address=sender.tcp.address,
+            transport="ipc",
+            checksummed=False,
+        )
+        VersionBoard(client, keys).publish_manifest(unchecked)
+        mirror.submit(unchecked, [torch.from_numpy(np.asarray(b)) for b in buckets])
+        mirror.wait(timeout_s=30)
+        stored = VersionBoard(client, keys).manifest(4)
+        assert stored.checksummed and [e.checksum for e in stored.tensors] == [e.checksum for e in manifest.tensors]
+        into = bytearray(packing.total_nbytes(stored))
+        assert receiver.receive_into(stored, memoryview(into), 10.0, None) == "publisher"  # verified on arrival
+        assert receiver.resolve_manifest(None, 4, str(tmp_path)) == stored  # the snapshot has it too
+    finally:
+        mirror.close()
+        sender.close()
+
+
+def test_a_failed_host_copy_stops_the_next_publish_with_its_cause(redis_url):
+    from weight_bus.ipc import HostMirror
+
+    sender = WeightSender(redis.Redis.from_url(redis_url), RedisKeys("ipc-fail"), WeightBusConfig(), recycle=False)
+    mirror = HostMirror(sender, torch.device("cpu"))
+    try:
+        manifest, _ = packing.pack(_named(), 1, 4096)
+        mirror.submit(manifest, [])  # no buckets for the manifest's entries: the checksums cannot be computed
+        with pytest.raises(Exception):  # noqa: B017, PT011 - whichever error the copy raised
+            mirror.wait(timeout_s=30)
+        with pytest.raises(RuntimeError, match="host copy of a version failed"):
+            mirror.raise_failure()
+    finally:
+        mirror.close()
+        sender.close()
