@@ -180,6 +180,15 @@ class IpcWeightPublisher:
         self.mirror.submit(manifest, buckets)
         done = time.monotonic()
         self.last_parts = {"export_s": exported - started, "pack_s": packed - exported, "announce_s": done - packed}
+        logger.info(
+            "weight bus (ipc): published v%d (%.1f MiB) in %.3fs: export %.3fs, pack %.3fs, announce %.3fs; host "
+            "copy of the previous version %.3fs",
+            version,
+            sum(sizes) / 2**20,
+            done - started,
+            *self.last_parts.values(),
+            self.mirror.last_seconds,
+        )
         return PublishStats(version, done - started, len(entries), sum(sizes), len(sizes))
 
     def _hold(self, version: int, buckets: list[torch.Tensor], record: CudaIpcVersion) -> None:
