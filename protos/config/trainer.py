@@ -66,6 +66,12 @@ class MegatronConfig(Strict):
         "projection, applied with grouped matmuls; False builds SequentialMLP experts with one adapter module "
         "per expert (megatron-bridge's) for LoRA runs.",
     )
+    export_plan: bool = Field(
+        True,
+        description="One process (world size 1, no LoRA): learn once how megatron-bridge's HF export maps onto the "
+        "parameters (views, fixed row selections; trainer_service.export_plan) and export later versions through "
+        "that plan instead of the bridge, compared with a bridge export every 100 versions; false: the bridge always.",
+    )
     fused_attention: bool = Field(
         True,
         description="Core attention through torch's scaled_dot_product_attention (FlashAttention on a GPU; sliding "

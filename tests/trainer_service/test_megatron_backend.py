@@ -118,6 +118,19 @@ def test_megatron_export_is_bit_exact_with_the_hf_checkpoint(megatron, model_dir
         assert torch.equal(exported[name], tensor), name
 
 
+def test_the_export_plan_gives_the_bridges_tensors_after_a_training_step(model_dir):
+    megatron = MegatronBackend(model_dir, CONFIG)
+    dict(megatron.export_hf_weights())  # the first export learns the plan from the bridge
+    plan = megatron._export.plan
+    assert plan is not None and {type(s).__name__ for _, s in plan.sources} == {"ViewOf", "RowsOf"}  # q/k/v gathered
+    megatron.train_step(_padded_batch())
+    planned = {name: tensor.clone() for name, tensor in megatron.export_hf_weights()}
+    bridge = dict(megatron.bridge.export_hf_weights(megatron.model, cpu=True, show_progress=False))
+    assert list(planned) == list(bridge)
+    for name, tensor in bridge.items():
+        assert torch.equal(planned[name], tensor), name
+
+
 def test_megatron_train_step_changes_weights_like_the_torch_backend(model_dir):
     megatron, torch_ref = MegatronBackend(model_dir, CONFIG), TorchBackend(model_dir, CONFIG)
     batch = _padded_batch()

@@ -38,6 +38,7 @@ from trainer_service.batch import (
     pad_to_common_shape,
     split_micro_batches,
 )
+from trainer_service.export_plan import PlannedExport
 from trainer_service.losses import loss_denominator, policy_loss
 from trainer_service.megatron import beam, cpu_shims, step
 from trainer_service.megatron import checkpoint as megatron_checkpoint
@@ -98,6 +99,13 @@ class MegatronBackend:
         )
         # Sequence lengths must split evenly over the TP ranks under sequence parallelism.
         self.sequence_multiple = model_config.tensor_model_parallel_size if model_config.sequence_parallel else 1
+        # The export: through a plan learned from the bridge where one process holds every weight (no collectives).
+        world_size = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+        self._export = PlannedExport(
+            lambda: [p for chunk in self.model for p in chunk.parameters()],
+            lambda: self.bridge.export_hf_weights(self.model, cpu=self.device.type == "cpu", show_progress=False),
+            enabled=config.megatron.export_plan and world_size == 1 and not config.lora.enabled,
+        )
 
     # -- forward -------------------------------------------------------------------------------------------
 
@@ -238,7 +246,7 @@ class MegatronBackend:
         # Plain tuples, as TorchBackend yields (the bridge yields its own named tuple type).
         # On a GPU the tensors stay there: the ipc and nccl transports pack (and MXFP8-quantize) them on the device,
         # the tcp one copies each to the host itself.
-        exported = self.bridge.export_hf_weights(self.model, cpu=self.device.type == "cpu", show_progress=False)
+        exported = self._export()
         # LoRA: adapters merged by the bridge; only the adapted layers are published (every rank still iterates).
         yield from lora.published(((name, tensor) for name, tensor in exported), self.config.lora)
 
