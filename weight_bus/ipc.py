@@ -21,9 +21,9 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import threading
 import time
 from collections.abc import Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
 
 import msgspec
 import redis
@@ -212,33 +212,61 @@ class IpcWeightPublisher:
 
 
 class HostMirror:
-    """The host side of ipc versions, made off the trainer's path by one thread, in version order: pinned copy of
-    the device buckets -> crc32 per tensor -> tcp hold (+ disk snapshot) -> the checksummed manifest in Redis."""
+    """The host side of ipc versions, made off the trainer's path by one supervised thread: pinned copy of the device
+    buckets -> crc32 per tensor -> tcp hold (+ disk snapshot) -> the checksummed manifest in Redis.
+
+    At most one version waits: a newer one replaces it (its manifest stays unchecksummed; tcp receivers ask for the
+    latest). Mirroring a version takes longer than a fast step (crc32 runs at ~1 GB/s), so a queue would grow without
+    bound. A failure is raised at the trainer's next publish."""
 
     def __init__(self, sender: WeightSender, device: torch.device):
         self.sender, self.device = sender, device
-        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ipc-host-mirror")
-        self.pending: list[Future] = []
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.last_seconds = 0.0
+        self.skipped = 0  # versions replaced before their turn
+        self._state = threading.Condition()
+        self._queued: tuple[WeightManifest, list[torch.Tensor]] | None = None
+        self._busy, self._closed = False, False
+        self._failure: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="ipc-host-mirror", daemon=True)
+        self._thread.start()
 
-    def submit(self, manifest: WeightManifest, buckets: list[torch.Tensor]) -> Future:
-        self.pending = [f for f in self.pending if not f.done() or f.exception() is not None]
-        future = self.pool.submit(self._mirror, manifest, buckets)
-        self.pending.append(future)
-        return future
+    def submit(self, manifest: WeightManifest, buckets: list[torch.Tensor]) -> None:
+        with self._state:
+            if self._queued is not None:
+                self.skipped += 1
+            self._queued = (manifest, buckets)
+            self._state.notify_all()
 
     def raise_failure(self) -> None:
-        for future in self.pending:
-            if future.done() and future.exception() is not None:
-                raise RuntimeError(
-                    f"weight bus (ipc): the host copy of a version failed: {future.exception()}"
-                ) from future.exception()
+        failure = self._failure
+        if failure is not None:
+            raise RuntimeError(f"weight bus (ipc): the host copy of a version failed: {failure}") from failure
 
     def wait(self, timeout_s: float) -> None:
-        """Until every submitted version is mirrored (tests, close)."""
-        for future in list(self.pending):
-            future.result(timeout=timeout_s)
+        """Until nothing is queued or being mirrored; raises the mirror's failure, TimeoutError after ``timeout_s``."""
+        with self._state:
+            idle = self._state.wait_for(lambda: self._queued is None and not self._busy, timeout=timeout_s)
+        if not idle:
+            raise TimeoutError(f"weight bus (ipc): the host copy did not finish within {timeout_s}s")
+        self.raise_failure()
+
+    def _run(self) -> None:
+        while True:
+            with self._state:
+                self._state.wait_for(lambda: self._queued is not None or self._closed)
+                if self._queued is None:
+                    return
+                job, self._queued, self._busy = self._queued, None, True
+            try:
+                self._mirror(*job)
+            except BaseException as error:  # noqa: BLE001 - kept, raised at the trainer's next publish
+                logger.error("weight bus (ipc): the host copy of v%d failed: %s", job[0].version, error)
+                self._failure = error
+            finally:
+                with self._state:
+                    self._busy = False
+                    self._state.notify_all()
 
     def _mirror(self, manifest: WeightManifest, buckets: list[torch.Tensor]) -> None:
         started = time.monotonic()
@@ -265,5 +293,8 @@ class HostMirror:
         try:
             self.wait(timeout_s)
         except Exception as error:  # noqa: BLE001 - closing: say what was lost, do not mask the caller's error
-            logger.warning("weight bus (ipc): a host copy did not finish before close: %s", error)
-        self.pool.shutdown(wait=False, cancel_futures=True)
+            logger.warning("weight bus (ipc): the last host copy did not finish before close: %s", error)
+        with self._state:
+            self._closed = True
+            self._state.notify_all()
+        self._thread.join(timeout=timeout_s)

@@ -110,10 +110,47 @@ def test_a_failed_host_copy_stops_the_next_publish_with_its_cause(redis_url):
     try:
         manifest, _ = packing.pack(_named(), 1, 4096)
         mirror.submit(manifest, [])  # no buckets for the manifest's entries: the checksums cannot be computed
-        with pytest.raises(Exception):  # noqa: B017, PT011 - whichever error the copy raised
+        with pytest.raises(RuntimeError, match="host copy of a version failed"):
             mirror.wait(timeout_s=30)
         with pytest.raises(RuntimeError, match="host copy of a version failed"):
-            mirror.raise_failure()
+            mirror.raise_failure()  # what the next publish calls first
     finally:
         mirror.close()
         sender.close()
+
+
+def test_a_version_waiting_for_its_host_copy_is_replaced_by_a_newer_one(redis_url):
+    """Mirroring is slower than a fast step: only the newest waiting version is mirrored, the queue never grows."""
+    import threading
+
+    from weight_bus.ipc import HostMirror
+
+    sender = WeightSender(redis.Redis.from_url(redis_url), RedisKeys("ipc-coalesce"), WeightBusConfig(), recycle=False)
+    mirror = HostMirror(sender, torch.device("cpu"))
+    started, release, mirrored = threading.Event(), threading.Event(), []
+
+    def slow_mirror(manifest, buckets):
+        mirrored.append(manifest.version)
+        started.set()
+        assert release.wait(timeout=30)
+
+    mirror._mirror = slow_mirror
+    try:
+        manifest, _ = packing.pack(_named(), 1, 4096)
+        mirror.submit(manifest, [])
+        assert started.wait(timeout=30)  # v1 is being mirrored
+        for version in (2, 3):
+            mirror.submit(msgspec_replace(manifest, version), [])
+        release.set()
+        mirror.wait(timeout_s=30)
+        assert mirrored == [1, 3] and mirror.skipped == 1
+    finally:
+        release.set()
+        mirror.close()
+        sender.close()
+
+
+def msgspec_replace(manifest, version: int):
+    import msgspec
+
+    return msgspec.structs.replace(manifest, version=version)
