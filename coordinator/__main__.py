@@ -210,12 +210,18 @@ async def start_agent_door(config, pipeline: Pipeline, fleet, stop: asyncio.Even
     door = None
     if config.agent.openai_port >= 0:
         from coordinator.agent_api import http_authorize
-        from coordinator.openai_door import start_openai_door
+        from coordinator.openai_address import start_openai_door_of_run
         from coordinator.tasks import load_tokenizer
 
         tokenizer = load_tokenizer(config.model_path)
-        door, door_port = await start_openai_door(
-            book, tokenizer, http_authorize(auth), config.agent.host, config.agent.openai_port
+        door, door_port = await start_openai_door_of_run(  # a picked port is the run's: kept across restarts
+            book,
+            tokenizer,
+            http_authorize(auth),
+            config.agent.host,
+            config.agent.openai_port,
+            scheduler.queue.client,
+            scheduler.queue.keys,
         )
         logger.info("OpenAI-compatible door on http://%s:%d/v1", config.agent.host, door_port)
 

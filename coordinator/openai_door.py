@@ -2,7 +2,7 @@
 
 An adapter like ``agent_api.py``, over HTTP: an agent that speaks the OpenAI chat API trains by changing its base
 URL. Each request's messages are rendered with the model's chat template; the first request of a session opens
-it with that rendering as its prompt, a later one (header ``X-Fleetrl-Session``) must render to the session's
+it with that rendering as its prompt (``n`` > 1 opens n sessions of one group, one per choice), a later one (header ``X-Fleetrl-Session``) must render to the session's
 record followed by new tokens, which are appended (mask 0) before the model's turn. Token truth is the core's:
 what is trained is the record, never the agent's text. Reading the request and rendering it are in
 ``openai_requests.py``: rendering runs in a worker thread, bounded by the context before any tokenizing.
@@ -10,20 +10,20 @@ what is trained is the record, never the agent's text. Reading the request and r
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import json
 import logging
 import math
-import time
 
 from aiohttp import web
 
 from coordinator.agent_errors import AgentRefused
 from coordinator.agent_groups import GroupState
 from coordinator.agent_sessions import Session, SessionBook
+from coordinator.openai_answers import chat_answer
 from coordinator.openai_requests import ChatRenderer, ChatRequest, DoorRefused, parse_chat
 from coordinator.openai_stream import stream_answer
-from protos.records import FinishReason
 
 __all__ = ["DoorRefused", "build_app", "start_openai_door"]
 
@@ -100,10 +100,29 @@ class OpenAIDoor:
         rendered = await self.renderer.render(chat)  # in a worker thread: the loop serves other requests meanwhile
         session_id = request.headers.get("X-Fleetrl-Session", "")
         if session_id:
-            session = self.book.get(owner, session_id)
+            if chat.n > 1:
+                raise DoorRefused(
+                    400,
+                    f"n: {chat.n} on session {session_id}: samples of one turn are opened together (a request "
+                    "without X-Fleetrl-Session); continue each choice's session with n = 1",
+                    "n",
+                )
+            sessions = [self.book.get(owner, session_id)]
         else:
-            session = await self.open(request, owner, rendered, chat.temperature)
-        request[SESSION_ID] = session.session_id
+            sessions = await self.open(request, owner, rendered, chat)
+        request[SESSION_ID] = ",".join(s.session_id for s in sessions)
+        # each sample's turn, generated side by side (every session of a group may be on another server)
+        indexes = await asyncio.gather(*(self.turn(owner, s, chat, rendered) for s in sessions), return_exceptions=True)
+        failed = next((i for i in indexes if isinstance(i, BaseException)), None)
+        if failed is not None:  # the others were waited for: no turn is left running unanswered
+            raise failed
+        answer = chat_answer(self.tokenizer, list(zip(sessions, indexes, strict=True)), chat)
+        if chat.stream:
+            return await stream_answer(request, answer, chat.include_usage, request[SESSION_ID])
+        return web.json_response(answer)
+
+    async def turn(self, owner: str, session: Session, chat: ChatRequest, rendered: list[int]) -> int:
+        """The index of the model's turn after ``rendered``: appended and generated now, or recorded already."""
         if chat.temperature is not None and chat.temperature != session.group.temperature:
             raise DoorRefused(
                 400, f"temperature: session {session.session_id} samples at {session.group.temperature}", "temperature"
@@ -111,17 +130,14 @@ class OpenAIDoor:
         record = session.tokens()
         last = session.turns[-1] if session.turns else None
         if last is not None and last.generated and rendered == record[: len(record) - len(last.token_ids)]:
-            index = len(session.turns) - 1  # a retry whose answer was lost: the recorded turn again
-        else:
-            _check_prefix(session.session_id, record, rendered)
-            if len(rendered) > len(record):
-                await self.book.append(owner, session.session_id, rendered[len(record) :], len(record))
-            index = await self.generate(owner, session, chat, len(rendered))
-        if chat.stream:
-            return await stream_answer(request, self.answer(session, index, chat), chat.include_usage)
-        return web.json_response(self.answer(session, index, chat))
+            return len(session.turns) - 1  # a retry whose answer was lost: the recorded turn again
+        _check_prefix(session.session_id, record, rendered)
+        if len(rendered) > len(record):
+            await self.book.append(owner, session.session_id, rendered[len(record) :], len(record))
+        return await self.generate(owner, session, chat, len(rendered))
 
-    async def open(self, request: web.Request, owner: str, prompt: list[int], temperature) -> Session:
+    async def open(self, request: web.Request, owner: str, prompt: list[int], chat: ChatRequest) -> list[Session]:
+        """``chat.n`` sessions of one group (the first may admit it); all abandoned again if one cannot open."""
         key = request.headers.get("X-Fleetrl-Group-Key", "")
         if not key:
             raise DoorRefused(
@@ -130,8 +146,37 @@ class OpenAIDoor:
         size = request.headers.get("X-Fleetrl-Group-Size", "0")
         if not size.isdigit():
             raise DoorRefused(400, f"X-Fleetrl-Group-Size: {size!r} is not a non-negative integer")
+        self._check_samples(owner, key, int(size), chat.n)
         open_id = request.headers.get("X-Fleetrl-Open-Id", "")
-        return await self.book.open(owner, prompt, key, int(size), temperature, {"door": "openai"}, open_id)
+        sessions: list[Session] = []
+        try:
+            for i in range(chat.n):
+                sample_open_id = f"{open_id}/{i}" if open_id and chat.n > 1 else open_id
+                metadata = {"door": "openai"} | ({"sample": str(i)} if chat.n > 1 else {})
+                sessions.append(
+                    await self.book.open(owner, prompt, key, int(size), chat.temperature, metadata, sample_open_id)
+                )
+        except BaseException:
+            for session in sessions:  # frees the group's slot when they were its only sessions
+                await self.book.close(owner, session.session_id, abandon=True)
+            raise
+        return sessions
+
+    def _check_samples(self, owner: str, key: str, size: int, n: int) -> None:
+        """``n`` must fit the group: its size (the run's when 0), the sessions it holds, and ``agent.max_sessions``."""
+        if n == 1:
+            return
+        group = self.book.groups.get((owner, key))
+        size = group.size if group is not None else size or self.book.scheduler.config.group_size
+        if n > size:
+            raise DoorRefused(400, f"n: {n} samples, but group {key!r} has {size} members (one session each)", "n")
+        taken = len(group.sessions) + group.opening if group is not None else 0
+        if n > size - taken:
+            raise DoorRefused(
+                400, f"n: {n} samples, but group {key!r} has room for {size - taken} more sessions of {size}", "n"
+            )
+        if n > self.book.config.max_sessions:
+            raise DoorRefused(400, f"n: {n} samples, above agent.max_sessions {self.book.config.max_sessions}", "n")
 
     async def generate(self, owner: str, session: Session, chat: ChatRequest, length: int) -> int:
         """The model's turn; the iterator is drained so that the core's ``finally`` frees the session now."""
@@ -143,46 +188,6 @@ class OpenAIDoor:
         if index is None:
             raise AssertionError("SessionBook.generate ended without its finished chunk")
         return index
-
-    def answer(self, session: Session, index: int, chat: ChatRequest) -> dict:
-        turn = session.turns[index]
-        tokens = turn.token_ids
-        if turn.finish_reason == FinishReason.STOP and tokens and tokens[-1] in self.tokenizer.all_special_ids:
-            tokens = tokens[:-1]  # the end-of-turn token is the template's to render (OpenAI leaves it out)
-        # A ``stop`` token that is not special stays in the content (unlike OpenAI): the record holds it, so the
-        # next request's rendering must too.
-        content = self.tokenizer.decode(tokens, skip_special_tokens=False, clean_up_tokenization_spaces=False)
-        context = len(session.prompt) + sum(len(t.token_ids) for t in session.turns[:index])
-        choice = {
-            "index": 0,
-            "message": {"role": "assistant", "content": content},
-            "finish_reason": "length" if turn.finish_reason == FinishReason.LENGTH else "stop",
-            "logprobs": None,
-        }
-        if chat.logprobs:
-            pieces = self.tokenizer.convert_ids_to_tokens(turn.token_ids)
-            entries = zip(pieces, turn.logprobs, strict=True)
-            choice["logprobs"] = {"content": [{"token": p, "logprob": lp, "top_logprobs": []} for p, lp in entries]}
-        versions = [v for v, _, _ in turn.version_spans]
-        return {
-            "id": f"chatcmpl-{session.session_id[:16]}-{index}",
-            "object": "chat.completion",
-            "created": int(time.time()),
-            "model": chat.model,
-            "choices": [choice],
-            "usage": {
-                "prompt_tokens": context,
-                "completion_tokens": len(turn.token_ids),
-                "total_tokens": context + len(turn.token_ids),
-            },
-            "fleetrl": {
-                "session_id": session.session_id,
-                "turn_index": index,
-                "token_ids": list(turn.token_ids),
-                "logprobs": list(turn.logprobs),
-                "policy_version": max(versions) if versions else session.policy_version,
-            },
-        }
 
     # 2) submission ---------------------------------------------------------------------------------
     async def submit(self, request: web.Request) -> web.Response:

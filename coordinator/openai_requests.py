@@ -11,10 +11,11 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass
 
+from coordinator.openai_tools import template_message
+
 # Fields that would change the sampling distribution: accepted only at their neutral values (the trainer needs
 # the logprobs of full-vocabulary sampling at the group's temperature). Other unknown fields are ignored.
 NEUTRAL = {
-    "n": (1,),
     "best_of": (1,),
     "top_p": (1,),
     "top_k": (0, -1),
@@ -48,6 +49,8 @@ class ChatRequest:
     template_kwargs: dict
     stream: bool = False  # answered as server-sent events (openai_stream.py)
     include_usage: bool = False  # stream_options.include_usage: a last chunk with the usage
+    n: int = 1  # samples of this turn: one session each, members of one group (opening requests only)
+    parse_tools: bool = False  # tools were given and tool_choice is not "none": read tool calls out of turns
 
 
 def parse_chat(body: dict, tokenizer, max_model_len: int) -> ChatRequest:
@@ -72,8 +75,15 @@ def parse_chat(body: dict, tokenizer, max_model_len: int) -> ChatRequest:
     if not isinstance(kwargs, dict):
         raise DoorRefused(400, "chat_template_kwargs: must be an object", "chat_template_kwargs")
     kwargs = dict(kwargs)
-    if body.get("tools"):
-        kwargs["tools"] = body["tools"]
+    tools = body.get("tools")
+    if tools is not None and (not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools)):
+        raise DoorRefused(400, "tools: must be a list of tool objects", "tools")
+    if tools:
+        kwargs["tools"] = tools
+    n = body.get("n")
+    n = 1 if n is None else n
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        raise DoorRefused(400, f"n: {n!r}, must be an integer >= 1", "n")
     stream = body.get("stream") or False
     if not isinstance(stream, bool):
         raise DoorRefused(400, f"stream: {stream!r} is not a boolean", "stream")
@@ -83,7 +93,7 @@ def parse_chat(body: dict, tokenizer, max_model_len: int) -> ChatRequest:
     stop = stop_tokens(tokenizer, body.get("stop"))
     logprobs = bool(body.get("logprobs"))
     return ChatRequest(
-        [_flat_message(i, m) for i, m in enumerate(messages)],
+        [_template_message(i, _flat_message(i, m)) for i, m in enumerate(messages)],
         max_tokens,
         temperature,
         stop,
@@ -92,7 +102,16 @@ def parse_chat(body: dict, tokenizer, max_model_len: int) -> ChatRequest:
         kwargs,
         stream,
         include_usage,
+        n,
+        bool(tools) and body.get("tool_choice") != "none",
     )
+
+
+def _template_message(index: int, message: dict) -> dict:
+    try:
+        return template_message(index, message)
+    except ValueError as error:
+        raise DoorRefused(400, str(error), "messages") from error
 
 
 def _flat_message(index: int, message: dict) -> dict:

@@ -117,3 +117,9 @@ class RedisKeys:
     def agent_group(self, group_uid: str) -> str:
         """Encoded AgentGroupRecord; expires once its group cannot be open or remembered any more."""
         return self._key(f"agent:group:{group_uid}")
+
+    @property
+    def openai_door_port(self) -> str:
+        """The OpenAI door's port (int as string) when it was picked at start (``agent.openai_port: 0``): a restarted
+        coordinator of the run listens on it again, so agents keep their base URL."""
+        return self._key("agent:openai_door_port")

@@ -199,7 +199,7 @@ def test_malformed_json_and_sampling_changes_are_400_naming_the_field_and_the_do
         async with DoorHarness(rollout_server.address, redis_url, tokenizer) as h:
             status, error, _ = await h.post("/chat/completions", b"{not json", **{"X-Fleetrl-Group-Key": "k"})
             assert status == 400 and "JSON" in error["error"]["message"]
-            for field, value in [("top_p", 0.9), ("n", 2), ("logit_bias", {"5": 3}), ("stream", "yes")]:
+            for field, value in [("top_p", 0.9), ("n", 3), ("logit_bias", {"5": 3}), ("stream", "yes")]:
                 status, error, _ = await h.chat([USER], **{field: value})
                 assert status == 400 and error["error"]["param"] == field, (field, error)
             status, error, _ = await h.chat([USER], stop=["12"])

@@ -1,0 +1,74 @@
+"""The OpenAI door's ``chat.completion`` answer, built from recorded turns: one choice per sampled session.
+
+Everything here reads the record (``Session.turns``); nothing is generated or written. The content is the
+detokenized turn, tool calls are parsed out of it when the request gave tools (``openai_tools.py``), and the
+``fleetrl`` field carries the engine's token ids and logprobs, which are what is trained.
+"""
+
+from __future__ import annotations
+
+import time
+
+from coordinator.agent_sessions import Session
+from coordinator.openai_requests import ChatRequest
+from coordinator.openai_tools import parse_tool_calls
+from protos.records import FinishReason
+
+__all__ = ["chat_answer"]
+
+
+def chat_answer(tokenizer, turns: list[tuple[Session, int]], chat: ChatRequest) -> dict:
+    """The answer to ``chat``: choice ``i`` is turn ``turns[i] = (session, turn index)``. The top-level ``fleetrl``
+    field is choice 0's (each choice carries its own); ``usage`` counts the context once and every choice's turn."""
+    choices = [_choice(tokenizer, session, index, chat, i) for i, (session, index) in enumerate(turns)]
+    first_session, first_index = turns[0]
+    context = _context_tokens(first_session, first_index)
+    completion_tokens = sum(len(session.turns[index].token_ids) for session, index in turns)
+    return {
+        "id": f"chatcmpl-{first_session.session_id[:16]}-{first_index}",
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": chat.model,
+        "choices": choices,
+        "usage": {
+            "prompt_tokens": context,
+            "completion_tokens": completion_tokens,
+            "total_tokens": context + completion_tokens,
+        },
+        "fleetrl": choices[0]["fleetrl"],
+    }
+
+
+def _context_tokens(session: Session, index: int) -> int:
+    return len(session.prompt) + sum(len(t.token_ids) for t in session.turns[:index])
+
+
+def _choice(tokenizer, session: Session, index: int, chat: ChatRequest, choice_index: int) -> dict:
+    turn = session.turns[index]
+    tokens = turn.token_ids
+    if turn.finish_reason == FinishReason.STOP and tokens and tokens[-1] in tokenizer.all_special_ids:
+        tokens = tokens[:-1]  # the end-of-turn token is the template's to render (OpenAI leaves it out)
+    # A ``stop`` token that is not special stays in the content (unlike OpenAI): the record holds it, so the
+    # next request's rendering must too.
+    content = tokenizer.decode(tokens, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+    message = {"role": "assistant", "content": content}
+    finish_reason = "length" if turn.finish_reason == FinishReason.LENGTH else "stop"
+    if chat.parse_tools:
+        content, tool_calls = parse_tool_calls(content, f"{session.session_id[:16]}{index}")
+        if tool_calls:
+            message = {"role": "assistant", "content": content, "tool_calls": tool_calls}
+            finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason
+    choice = {"index": choice_index, "message": message, "finish_reason": finish_reason, "logprobs": None}
+    if chat.logprobs:
+        pieces = tokenizer.convert_ids_to_tokens(turn.token_ids)
+        entries = zip(pieces, turn.logprobs, strict=True)
+        choice["logprobs"] = {"content": [{"token": p, "logprob": lp, "top_logprobs": []} for p, lp in entries]}
+    versions = [v for v, _, _ in turn.version_spans]
+    choice["fleetrl"] = {
+        "session_id": session.session_id,
+        "turn_index": index,
+        "token_ids": list(turn.token_ids),
+        "logprobs": list(turn.logprobs),
+        "policy_version": max(versions) if versions else session.policy_version,
+    }
+    return choice
