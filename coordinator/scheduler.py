@@ -360,9 +360,12 @@ class Scheduler:
     async def _push_ready(self) -> None:
         async with self._push_lock:
             while self.stats.groups_pushed in self._done:
-                ready = self._done.pop(self.stats.groups_pushed)
-                self._cursor_at_admit.pop(self.stats.groups_pushed, None)
+                ready = self._done[self.stats.groups_pushed]
+                # Taken out of the buffer only once it is on the queue: a push that fails (Redis gone past the retry
+                # policy) leaves it here for the next call, instead of losing it and stalling every later slot.
                 await self.queue.push(ready, self.resume_cursor(ready))
+                del self._done[self.stats.groups_pushed]
+                self._cursor_at_admit.pop(self.stats.groups_pushed, None)
                 if self.stats.groups_pushed in self._external_done:
                     self._external_done.discard(self.stats.groups_pushed)
                     self._pushed_external.add(ready.group_id)

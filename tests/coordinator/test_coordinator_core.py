@@ -349,3 +349,50 @@ def test_set_changes_the_live_config_after_validating_the_whole_run_config():
         apply_setting(run, "overlong.buffer_len", "100")
         apply_setting(run, "overlong.enabled", "true")
     assert live.sampling.max_tokens == 8 and run.max_staleness == 2  # refused changes left nothing behind
+
+
+class FlakyQueue:
+    """A queue whose first push fails as a Redis outage past the retry policy does; it records the pushes."""
+
+    def __init__(self):
+        self.pushed: list[str] = []
+        self.failures_left = 1
+
+    async def push(self, group, cursor=None) -> str:
+        if self.failures_left:
+            self.failures_left -= 1
+            raise ConnectionError("Redis unreachable past the retry policy")
+        self.pushed.append(group.group_id)
+        return "1-0"
+
+
+def _finished_group(slot: int):
+    import numpy as np
+
+    from protos.records import Array, FinishReason, Sample, TrajectoryGroup, VersionSpan
+
+    sample = Sample(
+        Array.from_numpy(np.array([5, 6], np.int32)),
+        Array.from_numpy(np.zeros(2, np.float32)),
+        [VersionSpan(0, 0, 2)],
+        FinishReason.LENGTH,
+        1.0,
+    )
+    prompt = Array.from_numpy(np.array([1], np.int32))
+    return TrajectoryGroup(f"g{slot}", "p", prompt, [sample], "echo", slot, 0, 0.0)
+
+
+def test_a_group_whose_push_failed_stays_buffered_and_goes_first_at_the_next_push():
+    scheduler = make_scheduler()
+    scheduler.queue = FlakyQueue()
+    assert admit_all(scheduler) >= 2
+
+    async def scenario():
+        with pytest.raises(ConnectionError):
+            await scheduler.complete(0, _finished_group(0))
+        assert scheduler.stats.groups_pushed == 0
+        await scheduler.complete(1, _finished_group(1))  # the outage is over: slot 0 goes first, then slot 1
+
+    asyncio.run(scenario())
+    assert scheduler.queue.pushed == ["g0", "g1"]
+    assert scheduler.stats.groups_pushed == 2
