@@ -7,6 +7,7 @@ import time
 import urllib.request
 
 import grpc
+import numpy as np
 import pytest
 import redis
 import torch
@@ -317,6 +318,58 @@ def test_an_ipc_version_this_engine_cannot_open_arrives_over_tcp(server, model_d
     assert samples[0]["tokens"] == expected
     info = server_info(stub)
     assert info.last_weight_source == "publisher" and info.last_weight_update_s > 0  # tcp, not the IPC handles
+
+
+def test_an_ipc_version_announced_before_its_checksums_arrives_over_tcp_once_they_are_stored(
+    server, model_dir, redis_server
+):
+    """The ipc publisher announces a version before its host copy (``checksummed=False``); an engine that cannot open
+    the handles waits for the checksummed manifest the host mirror stores, then receives and verifies it over tcp."""
+    import threading
+
+    import msgspec
+
+    from channels.version_board import VersionBoard
+    from protos.records import CudaIpcBucket, CudaIpcVersion, encode
+    from weight_bus import packing
+    from weight_bus.ipc import HostMirror
+    from weight_bus.sender import WeightSender
+
+    stub = server.stub
+    version = server_info(stub).policy_version + 1
+    backend = TorchBackend(model_dir, TrainerConfig())
+    perturb(backend, seed=11)
+    expected = hf_greedy(backend.model, PROMPT, 8)
+    client = redis.Redis.from_url(redis_server.url)
+    keys = RedisKeys(RUN_ID)
+    record = CudaIpcVersion(version, "GPU-elsewhere", 1, [CudaIpcBucket(64, 0, b"\0" * 64, 64, 0, b"", 0, b"", False)])
+    client.set(keys.ipc_buckets(version), encode(record))
+    sender = WeightSender(client, keys, WeightBusConfig(), transport="ipc", recycle=False)
+    mirror = HostMirror(sender, torch.device("cpu"))
+    replies = []
+    try:
+        manifest, buckets = packing.pack(list(backend.export_hf_weights()), version, 2**20)
+        unchecked = msgspec.structs.replace(
+            manifest,
+            tensors=[msgspec.structs.replace(e, checksum=0) for e in manifest.tensors],
+            publisher_address=sender.tcp.address,
+            transport="ipc",
+            checksummed=False,
+        )
+        VersionBoard(client, keys).publish_manifest(unchecked)
+        update = threading.Thread(
+            target=lambda: replies.append(stub.UpdateWeights(pb.UpdateWeightsRequest(version=version), timeout=60))
+        )
+        update.start()
+        mirror.submit(unchecked, [torch.from_numpy(np.asarray(b)) for b in buckets])
+        update.join(timeout=90)
+        assert replies and replies[0].policy_version == version
+    finally:
+        mirror.close()
+        sender.close()
+    _, samples = generate(stub, max_tokens=8)
+    assert samples[0]["tokens"] == expected
+    assert server_info(stub).last_weight_source == "publisher"
 
 
 @pytest.mark.parametrize("target_modules", [["linear_qkv", "linear_fc2"], ["linear_proj", "linear_fc1"]])
