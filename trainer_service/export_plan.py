@@ -75,36 +75,52 @@ class ExportPlan:
 def learn(parameters: list[torch.Tensor], exported: Iterable[tuple[str, torch.Tensor]]) -> ExportPlan:
     """The plan for ``exported`` (consumed whole) in terms of ``parameters``; raises ExportRefused."""
     by_storage = {p.untyped_storage().data_ptr(): p for p in parameters}
+    rows = RowIndex(parameters)
     sources: list[tuple[str, ViewOf | RowsOf]] = []
-    row_index: dict[int, dict[int, int]] = {}  # id(parameter) -> row hash -> row
     for name, tensor in exported:
         owner = by_storage.get(tensor.untyped_storage().data_ptr())
         if owner is not None and owner.dtype == tensor.dtype:
             sources.append((name, ViewOf(owner, tuple(tensor.shape), tuple(tensor.stride()), tensor.storage_offset())))
-            continue
-        sources.append((name, _rows_of(name, tensor, parameters, row_index)))
-    plan = ExportPlan(sources)
-    return plan
+        else:
+            sources.append((name, rows.rows_of(name, tensor)))
+    return ExportPlan(sources)
 
 
-def _rows_of(name: str, tensor: torch.Tensor, parameters, row_index) -> RowsOf:
-    if tensor.dim() != 2:
-        raise ExportRefused(f"{name} is no view of a parameter")
-    wanted = _row_hashes(tensor)
-    for parameter in parameters:
-        if parameter.dim() != 2 or parameter.dtype != tensor.dtype or parameter.shape[1] != tensor.shape[1]:
-            continue
-        index = row_index.get(id(parameter))
-        if index is None:
-            hashes = _row_hashes(parameter).tolist()
-            index = {h: row for row, h in enumerate(hashes)} if len(set(hashes)) == len(hashes) else {}
-            row_index[id(parameter)] = index
-        rows = [index.get(h) for h in wanted.tolist()]
-        if index and None not in rows:
-            selected = RowsOf(parameter, torch.tensor(rows, dtype=torch.int64, device=parameter.device))
-            if torch.equal(selected.tensor(), tensor):
-                return selected
-    raise ExportRefused(f"{name} is neither a view nor a row selection of one parameter with distinct rows")
+class RowIndex:
+    """Every row of the 2-D parameters with distinct rows, by (dtype, width, row hash): finds which parameter and
+    rows a gathered tensor was taken from in one lookup per row (built lazily per dtype and width)."""
+
+    def __init__(self, parameters: list[torch.Tensor]):
+        self.parameters = [p for p in parameters if p.dim() == 2]
+        self.index: dict[tuple[torch.dtype, int], dict[int, tuple[int, int]]] = {}
+
+    def _rows(self, dtype: torch.dtype, width: int) -> dict[int, tuple[int, int]]:
+        key = (dtype, width)
+        if key not in self.index:
+            found: dict[int, tuple[int, int]] = {}
+            repeated: set[int] = set()
+            for number, parameter in enumerate(self.parameters):
+                if parameter.dtype != dtype or parameter.shape[1] != width:
+                    continue
+                for row, row_hash in enumerate(_row_hashes(parameter).tolist()):
+                    if row_hash in found:
+                        repeated.add(row_hash)  # equal rows: which one a later version's row comes from is unknown
+                    found[row_hash] = (number, row)
+            self.index[key] = {h: where for h, where in found.items() if h not in repeated}
+        return self.index[key]
+
+    def rows_of(self, name: str, tensor: torch.Tensor) -> RowsOf:
+        if tensor.dim() != 2 or tensor.shape[0] == 0:
+            raise ExportRefused(f"{name} is no view of a parameter")
+        index = self._rows(tensor.dtype, tensor.shape[1])
+        located = [index.get(h) for h in _row_hashes(tensor).tolist()]
+        if None in located or len({number for number, _ in located}) != 1:
+            raise ExportRefused(f"{name} is neither a view nor a row selection of one parameter with distinct rows")
+        parameter = self.parameters[located[0][0]]
+        selected = RowsOf(parameter, torch.tensor([row for _, row in located], device=parameter.device))
+        if not torch.equal(selected.tensor(), tensor):
+            raise ExportRefused(f"{name}: its rows' fingerprints match but their values do not")
+        return selected
 
 
 def _row_hashes(matrix: torch.Tensor) -> torch.Tensor:
