@@ -210,6 +210,9 @@ def check(plan: RefitPlan, model: torch.nn.Module, buckets, before: dict[str, fl
     if changed:
         raise PlanRefused(f"the reload wrote {changed[:3]} (outside the plan's copies) some other way")
     parameters = dict(model.named_parameters())
+    moved = [c.parameter for c in plan.copies if c.target.untyped_storage().data_ptr() != _storage(parameters, c)]
+    if moved:  # the reload gave the parameter new memory: the recorded targets are no longer what is served
+        raise PlanRefused(f"the reload moved {moved[0]} to new memory")
     sources = plan.sources(buckets)
     by_parameter: dict[str, list[int]] = {}
     for index, copy in enumerate(plan.copies):
@@ -227,6 +230,17 @@ def check(plan: RefitPlan, model: torch.nn.Module, buckets, before: dict[str, fl
                 parameter.copy_(reloaded)
             if not same:
                 raise PlanRefused(f"replaying the plan into {name} does not give vLLM's reloaded bytes")
+
+
+def _storage(parameters: dict[str, torch.Tensor], copy: SliceCopy) -> int:
+    parameter = parameters.get(copy.parameter)
+    return -1 if parameter is None else parameter.untyped_storage().data_ptr()
+
+
+def still_served(plan: RefitPlan, model: torch.nn.Module) -> bool:
+    """Whether every parameter the plan writes is still in the memory it was captured in (checked per update)."""
+    parameters = dict(model.named_parameters())
+    return all(copy.target.untyped_storage().data_ptr() == _storage(parameters, copy) for copy in plan.copies)
 
 
 def _scribble(target: torch.Tensor) -> None:

@@ -85,12 +85,16 @@ class WeightLoaderExtension:
         plans = self.__dict__.setdefault("_fleetrl_plans", {})  # layout -> RefitPlan, or why it was refused
         layout = refit_plan.layout_key(manifest)
         known = plans.get(layout)
-        if use_plan and isinstance(known, refit_plan.RefitPlan):
-            known.replay(buckets)
-            self.fleetrl_last_load_path = "plan"
-            return len(manifest.tensors)
-        dequantize_to = self._fleetrl_dequantize_target(manifest)
         model = self.model_runner.get_model()
+        if use_plan and isinstance(known, refit_plan.RefitPlan):
+            if refit_plan.still_served(known, model):
+                known.replay(buckets)
+                self.fleetrl_last_load_path = "plan"
+                return len(manifest.tensors)
+            log.warning("refit plan dropped: a parameter it writes moved to new memory; capturing it again")
+            del plans[layout]
+            known = None
+        dequantize_to = self._fleetrl_dequantize_target(manifest)
         plan = masks = before = None
         reason = self._fleetrl_plan_unavailable(manifest, dequantize_to) if use_plan and known is None else "-"
         if not reason:

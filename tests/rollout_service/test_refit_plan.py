@@ -158,3 +158,17 @@ def test_the_layout_key_changes_with_any_entry():
     manifest, _ = pack(checkpoint(0))
     bigger, _ = pack(checkpoint(0) + [("extra.weight", torch.zeros(2))])
     assert refit_plan.layout_key(manifest) != refit_plan.layout_key(bigger)
+
+
+def test_a_plan_whose_parameters_moved_to_new_memory_is_refused_and_no_longer_served():
+    manifest, buckets = pack(checkpoint(0))
+    model = TinyServedModel()
+    plan = captured_and_checked(model, manifest, buckets)
+    assert refit_plan.still_served(plan, model)
+
+    def reallocate(model):  # a reload that hands the layer fresh parameters
+        model.norm = nn.Parameter(model.norm.detach().clone(), requires_grad=False)
+
+    assert not (reallocate(model) or refit_plan.still_served(plan, model))
+    with pytest.raises(refit_plan.PlanRefused, match="moved norm"):
+        captured_and_checked(TinyServedModel(), manifest, buckets, process=reallocate)
