@@ -59,7 +59,8 @@ def qwen2_5():
 
 
 def llama3():
-    """Llama 3: GQA and the llama3 RoPE frequency scaling."""
+    """Llama 3: GQA and the llama3 RoPE frequency scaling, with Llama 3.1's own values (megatron-bridge's Llama
+    bridge carries only ``factor`` over and fixes the other three at these values)."""
     from transformers import LlamaConfig
 
     rope = dict(
@@ -68,7 +69,7 @@ def llama3():
         factor=8.0,
         low_freq_factor=1.0,
         high_freq_factor=4.0,
-        original_max_position_embeddings=64,
+        original_max_position_embeddings=8192,
     )
     return LlamaConfig(**COMMON, **ATTENTION, intermediate_size=128, num_hidden_layers=2, rope_parameters=rope)
 
@@ -123,7 +124,8 @@ def glm4_5():
 
 
 def gpt_oss():
-    """gpt-oss: attention sinks, alternating sliding / full layers, biased experts with the clamped SwiGLU."""
+    """gpt-oss: attention sinks, alternating sliding / full layers, biased experts with the clamped SwiGLU, and
+    gpt-oss's own YaRN values (megatron-bridge's gpt-oss bridge fixes them rather than reading the config)."""
     from transformers import GptOssConfig
 
     return GptOssConfig(
@@ -138,8 +140,8 @@ def gpt_oss():
         rope_parameters=dict(
             rope_type="yarn",
             rope_theta=150000.0,
-            factor=4.0,
-            original_max_position_embeddings=64,
+            factor=32.0,
+            original_max_position_embeddings=4096,
             beta_fast=32.0,
             beta_slow=1.0,
             truncate=False,

@@ -111,7 +111,10 @@ class FusedCoreAttention(DotProductAttention):
     config (``window_size`` on the layers ``window_attn_skip_freq`` marks).
     """
 
-    def __init__(self, config, layer_number: int, attn_mask_type, *args, **kwargs):
+    def __init__(self, config, layer_number: int, attn_mask_type, *args, k_channels=None, v_channels=None, **kwargs):
+        # Multi-latent attention (DeepSeek-V3) passes its query/key and value head sizes, which the stock local
+        # attention does not take; SDPA reads both off the tensors, and MLA passes its own softmax scale.
+        del k_channels, v_channels
         super().__init__(config, layer_number, attn_mask_type, *args, **kwargs)
         if self.attn_mask_type != AttnMaskType.causal:
             raise ValueError(f"megatron.fused_attention: only causal layers, this one is {self.attn_mask_type}")
@@ -155,7 +158,11 @@ def fused_form(core_attention: type) -> type:
     return fused
 
 
-def _fused_layer(layer_spec: ModuleSpec) -> ModuleSpec:
+def _fused_layer(layer_spec: ModuleSpec, config) -> ModuleSpec:
+    if getattr(config, "softmax_type", "vanilla") != "vanilla":
+        # Attention sinks (gpt-oss's learnable softmax offset) have no SDPA form: megatron-core's own attention,
+        # which implements them, stays in these layers.
+        return layer_spec
     attention = layer_spec.submodules.self_attention
     slots = attention.submodules
     slots = dataclasses.replace(slots, core_attention=fused_form(slots.core_attention))
@@ -175,7 +182,7 @@ def with_fused_core_attention(layer_spec):
             takes_stage = "vp_stage" in inspect.signature(layer_spec).parameters
             spec = layer_spec(config, vp_stage=vp_stage) if takes_stage else layer_spec(config)
         if isinstance(spec, ModuleSpec):
-            return _fused_layer(spec)
-        return dataclasses.replace(spec, layer_specs=[_fused_layer(layer) for layer in spec.layer_specs])
+            return _fused_layer(spec, config)
+        return dataclasses.replace(spec, layer_specs=[_fused_layer(layer, config) for layer in spec.layer_specs])
 
     return fused_spec

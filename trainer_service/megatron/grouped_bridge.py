@@ -42,6 +42,12 @@ class _OneExpert(torch.nn.Module):
         self.config = linear.config
         self.weight = linear.weight.detach()[expert]
 
+    def __getattr__(self, name: str):
+        # Mappings of the grouped GEMM form look the expert up as ``weight<number>``.
+        if name.startswith("weight") and name[len("weight") :].isdigit():
+            return self.weight
+        return super().__getattr__(name)
+
 
 class GroupedExpertsMapping(MegatronParamMapping):
     """One grouped expert weight [E, N, K] <-> its E local experts' HF tensors, through the per-expert mapping.
@@ -122,13 +128,25 @@ def with_grouped_expert_mappings(registry: MegatronMappingRegistry, num_experts:
     grouped = []
     for mapping in registry.mappings:
         for projection, (attribute, layout) in _PROJECTIONS.items():
-            per_expert = f".experts.local_experts.*.{projection}.weight"
-            if not mapping.megatron_param.endswith(per_expert) or "**" in mapping.megatron_param:
+            prefix = _per_expert_prefix(mapping.megatron_param, projection)
+            if prefix is None:
                 continue
-            prefix = mapping.megatron_param[: -len(per_expert)]
             grouped_param = f"{prefix}.experts.{attribute}.weight"
             grouped.append(GroupedExpertsMapping(grouped_param, mapping, prefix.count("*"), num_experts, layout))
     return MegatronMappingRegistry(*registry.mappings, *grouped)
+
+
+def _per_expert_prefix(megatron_param: str, projection: str) -> str | None:
+    """The layer prefix of a per-expert mapping of ``projection``, else None. Two forms name the expert: the
+    ``SequentialMLP`` one (``experts.local_experts.*.linear_fc1.weight``) and the one of bridges written for grouped
+    GEMM experts (``experts.linear_fc1.weight*``, DeepSeek-V3's, GLM-4.5's); in both the expert's wildcard follows
+    the layer's. Fused HF expert tensors (one [E, ...] tensor per layer) are not per-expert mappings."""
+    if "**" in megatron_param:
+        return None
+    for per_expert in (f".experts.local_experts.*.{projection}.weight", f".experts.{projection}.weight*"):
+        if megatron_param.endswith(per_expert):
+            return megatron_param[: -len(per_expert)]
+    return None
 
 
 def num_routed_experts(hf_config) -> int | None:

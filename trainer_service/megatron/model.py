@@ -18,7 +18,7 @@ import torch
 
 from protos.config import MegatronConfig, TrainerConfig
 from trainer_service.megatron import checkpoint as megatron_checkpoint
-from trainer_service.megatron import cpu_shims
+from trainer_service.megatron import cpu_shims, zero_centered_norm
 from trainer_service.megatron import lora as megatron_lora
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -42,9 +42,14 @@ def configure_provider(provider, config: MegatronConfig, on_cpu: bool, grouped_e
     provider.sequence_parallel = config.tensor_model_parallel_size > 1
     # The bridge defaults to the TE spec, which fails without Transformer Engine; a provider that brings its own
     # local spec (Beam) keeps it.
+    zero_centered_norm.install()  # the local spec's norms refuse Nemotron's and Qwen3-Next's (1 + w) norms
     if not getattr(provider, "has_local_layer_spec", False):
-        provider.transformer_layer_spec = local_layer_spec
+        _refuse_hybrid_stack(provider)
+        provider.transformer_layer_spec = _local_form(provider.transformer_layer_spec, local_layer_spec)
     provider.persist_layer_norm = False
+    # fleetrl trains the policy alone: multi-token-prediction heads (GLM-4.5's, DeepSeek-V3's) get no loss and the
+    # engine serves without them, and their spec exists only for Transformer Engine.
+    provider.mtp_num_layers = None
     provider.params_dtype = dtype
     provider.pipeline_dtype = dtype
     provider.autocast_dtype = dtype
@@ -60,6 +65,35 @@ def configure_provider(provider, config: MegatronConfig, on_cpu: bool, grouped_e
     # The pipeline's p2p step ends with torch.cuda.synchronize(); gloo's send/recv are synchronous already.
     provider.batch_p2p_sync = not on_cpu
     _configure_attention_and_recompute(provider, config)
+
+
+def _refuse_hybrid_stack(provider) -> None:
+    """megatron-bridge's hybrid (Mamba) providers (Nemotron-H) build their layers from ``hybrid_stack_spec``, whose
+    only stock form is made of Transformer Engine modules, and megatron-core's Mamba mixer runs mamba-ssm's CUDA
+    kernels: neither is installed with fleetrl, so such a model cannot be built here. Say so before building."""
+    if hasattr(provider, "hybrid_stack_spec"):
+        raise ValueError(
+            f"model_path: {type(provider).__name__} (a hybrid Mamba model) is not supported by the Megatron backend:"
+            " its layer spec needs Transformer Engine and its Mamba layers the mamba-ssm kernels; use"
+            " trainer.backend=torch"
+        )
+
+
+def _local_form(spec, local_layer_spec):
+    """The provider's spec without Transformer Engine. A block spec (DeepSeek-V3's, GLM-4.5's) keeps its per-layer
+    layout (dense first layers, ``moe_layer_freq``) built from local modules; any other becomes the local spec."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+    if isinstance(spec, partial) and spec.func is get_gpt_decoder_block_spec:
+        return partial(spec, use_transformer_engine=False)
+    if getattr(spec, "__name__", "") == "get_transformer_block_with_experimental_attention_variant_spec":
+        # Qwen3-Next's and Qwen3.5's gated-DeltaNet layers: megatron-core builds this block for TE only, and the
+        # local spec would silently make every layer full attention.
+        raise ValueError(
+            "model_path: gated-DeltaNet (linear attention) layers are not supported by the Megatron backend:"
+            " megatron-core builds them from Transformer Engine modules only; use trainer.backend=torch"
+        )
+    return local_layer_spec
 
 
 def uses_grouped_experts(config: TrainerConfig) -> bool:
@@ -78,6 +112,10 @@ def _configure_moe(provider, config: MegatronConfig, grouped_experts: bool) -> N
         provider.transformer_layer_spec = partial(grouped_experts_spec, provider.transformer_layer_spec)
     provider.moe_grouped_gemm = config.moe_grouped_gemm
     provider.moe_token_dispatcher_type = config.moe_token_dispatcher
+    # Some providers (DeepSeek-V3, GLM-4.5, Nemotron-H) turn on the shared-expert overlap, which megatron-core
+    # refuses with the allgather dispatcher; it only overlaps communication (same numbers), so it goes off there.
+    if config.moe_token_dispatcher == "allgather":
+        provider.moe_shared_expert_overlap = False
     provider.moe_permute_fusion = False  # the bridge turns it on; it needs TE
     provider.moe_enable_routing_replay = config.routing_replay
     # Only routers with an expert bias (Beam) read it.
