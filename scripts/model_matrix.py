@@ -258,24 +258,35 @@ def run_family(family: str, directory: str) -> dict:
 
 # What each failure above comes from, as far as it was traced (the cells hold the exact errors).
 CAUSES = [
-    "`moe_shared_expert_overlap only works with alltoall or flex token dispatcher` (DeepSeek-V3, GLM-4.5, Nemotron-H):"
-    " megatron-bridge's model providers of these families turn on `moe_shared_expert_overlap`, and fleetrl's CPU path uses the"
-    " `allgather` dispatcher (`alltoall` makes a CUDA stream). Not yet tried: the overlap off on CPU in"
-    " `trainer_service/megatron`.",
+    "Nemotron-H bridge: refused by fleetrl before building. megatron-bridge builds hybrid (Mamba) models from"
+    " `hybrid_stack_spec`, whose only stock form is made of Transformer Engine modules, and megatron-core's Mamba mixer"
+    " runs mamba-ssm's CUDA kernels; fleetrl installs neither. The torch trainer (checks 3 and 4) trains it.",
+    "Qwen3-Next bridge: refused by fleetrl before building. megatron-core builds its gated-DeltaNet block"
+    " (`get_transformer_block_with_experimental_attention_variant_spec`) for Transformer Engine only; the local spec"
+    " would make every layer full attention.",
     "DeepSeek-V3 serve: vLLM 0.32's DeepSeek-V3 weight loader on CPU raises KeyError on the router's"
     " `e_score_correction_bias` of the first MoE layer, as transformers 5.19 writes it: the key is not mapped to a"
     " parameter of vLLM's model there.",
     "Qwen3-Next serve: vLLM's CPU gated-DeltaNet attention requires bf16 (`CPU GDN attention requires BF16`); this"
     " matrix runs fp32 so that check 3 can hold 1e-4.",
-    "`zero_centered_gamma not supported by torch LayerNorm` (Qwen3-Next, Nemotron): the bridge asks for"
-    " zero-centred (1 + w) norms, which megatron-core's local (non-Transformer-Engine) layer spec, the one fleetrl"
-    " uses on CPU, refuses.",
-    "`softmax_type 'learnable' is not supported` (gpt-oss bridge): fleetrl's own fused attention"
-    " (`megatron.fused_attention`) refuses attention sinks; not yet tried with it off.",
     "gpt-oss update: the engine's log-probs after the commit are neither the trainer's new ones nor the old ones,"
     " while check 3 on the checkpoint passes: most likely vLLM's gpt-oss loader reads some tensor of transformers'"
     " export (`export_hf_weights`, e.g. the fused expert gate_up layout) differently from the checkpoint on disk;"
     " not isolated yet.",
+]
+
+# How the Megatron backend runs the families that pass the bridge check on CPU (what it needed).
+BRIDGE_NOTES = [
+    "DeepSeek-V3, GLM-4.5: the shared-expert overlap (a communication overlap, which megatron-core refuses with the"
+    " `allgather` dispatcher of the CPU path) is off; MTP heads are dropped (no loss, not served); the bridge's"
+    " decoder block spec (dense first layers) is built from local modules; DeepSeek-V3's MLA runs in the fused"
+    " attention.",
+    "Nemotron: zero-centred (1 + w) norms come from `trainer_service/megatron/zero_centered_norm.py` (megatron-core's"
+    " local norm refuses them).",
+    "gpt-oss: layers with attention sinks keep megatron-core's own attention (no fused form); its experts have"
+    " biases, which grouped experts do not implement, so it runs with `trainer.megatron.moe_grouped_experts=false`.",
+    "Llama 3 and gpt-oss: the bridges fix the RoPE scaling values (Llama 3.1's, gpt-oss's) instead of reading the"
+    " config, so the toy checkpoints use those values.",
 ]
 
 
@@ -300,6 +311,10 @@ def render(rows: list[dict], command: str, where: str) -> str:
         "Causes of the failures, as far as traced:",
         "",
         *[f"- {cause}" for cause in CAUSES],
+        "",
+        "What the Megatron backend needed for the families whose bridge check passes:",
+        "",
+        *[f"- {note}" for note in BRIDGE_NOTES],
         "",
         "| family | serve | bridge | logprobs | update |",
         "| --- | --- | --- | --- | --- |",
