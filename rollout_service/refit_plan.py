@@ -45,11 +45,21 @@ class SliceCopy:
     element_offset: int  # from the bucket's first byte, in elements of ``dtype``
 
 
+@dataclass(frozen=True)
+class ConstantFill:
+    """A recorded ``fill_`` of a parameter slice with a constant (vLLM zeroes an embedding's padded rows)."""
+
+    target: torch.Tensor
+    parameter: str
+    value: float
+
+
 @dataclass
 class RefitPlan:
     layout: str
     copies: list[SliceCopy]
     nbytes: int = 0  # bytes copied per replay
+    fills: tuple[ConstantFill, ...] = ()
 
     def sources(self, buckets: list[torch.Tensor]) -> list[torch.Tensor]:
         """The copies' sources as views of ``buckets`` (uint8, one per manifest bucket). Bound anew per version:
@@ -66,6 +76,11 @@ class RefitPlan:
     def replay(self, buckets: list[torch.Tensor]) -> None:
         with torch.no_grad():
             torch._foreach_copy_([copy.target for copy in self.copies], self.sources(buckets))
+            for fill in self.fills:  # disjoint from every copy (refused otherwise), so the order does not matter
+                fill.target.fill_(fill.value)
+
+    def writes(self) -> list[SliceCopy | ConstantFill]:
+        return [*self.copies, *self.fills]
 
 
 def layout_key(manifest) -> str:
@@ -89,6 +104,7 @@ class _RecordCopies(TorchFunctionMode):
         super().__init__()
         self.parameter_storages = parameter_storages
         self.copies: list[tuple[torch.Tensor, torch.Tensor, str]] = []
+        self.fills: list[ConstantFill] = []
 
     def _parameter_of(self, tensor) -> str | None:
         if not isinstance(tensor, torch.Tensor):
@@ -109,6 +125,9 @@ class _RecordCopies(TorchFunctionMode):
                 raise PlanRefused(f"an indexed assignment into {self._parameter_of(args[0])} that is not a view copy")
             self.copies.append((target, args[2], self._parameter_of(args[0])))
             return None
+        if name == "fill_" and self._parameter_of(args[0]) is not None and isinstance(args[1], (int, float)):
+            self.fills.append(ConstantFill(args[0], self._parameter_of(args[0]), float(args[1])))
+            return args[0]
         if name.endswith("_") and not name.startswith("__") and self._parameter_of(args[0] if args else None):
             raise PlanRefused(f"the loader calls {name} on parameter {self._parameter_of(args[0])}")
         return func(*args, **kwargs)
@@ -128,8 +147,9 @@ def capture(model: torch.nn.Module, weights, buckets: list[torch.Tensor], layout
     copies = [_slice_copy(target, source, parameter, buckets) for target, source, parameter in recorder.copies]
     if not copies:
         raise PlanRefused("the loaders made no copy into a parameter")
-    _refuse_overlaps(copies)
-    return RefitPlan(layout, copies, sum(c.target.numel() * c.target.element_size() for c in copies))
+    _refuse_overlaps([*copies, *recorder.fills])
+    nbytes = sum(c.target.numel() * c.target.element_size() for c in copies)
+    return RefitPlan(layout, copies, nbytes, tuple(recorder.fills))
 
 
 def _slice_copy(target: torch.Tensor, source, parameter: str, buckets: list[torch.Tensor]) -> SliceCopy:
@@ -166,7 +186,7 @@ def _extent(tensor: torch.Tensor) -> tuple[int, int]:
     return start, start + (span + 1) * tensor.element_size() if tensor.numel() else start
 
 
-def _refuse_overlaps(copies: list[SliceCopy]) -> None:
+def _refuse_overlaps(copies: list[SliceCopy | ConstantFill]) -> None:
     """A batched copy writes in any order: two copies into the same bytes would race."""
     extents = sorted((*_extent(c.target), c.parameter) for c in copies if c.target.numel())
     for (_, end, name), (start, _, other) in zip(extents, extents[1:], strict=False):
@@ -191,7 +211,7 @@ def written_masks(plan: RefitPlan, model: torch.nn.Module) -> dict[str, torch.Te
     """Per parameter the plan writes, True where one of its copies lands."""
     parameters = dict(model.named_parameters())
     masks: dict[str, torch.Tensor] = {}
-    for copy in plan.copies:
+    for copy in plan.writes():
         parameter = parameters[copy.parameter]
         mask = masks.get(copy.parameter)
         if mask is None:
@@ -210,21 +230,28 @@ def check(plan: RefitPlan, model: torch.nn.Module, buckets, before: dict[str, fl
     if changed:
         raise PlanRefused(f"the reload wrote {changed[:3]} (outside the plan's copies) some other way")
     parameters = dict(model.named_parameters())
-    moved = [c.parameter for c in plan.copies if c.target.untyped_storage().data_ptr() != _storage(parameters, c)]
+    moved = [c.parameter for c in plan.writes() if c.target.untyped_storage().data_ptr() != _storage(parameters, c)]
     if moved:  # the reload gave the parameter new memory: the recorded targets are no longer what is served
         raise PlanRefused(f"the reload moved {moved[0]} to new memory")
     sources = plan.sources(buckets)
     by_parameter: dict[str, list[int]] = {}
     for index, copy in enumerate(plan.copies):
         by_parameter.setdefault(copy.parameter, []).append(index)
+    fills_of: dict[str, list[ConstantFill]] = {}
+    for fill in plan.fills:
+        fills_of.setdefault(fill.parameter, []).append(fill)
+        by_parameter.setdefault(fill.parameter, [])
     with torch.no_grad():
         for name, indices in by_parameter.items():
             parameter = parameters[name].detach()
             reloaded = parameter.clone()
             try:
-                for index in indices:
-                    _scribble(plan.copies[index].target)
-                torch._foreach_copy_([plan.copies[i].target for i in indices], [sources[i] for i in indices])
+                for write in [*(plan.copies[i] for i in indices), *fills_of.get(name, ())]:
+                    _scribble(write.target)
+                if indices:
+                    torch._foreach_copy_([plan.copies[i].target for i in indices], [sources[i] for i in indices])
+                for fill in fills_of.get(name, ()):
+                    fill.target.fill_(fill.value)
                 same = torch.equal(_bits(parameter), _bits(reloaded))
             finally:
                 parameter.copy_(reloaded)
@@ -232,7 +259,7 @@ def check(plan: RefitPlan, model: torch.nn.Module, buckets, before: dict[str, fl
                 raise PlanRefused(f"replaying the plan into {name} does not give vLLM's reloaded bytes")
 
 
-def _storage(parameters: dict[str, torch.Tensor], copy: SliceCopy) -> int:
+def _storage(parameters: dict[str, torch.Tensor], copy: SliceCopy | ConstantFill) -> int:
     parameter = parameters.get(copy.parameter)
     return -1 if parameter is None else parameter.untyped_storage().data_ptr()
 
@@ -240,7 +267,7 @@ def _storage(parameters: dict[str, torch.Tensor], copy: SliceCopy) -> int:
 def still_served(plan: RefitPlan, model: torch.nn.Module) -> bool:
     """Whether every parameter the plan writes is still in the memory it was captured in (checked per update)."""
     parameters = dict(model.named_parameters())
-    return all(copy.target.untyped_storage().data_ptr() == _storage(parameters, copy) for copy in plan.copies)
+    return all(copy.target.untyped_storage().data_ptr() == _storage(parameters, copy) for copy in plan.writes())
 
 
 def _scribble(target: torch.Tensor) -> None:

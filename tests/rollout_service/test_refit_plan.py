@@ -39,8 +39,9 @@ class TinyServedModel(nn.Module):
             if name in ("q.weight", "k.weight"):
                 rows = (0, 4) if name == "q.weight" else (4, 2)
                 self.qk.data.narrow(0, *rows).copy_(tensor.t().contiguous().t() if self.loader_transposes else tensor)
-            elif name == "embed.weight":
+            elif name == "embed.weight":  # as VocabParallelEmbedding: the rows, then the padding zeroed
                 self.embed.data[: tensor.shape[0]] = tensor
+                self.embed.data[tensor.shape[0] :].fill_(0)
             else:
                 default_weight_loader(self.norm, tensor)
         return {"qk", "embed", "norm"}
@@ -86,6 +87,7 @@ def test_a_plan_records_one_slice_copy_per_tensor_into_its_parameter():
     ]
     assert model.qk.abs().sum() == 0  # capturing wrote nothing
     assert plan.nbytes == (16 + 8 + 20 + 4) * 4
+    assert [(f.parameter, tuple(f.target.shape), f.value) for f in plan.fills] == [("embed", (3, 4), 0.0)]
 
 
 def test_replaying_the_plan_serves_the_same_bytes_as_the_loaders_for_every_later_version():
@@ -123,7 +125,7 @@ def test_processing_after_the_load_that_changes_the_bytes_refuses_the_plan():
 def test_a_reload_that_writes_bytes_outside_the_plan_refuses_it():
     manifest, buckets = pack(checkpoint(0))
 
-    def fill_padding(model):  # e.g. processing that writes the embedding rows past the vocabulary
+    def fill_padding(model):  # processing that writes the padded rows past the vocabulary with other than the zeros
         model.embed.data[5:] = 1.0
 
     with pytest.raises(refit_plan.PlanRefused, match="embed"):
@@ -134,10 +136,10 @@ def test_an_in_place_change_of_a_parameter_other_than_a_copy_is_refused():
     class Filling(TinyServedModel):
         def load_weights(self, weights):
             super().load_weights(weights)
-            self.norm.data.fill_(1.0)
+            self.norm.data.zero_()
 
     manifest, buckets = pack(checkpoint(0))
-    with pytest.raises(refit_plan.PlanRefused, match="fill_"):
+    with pytest.raises(refit_plan.PlanRefused, match="zero_"):
         refit_plan.capture(Filling(), iter_device_tensors(manifest, buckets), buckets, "layout")
 
 
