@@ -40,19 +40,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 import torch  # noqa: E402
 from gpu_check_helpers import DRY, device_copy_s, expected_sums, served_equals  # noqa: E402
 
+from modeling.tiny_model import GPU_DEMO_CONFIG  # noqa: E402
+
 MODELS = {  # tiny_model.tiny_config overrides
     "tiny": dict(num_layers=2, hidden_size=64, num_experts=8, top_k=2, dtype="float32"),
-    "demo-1b": dict(
-        num_layers=12,
-        hidden_size=1024,
-        num_experts=48,
-        top_k=4,
-        num_heads=8,
-        num_kv_heads=2,
-        head_dim=128,
-        moe_intermediate_size=512,
-        dtype="bfloat16",
-    ),  # fmt: skip
+    "demo-1b": GPU_DEMO_CONFIG,  # the GPU demo's 0.94 B
     "moe-3b": dict(
         num_layers=8,
         hidden_size=2048,

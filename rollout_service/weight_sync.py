@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import mmap
 import os
 import time
 from dataclasses import dataclass
@@ -26,6 +25,7 @@ from protos.records import ReportStatus, VersionReport, WeightManifest, encode
 from protos.redis_keys import RedisKeys
 from rollout_service import metrics
 from rollout_service.engine_protocol import GenerationEngine
+from rollout_service.staging import StagingFile
 from rollout_service.vllm_adapter import serves_mxfp8_checkpoint
 from weight_bus import packing, receiver, tcp
 from weight_bus.ipc import IpcUnavailable
@@ -358,43 +358,6 @@ class WeightFollower:
             logger.warning("server %s stays on v%d: %s", self.engine.server_id, self.engine.policy_version, error)
             await self.report(ReportStatus.STALE, str(error))
             return False
-
-
-class StagingFile:
-    """A file in shared memory that one version is received into, mapped while it is written.
-
-    ``view(nbytes)`` sizes and maps it (None for an empty version); the worker maps it again to load it.
-    """
-
-    def __init__(self, path: str):
-        self.path = path
-        self._file = None
-        self._map: mmap.mmap | None = None
-        self._views: list[memoryview] = []
-
-    def __enter__(self) -> StagingFile:
-        return self
-
-    def view(self, nbytes: int) -> memoryview | None:
-        self._file = open(self.path, "wb+")  # noqa: SIM115 - closed in __exit__
-        self._file.truncate(nbytes)
-        if nbytes == 0:
-            return None
-        self._map = mmap.mmap(self._file.fileno(), nbytes)
-        self._views.append(memoryview(self._map))
-        return self._views[-1]
-
-    def release(self) -> None:
-        for view in self._views:
-            view.release()
-        self._views.clear()
-
-    def __exit__(self, *exc) -> None:
-        self.release()
-        if self._map is not None:
-            self._map.close()
-        if self._file is not None:
-            self._file.close()
 
 
 def _serves_mxfp8(engine: GenerationEngine) -> bool:
