@@ -1,11 +1,10 @@
-"""Helpers of the agent API's end-to-end tests: a coordinator process serving agents only, waits on conditions, and
-what reached the trajectory stream."""
+"""Helpers of the agent API's end-to-end tests: a coordinator process serving agents only, and what reached the
+trajectory stream."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import redis
@@ -13,17 +12,9 @@ import yaml
 
 from protos.records import decode_group
 from protos.redis_keys import RedisKeys
+from tests.waiting import wait_until
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-
-
-def wait_for(condition, timeout_s: float, what: str, poll_s: float = 0.2):
-    """``condition()``'s first truthy value; fails naming ``what`` after ``timeout_s``."""
-    deadline = time.monotonic() + timeout_s
-    while not (value := condition()):
-        assert time.monotonic() < deadline, f"timed out after {timeout_s}s waiting for {what}"
-        time.sleep(poll_s)
-    return value
 
 
 def agents_only_config(run_id: str, redis_url: str, port: int, tokens_file: Path, **agent) -> dict:
@@ -52,7 +43,9 @@ def start_coordinator(config: dict, workdir: Path, servers: str, log_name: str =
         start_new_session=True,
         cwd=REPO_ROOT,
     )
-    wait_for(lambda: "agent API on" in log.read_text() or process.poll() is not None, 120, "the agent API")
+    wait_until(
+        lambda: "agent API on" in log.read_text() or process.poll() is not None, "the agent API", 120, poll_s=0.2
+    )
     assert process.poll() is None, log.read_text()[-3000:]
     return process, log
 

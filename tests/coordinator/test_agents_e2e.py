@@ -24,8 +24,9 @@ from protos import agent_pb2 as pb
 from protos import agent_pb2_grpc as pb_grpc
 from protos.records import decode_metrics
 from protos.redis_keys import RedisKeys
-from tests.coordinator.agent_processes import REPO_ROOT, agents_only_config, queued, start_coordinator, wait_for
+from tests.coordinator.agent_processes import REPO_ROOT, agents_only_config, queued, start_coordinator
 from tests.rollout_service.server_process import stop_process
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.e2e
 
@@ -35,13 +36,13 @@ TOKEN = "e2e-agent-token"
 PROMPT = [1, 4, 5, 6]  # <bos> 1 2 3 in the tiny echo vocabulary
 # A second agent: opens a session, generates one turn, says so, then hangs until it is killed.
 VICTIM = """
-import sys, time
+import signal, sys
 from fleetrl.agent import AgentClient
 with AgentClient(sys.argv[1], sys.argv[2], tls_ca_file=sys.argv[3]) as client:
     session = client.open_session([1, 7, 8, 9], group_key="victim", group_size=2)
     session.generate(4)
     print("generated", flush=True)
-    time.sleep(3600)
+    signal.pause()
 """
 
 
@@ -89,7 +90,7 @@ def test_agents_in_processes_train_through_tls_and_a_killed_one_leaves_nothing_q
     summary = json.loads(out.decode().strip().splitlines()[-1])
     assert summary["sessions_submitted"] == 4 and summary["groups_queued"] == 2
     # the killed agent's session is abandoned after agent.session_timeout_s; its group is dropped, never queued
-    wait_for(lambda: _coordinator_value(redis_url, "agent_groups_dropped") == 1, 60, "the victim's group dropped")
+    wait_until(lambda: _coordinator_value(redis_url, "agent_groups_dropped") == 1, "the victim's group dropped", 60)
     groups = queued(redis_url, KEYS)
     assert len(groups) == 2 and not any("victim" in g.prompt_id for g in groups)
     assert all(len(g.samples) == 2 and g.samples[0].loss_mask is not None for g in groups)

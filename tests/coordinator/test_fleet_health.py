@@ -16,17 +16,9 @@ from coordinator.rollout_client import RolloutClient
 from protos.records import ReportStatus, VersionReport, encode
 from protos.redis_keys import RedisKeys
 from rollout_service import standin_fleet
+from tests.waiting import wait_until_async
 
 pytestmark = pytest.mark.integration
-
-
-async def wait_until(condition, timeout_s: float, what: str) -> float:
-    """Seconds until ``condition()`` held; fails after ``timeout_s`` naming ``what``."""
-    started = time.monotonic()
-    while not condition():
-        assert time.monotonic() - started < timeout_s, f"not within {timeout_s}s: {what}"
-        await asyncio.sleep(0.02)
-    return time.monotonic() - started
 
 
 def test_a_draining_fleet_is_seen_unhealthy_at_once_without_a_sweep(tmp_path):
@@ -39,9 +31,11 @@ def test_a_draining_fleet_is_seen_unhealthy_at_once_without_a_sweep(tmp_path):
         stop = asyncio.Event()
         watcher.health_watches.reconcile(stop)
         try:
-            await wait_until(lambda: all(map(watcher.health_watches.watching, fleet.clients)), 10, "both watched")
+            await wait_until_async(lambda: all(map(watcher.health_watches.watching, fleet.clients)), "both watched", 10)
             spawned.process.send_signal(15)  # SIGTERM: NOT_SERVING, then a grace period of 3 s before it stops
-            return await wait_until(lambda: not any(c.healthy for c in fleet.clients), 10, "both unhealthy")
+            signalled = time.monotonic()
+            await wait_until_async(lambda: not any(c.healthy for c in fleet.clients), "both unhealthy", 10)
+            return time.monotonic() - signalled
         finally:
             stop.set()
             await watcher.health_watches.close()
@@ -66,14 +60,14 @@ def test_a_server_back_on_its_address_is_healthy_again_with_its_version_read_fir
         stop = asyncio.Event()
         watcher.health_watches.reconcile(stop)
         try:
-            await wait_until(lambda: watcher.health_watches.watching(client), 10, "watched")
+            await wait_until_async(lambda: watcher.health_watches.watching(client), "watched", 10)
             assert first.stop() == 0
-            await wait_until(lambda: not client.healthy, 10, "unhealthy once stopped")
+            await wait_until_async(lambda: not client.healthy, "unhealthy once stopped", 10)
             client.policy_version = 7  # the version the coordinator last saw; the new process serves v0
             second = standin_fleet.spawn(1, tmp_path / "second.log", "--base-port", str(port), "--grace-s", "0")
             try:
                 await asyncio.to_thread(second.wait_serving, 120)
-                await wait_until(lambda: client.healthy and watcher.health_watches.watching(client), 10, "back")
+                await wait_until_async(lambda: client.healthy and watcher.health_watches.watching(client), "back", 10)
                 assert client.policy_version == 0, "routable again before its version was read"
             finally:
                 assert second.stop() == 0
@@ -95,7 +89,7 @@ def test_a_sweep_checks_the_unhealthy_even_when_watched_and_skips_the_rest(tmp_p
         stop = asyncio.Event()
         watcher.health_watches.reconcile(stop)
         try:
-            await wait_until(lambda: all(map(watcher.health_watches.watching, fleet.clients)), 10, "both watched")
+            await wait_until_async(lambda: all(map(watcher.health_watches.watching, fleet.clients)), "both watched", 10)
             fleet.clients[0].healthy = False  # as a failed call marks it: its stream has nothing new to say
             await watcher.check_health()
             return [client.healthy for client in fleet.clients]

@@ -18,18 +18,12 @@ from protos.config import load_run_config
 from protos.records import MetricsReport, ReportStatus, RoleDone, VersionReport, encode
 from protos.redis_keys import RedisKeys
 from tests.redis_faults import redis_proxy
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.integration
 
 RUN_ID = "monitor-outage"
 STEP_VALUES = {"reward_mean": 0.5, "staleness_max": 0.0, "queue_depth": 0.0, "samples_trained": 4.0}
-
-
-def wait_until(condition, what: str, timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, f"no {what} within {timeout_s}s"
-        time.sleep(0.05)
 
 
 def monitor_blocked_in_xread(client: redis.Redis, proxy) -> bool:
@@ -55,9 +49,9 @@ def trainer_through_an_outage(client: redis.Redis, keys: RedisKeys, proxy, failu
 
 def outage(client: redis.Redis, keys: RedisKeys, proxy, metrics: MetricsStreamWriter) -> None:
     metrics.post(MetricsReport("trainer", 1, 1, time.time(), STEP_VALUES))
-    wait_until(lambda: monitor_blocked_in_xread(client, proxy), "monitor reading the metrics streams")
+    wait_until(lambda: monitor_blocked_in_xread(client, proxy), "monitor reading the metrics streams", 30)
     proxy.cut()
-    wait_until(lambda: proxy.refused > 0, "reconnection attempt by the monitor during the outage")
+    wait_until(lambda: proxy.refused > 0, "reconnection attempt by the monitor during the outage", 30)
     proxy.restore()
     for step in (2, 3):
         metrics.post(MetricsReport("trainer", step, step, time.time(), STEP_VALUES))

@@ -15,6 +15,7 @@ import torch
 from protos.config import WeightBusConfig
 from protos.records import decode_manifest
 from protos.redis_keys import RedisKeys
+from tests.waiting import wait_until
 from trainer_service.publisher import WeightPublisher
 from weight_bus import receiver, snapshot
 from weight_bus.packing import ChecksumError, iter_tensors, pack, total_nbytes
@@ -31,14 +32,6 @@ def _weights(seed: int, rows: int = 64) -> list[tuple[str, torch.Tensor]]:
         ("model.layers.0.input_layernorm.weight", torch.randn(64, generator=gen)),
         ("model.layers.0.mlp.experts.0.down_proj.weight", torch.randn(64, rows, generator=gen).to(torch.bfloat16)),
     ]
-
-
-def _wait_for(condition, timeout_s: float = 10.0) -> None:
-    """The publisher counts a send when its thread returns, which may be just after the receiver has it all."""
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        time.sleep(0.02)
 
 
 def _stall(address: str, version: int) -> socket.socket:
@@ -81,20 +74,20 @@ def test_stalled_receiver_neither_delays_the_others_nor_holds_the_publisher_beyo
         publisher.hold(1, buckets)
         stalled = _stall(publisher.address, 1)
         stalled_at = time.monotonic()
-        time.sleep(0.3)  # its sending thread is now blocked on a full socket
+        # its sending thread took the buckets; with 16 MiB to write into a 4 KiB buffer it now blocks on a full socket
+        wait_until(lambda: publisher._sending.get(1), "the publisher sending v1 to the stalled receiver", 10)
         results, errors = _fetch_in_threads(manifest, 2)
         healthy_s = time.monotonic() - stalled_at
         assert not errors and len(results) == 2
         assert all(bytes(r) == bytes(buckets[0]) for r in results)
         assert healthy_s < timeout_s, healthy_s  # the survivors did not wait for the stalled one
-        while publisher.num_gave_up == 0:
-            assert time.monotonic() - stalled_at < timeout_s + 10, "the publisher never gave up on the stalled receiver"
-            time.sleep(0.05)
+        wait_until(lambda: publisher.num_gave_up, "the publisher giving up on the stalled receiver", timeout_s + 10)
         assert time.monotonic() - stalled_at >= timeout_s * 0.9  # it waited for the deadline, not less
-        _wait_for(lambda: publisher.num_served == 2)
+        # a send is counted when its thread returns, which may be just after the receiver has it all
+        wait_until(lambda: publisher.num_served == 2, "both healthy sends counted", 10)
         results, errors = _fetch_in_threads(manifest, 1)  # and it keeps serving
         assert not errors
-        _wait_for(lambda: publisher.num_served == 3)
+        wait_until(lambda: publisher.num_served == 3, "the third send counted", 10)
     finally:
         if stalled is not None:
             stalled.close()
@@ -112,7 +105,7 @@ def test_receiver_dying_mid_transfer_is_counted_and_others_are_served():
         dying.close()  # gone after a few bytes
         results, errors = _fetch_in_threads(manifest, 1)
         assert not errors and bytes(results[0]) == bytes(buckets[0])
-        _wait_for(lambda: publisher.num_gave_up == 1)
+        wait_until(lambda: publisher.num_gave_up == 1, "the dying receiver counted as given up", 10)
     finally:
         publisher.close()
 
