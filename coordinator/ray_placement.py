@@ -18,7 +18,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from coordinator import roles
 from coordinator.ray_actors import RoleActor
-from coordinator.supervision import RoleFailed, log_tail
+from coordinator.supervision import RestartBackoff, RoleFailed, log_tail
 from protos.config import RunConfig
 
 RANK_STOP_GRACE_S = 10.0
@@ -114,14 +114,14 @@ def wait_placed(group: PlacementGroup, what: str, timeout_s: float) -> None:
         ) from None
 
 
-class TrainerGang:
+class TrainerGang(RestartBackoff):
     """The trainer's ranks, one ``RoleActor`` each in one placement group; restarted together when one fails."""
 
     def __init__(self, config: RunConfig, config_path: Path, role_actor_args: dict, local: bool):
         self.config = config
         self.config_path = config_path
         self.local = local
-        self.policy = config.launcher.restart
+        super().__init__(config.launcher.restart)
         trainer = config.trainer
         self.world_size = trainer.num_nodes * trainer.num_processes
         bundles, strategy = trainer_bundles(config)
@@ -138,8 +138,6 @@ class TrainerGang:
             for rank in range(self.world_size)
         ]
         self.names = [roles.TRAINER] if self.world_size == 1 else [f"trainer-rank-{r}" for r in range(self.world_size)]
-        self.restarts = 0
-        self.restart_at: float | None = None
         self.log_dir = Path(role_actor_args["log_dir"])
 
     def start(self) -> None:
@@ -160,23 +158,18 @@ class TrainerGang:
     def supervise(self, reports: list[dict], now_s: float | None = None) -> str:
         """Restart the gang when due; stop it and schedule the restart when a rank failed. Returns what happened."""
         now_s = time.monotonic() if now_s is None else now_s
-        if self.restart_at is not None:
-            if now_s < self.restart_at:
-                return ""
-            self.restart_at = None
-            self.restarts += 1
-            self.start()
-            return f"trainer restarted ({self.restarts} of at most {self.policy.max_restarts})"
+        restarting = self.restart_when_due(now_s, "trainer")
+        if restarting is not None:
+            return restarting
         failed = next((r for r in reports if r["state"] == "failed"), None)
         if failed is None:
             return ""
         ray.get([actor.stop.remote(RANK_STOP_GRACE_S) for actor in self.actors], timeout=RANK_STOP_GRACE_S + 60)
         what = f"{failed['name']} (pid {failed['pid']}) exited"
-        if self.restarts >= self.policy.max_restarts:
+        if self.restarts_exhausted():
             raise RoleFailed(
                 f"{what}; gave up after {self.restarts} restarts of the trainer (launcher.restart.max_restarts="
                 f"{self.policy.max_restarts}); last log lines:\n{log_tail(self.log_dir / (failed['name'] + '.log'))}"
             )
-        delay_s = self.policy.delay_s(self.restarts + 1)
-        self.restart_at = now_s + delay_s
+        delay_s = self.schedule_restart(now_s)
         return f"{what}; restart {self.restarts + 1} of the trainer's {self.world_size} ranks in {delay_s:.1f}s"

@@ -52,6 +52,41 @@ def set_niceness(pid: int, niceness: int) -> None:
         logger.info("pid %d keeps niceness %d (lowering it to %d is not permitted)", pid, os.nice(0), niceness)
 
 
+class RestartBackoff:
+    """The restart policy's bookkeeping for one restartable unit (a role process, the Ray trainer's gang): restarts so
+    far and when the next is due (``launcher.restart``: ``backoff_s`` doubled per restart, at most ``max_backoff_s``;
+    at most ``max_restarts``). The unit says what a failure and a restart are; this says when."""
+
+    def __init__(self, policy: RestartPolicy):
+        self.policy = policy
+        self.restarts = 0
+        self.restart_at: float | None = None  # monotonic time of a scheduled restart
+
+    def start(self) -> None:
+        raise NotImplementedError
+
+    def restart_when_due(self, now_s: float, what: str) -> str | None:
+        """None where no restart is scheduled; "" while its backoff runs; once it is due, counts it, calls
+        ``start()`` and says so."""
+        if self.restart_at is None:
+            return None
+        if now_s < self.restart_at:
+            return ""
+        self.restart_at = None
+        self.restarts += 1
+        self.start()
+        return f"{what} restarted ({self.restarts} of at most {self.policy.max_restarts})"
+
+    def restarts_exhausted(self) -> bool:
+        return self.restarts >= self.policy.max_restarts
+
+    def schedule_restart(self, now_s: float) -> float:
+        """Schedule the next restart after its backoff; returns the backoff in seconds."""
+        delay_s = self.policy.delay_s(self.restarts + 1)
+        self.restart_at = now_s + delay_s
+        return delay_s
+
+
 def log_tail(path: Path, num_chars: int = 3000) -> str:
     try:
         return path.read_text(errors="replace")[-num_chars:]
@@ -59,7 +94,7 @@ def log_tail(path: Path, num_chars: int = 3000) -> str:
         return "(no log)"
 
 
-class SupervisedProcess:
+class SupervisedProcess(RestartBackoff):
     """One role process; ``make_spec`` is asked again at every (re)start (a coordinator's server list may change)."""
 
     def __init__(
@@ -71,16 +106,14 @@ class SupervisedProcess:
         restart: bool = True,
         niceness: int | None = None,
     ):
+        super().__init__(policy)
         self.make_spec = make_spec
         self.spec = make_spec()
         self.log_dir = Path(log_dir)
-        self.policy = policy
         self.cwd = cwd
         self.restart = restart  # False: a failure is only reported (a Ray trainer gang restarts as a whole)
         self.niceness = niceness  # the process's, where the launcher runs at another (None: inherit)
         self.process: subprocess.Popen | None = None
-        self.restarts = 0
-        self.restart_at: float | None = None  # monotonic time of a scheduled restart
         self.finished = False  # exited 0 with its work done
         self.failed = ""  # why it is down for good ("" = not)
         self.served = False  # ready in some start (a rollout server wrote its address): a later exit is a crash
@@ -128,13 +161,9 @@ class SupervisedProcess:
         now_s = time.monotonic() if now_s is None else now_s
         if self.stopping or self.finished or self.failed or self.process is None:
             return ""
-        if self.restart_at is not None:
-            if now_s < self.restart_at:
-                return ""
-            self.restart_at = None
-            self.restarts += 1
-            self.start()
-            return f"{self.name} restarted ({self.restarts} of at most {self.policy.max_restarts})"
+        restarting = self.restart_when_due(now_s, self.name)
+        if restarting is not None:
+            return restarting
         code = self.process.poll()
         self.served = self.served or self.serving_now()
         if code is None:
@@ -154,14 +183,13 @@ class SupervisedProcess:
         if not self.restart:
             self.failed = f"{self.name} exited with code {code}"
             return self.failed
-        if self.restarts >= self.policy.max_restarts:
+        if self.restarts_exhausted():
             self.failed = f"{self.name} exited with code {code}"
             raise RoleFailed(
                 f"{self.failed}; gave up after {self.restarts} restarts (launcher.restart.max_restarts="
                 f"{self.policy.max_restarts}); last log lines:\n{log_tail(self.log_path)}"
             )
-        delay_s = self.policy.delay_s(self.restarts + 1)
-        self.restart_at = now_s + delay_s
+        delay_s = self.schedule_restart(now_s)
         return f"{self.name} exited with code {code}; restart {self.restarts + 1} in {delay_s:.1f}s"
 
     def serving_now(self) -> bool:
