@@ -9,7 +9,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -22,6 +21,7 @@ from coordinator.ray_placement import actor_options
 from coordinator.ray_replicas import RolloutReplicas
 from coordinator.roles import ROLLOUT, RoleSpec
 from protos.config import RestartPolicy, load_run_config
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -38,19 +38,11 @@ def cluster():
 
 
 def _server_spec(out_dir: Path, index: int) -> RoleSpec:
-    """A stand-in rollout server: writes host:port to its address file, then serves (sleeps) until stopped."""
+    """A stand-in rollout server: writes host:port to its address file, then serves (blocks) until stopped."""
     name = f"rollout-{index}"
     address_file = out_dir / f"{name}.address"
-    code = f"import time; open({str(address_file)!r}, 'w').write('127.0.0.1:{9000 + index}'); time.sleep(600)"
+    code = f"import signal; open({str(address_file)!r}, 'w').write('127.0.0.1:{9000 + index}'); signal.pause()"
     return RoleSpec(name, ROLLOUT, ("-c", code), address_file=str(address_file))
-
-
-def _until(condition, what: str, timeout_s: float = 60.0):
-    deadline = time.monotonic() + timeout_s
-    while not (value := condition()):
-        assert time.monotonic() < deadline, f"no {what} within {timeout_s}s"
-        time.sleep(0.1)
-    return value
 
 
 def _actor_options(tmp_path: Path) -> dict:
@@ -61,7 +53,7 @@ def _actor_options(tmp_path: Path) -> dict:
 def test_a_role_actor_restarts_its_killed_process_and_reports_it(cluster, tmp_path):
     actor = ray.remote(RoleActor).options(num_cpus=0.1).remote(**_actor_options(tmp_path))
     first_pid = ray.get(actor.start.remote(_server_spec(tmp_path, 0)))
-    _until(lambda: ray.get(actor.report.remote())["address"], "address")
+    wait_until(lambda: ray.get(actor.report.remote())["address"], "address", 60, poll_s=0.1)
     os.killpg(first_pid, signal.SIGKILL)
     events: list[str] = []
 
@@ -70,7 +62,7 @@ def test_a_role_actor_restarts_its_killed_process_and_reports_it(cluster, tmp_pa
         events.extend(report["events"])
         return report if report["restarts"] == 1 and report["address"] else None
 
-    report = _until(restarted, "restart")
+    report = wait_until(restarted, "restart", 60, poll_s=0.1)
     assert report["pid"] != first_pid and report["state"] == "running" and report["address"] == "127.0.0.1:9000"
     assert events[0] == "rollout-0 exited with code -9; restart 1 in 0.2s" and events[1].startswith(
         "rollout-0 restarted"
@@ -100,13 +92,15 @@ def test_replicas_scale_up_in_the_background_and_down_by_retiring_the_newest(clu
         events.extend(replicas.advance())
         return len(replicas.serving) == 3
 
-    _until(all_started, "three started replicas")
+    wait_until(all_started, "three started replicas", 60, poll_s=0.1)
     assert sorted(events) == ["rollout-1 placed and starting", "rollout-2 placed and starting"]
     assert replicas.scale_to(1) == "scaling rollout servers 3 -> 1"
     assert list(replicas.serving) == ["rollout-0"] and set(replicas.leaving) == {"rollout-1", "rollout-2"}
     assert all(r["leaving"] for r in replicas.transient_reports().values())
     stopped: list[str] = []
-    _until(lambda: stopped.extend(replicas.advance()) or not replicas.leaving, "retired replicas stopped")
+    wait_until(
+        lambda: stopped.extend(replicas.advance()) or not replicas.leaving, "retired replicas stopped", 60, poll_s=0.1
+    )
     assert sorted(stopped) == ["rollout-1 stopped", "rollout-2 stopped"]
     ray.get(replicas.stop_refs(5.0))
     replicas.release()
@@ -119,7 +113,7 @@ def test_a_replica_the_cluster_cannot_hold_is_given_up_and_the_run_goes_on(clust
     )
     replicas = RolloutReplicas(config, lambda index, host: _server_spec(tmp_path, index), None, local=True)
     replicas.scale_to(1)
-    events = _until(lambda: replicas.advance() or None, "a verdict on the placement", timeout_s=30)
+    events = wait_until(lambda: replicas.advance() or None, "a verdict on the placement", 30, poll_s=0.1)
     assert events[0].startswith("rollout-0 not placed within 1s (launcher.ray.placement_timeout_s)")
     assert not replicas.placing and not replicas.serving
 

@@ -12,6 +12,7 @@ import pytest
 from coordinator.roles import ROLLOUT, TRAINER, RoleSpec
 from coordinator.supervision import RoleFailed, SupervisedProcess
 from protos.config import RestartPolicy, load_run_config
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -96,19 +97,15 @@ def test_each_start_asks_for_a_fresh_spec_and_clears_the_address_file(tmp_path):
 
 
 def test_a_stop_takes_down_the_children_of_the_role_process_too(tmp_path):
-    # The role starts a child (as a rollout server starts its engine core) and would ignore SIGTERM for a minute.
+    # The role starts a child (as a rollout server starts its engine core) and ignores SIGTERM.
     code = (
-        "import signal, subprocess, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
-        "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); print('up', flush=True); "
-        "time.sleep(60)"
+        "import signal, subprocess, sys; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+        "subprocess.Popen([sys.executable, '-c', 'import signal; signal.pause()']); print('up', flush=True); "
+        "signal.pause()"
     )
     role = SupervisedProcess(lambda: _spec(ROLLOUT, code), tmp_path, RestartPolicy())
     role.start()
-    deadline = time.monotonic() + 30
-    while len(psutil.Process(role.pid).children()) < 1:
-        assert time.monotonic() < deadline, "the role's child never started"
-        time.sleep(0.05)
-    child = psutil.Process(role.pid).children()[0]
+    child = wait_until(lambda: psutil.Process(role.pid).children(), "the role's child started", 30)[0]
     role.stop(grace_s=0.5)
     assert not role.running
     child.wait(timeout=10)  # killed with the group; psutil.TimeoutExpired if it outlived the stop
