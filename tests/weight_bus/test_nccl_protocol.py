@@ -14,6 +14,7 @@ import redis
 import torch
 
 from protos.redis_keys import RedisKeys
+from tests.waiting import wait_until
 from weight_bus import nccl_group as ng
 from weight_bus.codecs.mxfp8 import dequantize, quantize
 from weight_bus.nccl import MAX_ATTEMPTS, NcclWeightPublisher, NcclWeightSubscriber
@@ -146,6 +147,12 @@ def bus(redis_url, monkeypatch):
         sub.close()
 
 
+def _wait_beating(bus, num_members: int) -> None:
+    """Until ``num_members`` subscribers heartbeat into the members hash (the publisher forms its group from it)."""
+    beats = bus.publisher.nccl_board.read_heartbeats
+    wait_until(lambda: len(beats()) == num_members, f"{num_members} subscribers beating", 10, poll_s=0.01)
+
+
 def _receive_in_thread(sub: NcclWeightSubscriber, min_version: int, timeout_s: float) -> dict:
     result: dict = {}
 
@@ -166,7 +173,7 @@ def test_subscribers_receive_every_version_through_one_group(bus):
     subs = [bus.subscriber("rollout-0"), bus.subscriber("rollout-1")]
     for version in (1, 2):
         waiting = [_receive_in_thread(sub, version - 1, 20) for sub in subs]
-        time.sleep(0.3)
+        _wait_beating(bus, 2)
         bus.publisher.publish(version, _weights(version))
         for result in waiting:
             result["thread"].join(20)
@@ -181,13 +188,11 @@ def test_stalled_subscriber_is_dropped_and_the_survivor_commits_the_version(bus)
     healthy, stalled = bus.subscriber("rollout-0"), bus.subscriber("rollout-1")
     waiting_healthy = _receive_in_thread(healthy, 0, 30)
     waiting_stalled = _receive_in_thread(stalled, 0, 6)
-    time.sleep(0.3)
+    _wait_beating(bus, 2)
     bus.publisher._ensure_group()  # both join generation 1
     assert bus.publisher.group.members == ["rollout-0", "rollout-1"]
-    deadline = time.monotonic() + 10
-    while healthy.comm is None or stalled.comm is None:  # their join returns just after the root's
-        assert time.monotonic() < deadline, "subscribers did not join"
-        time.sleep(0.01)
+    # their join returns just after the root's
+    wait_until(lambda: healthy.comm and stalled.comm, "both subscribers joined", 10, poll_s=0.01)
     # rollout-1 stalls mid-broadcast: its process stops beating, its rank never takes part again.
     stalled._stop.set()
     bus.hub.stalled.add(id(stalled.comm))

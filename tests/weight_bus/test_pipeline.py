@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import threading
-import time
 
 import pytest
 
@@ -13,15 +12,15 @@ pytestmark = pytest.mark.unit
 
 
 def test_bucket_k_plus_1_is_packed_while_bucket_k_is_sent_with_at_most_two_alive():
-    sending = threading.Event()
+    packed = [threading.Event() for _ in range(7)]
     log: list[tuple[str, int]] = []
     in_use: set[int] = set()
     max_in_use = 0
 
     def send(slot: int, index: int) -> None:
         log.append(("send-start", index))
-        sending.set()
-        time.sleep(0.05)
+        if index < 5:  # a send still going once the next bucket is packed (or after 10 s: no overlap, a failure)
+            packed[index + 1].wait(timeout=10)
         log.append(("send-end", index))
         in_use.discard(slot)
 
@@ -32,6 +31,7 @@ def test_bucket_k_plus_1_is_packed_while_bucket_k_is_sent_with_at_most_two_alive
             in_use.add(slot)
             max_in_use = max(max_in_use, len(in_use))
             log.append(("pack", index))
+            packed[index].set()
             pipe.submit(slot, index)
     assert max_in_use == 2
     assert pipe.num_sent == 6
