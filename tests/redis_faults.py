@@ -28,13 +28,32 @@ class RedisProxy:
         self._writers: set[asyncio.StreamWriter] = set()
         self.upstream_addrs: set[str] = set()  # "host:port" of each open relay as Redis sees it (CLIENT LIST addr)
         self.loop: asyncio.AbstractEventLoop | None = None
+        self.thread: threading.Thread | None = None  # the one running ``loop``
 
     def cut(self) -> None:
-        """Close every relayed connection and refuse new ones until ``restore`` (callable from any thread)."""
-        self.loop.call_soon_threadsafe(self._cut)
+        """Close every relayed connection and refuse new ones until ``restore`` (callable from any thread; returns
+        once the cut is in effect on the proxy's loop)."""
+        self._on_loop(self._cut)
 
     def restore(self) -> None:
-        self.loop.call_soon_threadsafe(setattr, self, "_down", False)
+        """Relay new connections again (returns once in effect)."""
+        self._on_loop(setattr, self, "_down", False)
+
+    def _on_loop(self, function, *args) -> None:
+        """Run ``function(*args)`` on the proxy's loop and wait for it (at once when already on that loop)."""
+        if threading.current_thread() is self.thread:
+            function(*args)
+            return
+        done = threading.Event()
+
+        def run() -> None:
+            try:
+                function(*args)
+            finally:
+                done.set()
+
+        self.loop.call_soon_threadsafe(run)
+        assert done.wait(timeout=10), "the Redis proxy's loop did not run the change within 10 s"
 
     def _cut(self) -> None:
         self._down = True
@@ -103,6 +122,7 @@ def redis_proxy(redis_url: str, marker: bytes | None = None) -> Iterator[tuple[s
         holder["server"] = await asyncio.start_server(proxy._relay, "127.0.0.1", 0)
 
     thread = threading.Thread(target=loop.run_forever, name="redis-proxy", daemon=True)
+    proxy.thread = thread
     thread.start()
     asyncio.run_coroutine_threadsafe(serve(), loop).result(timeout=10)
     port = holder["server"].sockets[0].getsockname()[1]

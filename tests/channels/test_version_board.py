@@ -22,6 +22,7 @@ from protos.records import (
 )
 from protos.redis_keys import RedisKeys
 from tests.redis_faults import reply_dropping_proxy
+from tests.waiting import wait_until_async
 from weight_bus.packing import pack
 
 pytestmark = pytest.mark.integration
@@ -79,7 +80,12 @@ def test_publish_manifest_sets_version_stores_manifest_and_announces_and_only_th
         # a waiter blocked on "$" wakes up for a later publish
         manifest4 = WeightManifest(4, manifest.tensors, manifest.bucket_nbytes, "127.0.0.1:4242", "tcp", 1.0)
         waiter = asyncio.create_task(board.wait_for_announcement("$", timeout_s=5))
-        await asyncio.sleep(0.2)
+        await wait_until_async(
+            lambda: any(c["cmd"] == "xread" and "b" in c["flags"] for c in client.client_list()),
+            "the waiter blocked in XREAD",
+            5,
+            poll_s=0.01,
+        )
         await asyncio.to_thread(sync_board.publish_manifest, manifest4)
         newest_id, newest = await asyncio.wait_for(waiter, timeout=5)
         assert newest == 4 and _stream_id(newest_id) > _stream_id(last_id)
