@@ -17,6 +17,8 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from tests.waiting import wait_until
+
 
 @dataclass
 class ServerProcess:
@@ -31,23 +33,26 @@ class ServerProcess:
     def wait_serving(self, timeout_s: float = 300) -> ServerProcess:
         """Until the server wrote its address and its gRPC health check says SERVING (it must stay alive)."""
         deadline = time.monotonic() + timeout_s
-        while not self.address_file.exists():
+
+        def address_written() -> bool:
             self._assert_alive()
-            assert time.monotonic() < deadline, f"rollout server wrote no address in {timeout_s}s ({self.log_path})"
-            time.sleep(0.2)
+            return self.address_file.exists()
+
+        wait_until(address_written, f"rollout server's address file ({self.log_path})", timeout_s, poll_s=0.2)
         self.address = self.address_file.read_text().strip()
         with grpc.insecure_channel(self.address) as channel:
             health = health_pb2_grpc.HealthStub(channel)
-            while True:
+
+            def serving() -> bool:
                 self._assert_alive()
                 try:
                     reply = health.Check(health_pb2.HealthCheckRequest(), timeout=1)
-                    if reply.status == health_pb2.HealthCheckResponse.SERVING:
-                        return self
                 except grpc.RpcError:
-                    pass
-                assert time.monotonic() < deadline, f"rollout server {self.address} not SERVING in {timeout_s}s"
-                time.sleep(0.5)
+                    return False
+                return reply.status == health_pb2.HealthCheckResponse.SERVING
+
+            wait_until(serving, f"rollout server {self.address} SERVING", deadline - time.monotonic(), poll_s=0.5)
+        return self
 
     def _assert_alive(self) -> None:
         assert self.process.poll() is None, (

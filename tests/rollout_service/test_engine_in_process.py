@@ -14,7 +14,6 @@ import asyncio
 import dataclasses
 import itertools
 import threading
-import time
 
 import numpy as np
 import pytest
@@ -25,6 +24,7 @@ from protos.records import encode
 from rollout_service import metrics, vllm_adapter
 from rollout_service.engine import RolloutEngine, SamplingRequest
 from rollout_service.vllm_adapter import ChunkBuffer, UnsupportedVllm, VersionSpanTracker
+from tests.waiting import wait_until, wait_until_async
 from trainer_service.torch_backend import TorchBackend
 from weight_bus import packing
 
@@ -173,17 +173,23 @@ def _staging_file(tmp_path, model: str, version: int):
     return str(path), encode(manifest)
 
 
+def _generated_while_running(engine, request, task: asyncio.Task) -> int:
+    """Tokens ``request`` has generated so far; it must still be running."""
+    assert not task.done(), "the request finished before the commits"
+    return sum(vllm_adapter.generated_token_counts(engine.llm, [request.request_id]).values())
+
+
 async def _generate_across_commits(engine, staged: list[tuple[int, str, bytes]], request):
     """Start ``request``, then commit each staged version while it runs; returns its samples."""
     task = asyncio.create_task(_collect(engine, request))
     for version, path, manifest in staged:
         # wait until every sample has tokens past the last commit, so each commit splits the response
-        while (
-            sum(c for (rid, _), c in vllm_adapter.generated_token_counts(engine.llm, [request.request_id]).items())
-            < request.n * 20 * version
-        ):
-            await asyncio.sleep(0.005)
-            assert not task.done(), "the request finished before the commits"
+        await wait_until_async(
+            lambda v=version: _generated_while_running(engine, request, task) >= request.n * 20 * v,
+            f"{request.n * 20 * version} tokens generated before committing v{version}",
+            60,
+            poll_s=0.005,
+        )
         await engine.commit_weights(version, path, manifest)
     return await task
 
@@ -217,7 +223,8 @@ def test_a_request_added_during_a_commit_is_labelled_with_the_new_version(engine
 
     async def scenario():
         commit = asyncio.create_task(engine.commit_weights(version, path, manifest))
-        await asyncio.sleep(0)  # the commit has taken the lock and closed the gate
+        # a yield, not a wait: the commit task runs to its first suspension, past taking the lock and closing the gate
+        await asyncio.sleep(0)
         late = await _collect(engine, _request(8))
         await commit
         return late
@@ -254,9 +261,9 @@ def test_a_commit_pauses_the_engine_only_while_a_request_generates_and_both_load
 
     async def commit_while_generating():
         task = asyncio.create_task(_collect(engine, request))
-        while not sum(vllm_adapter.generated_token_counts(engine.llm, [request.request_id]).values()):
-            assert not task.done(), "the request finished before the commit"
-            await asyncio.sleep(0.005)
+        await wait_until_async(
+            lambda: _generated_while_running(engine, request, task), "the request generating", 60, poll_s=0.005
+        )
         await engine.commit_weights(busy, *staged)
         return await task
 
@@ -299,10 +306,8 @@ def test_a_follower_on_the_nccl_transport_commits_each_broadcast_version(engine_
     stop = asyncio.Event()
     receiving = asyncio.run_coroutine_threadsafe(follower.follow_broadcasts(stop, poll_s=0.2), loop.loop)
     try:
-        deadline = time.monotonic() + 30
-        while not sync_client.hlen(keys.nccl_members):  # the server's heartbeat: it is a member now
-            assert time.monotonic() < deadline, "the follower never joined"
-            time.sleep(0.05)
+        # the server's heartbeat: it is a member now
+        wait_until(lambda: sync_client.hlen(keys.nccl_members), "the follower joining the NCCL group", 30)
         for step in (1, 2):
             version = engine.policy_version + 1
             with torch.no_grad():
@@ -310,10 +315,7 @@ def test_a_follower_on_the_nccl_transport_commits_each_broadcast_version(engine_
                     param.add_(0.01 * step)
             before = loop.run(engine.state_checksum())
             publisher.publish(version, backend.export_hf_weights())
-            deadline = time.monotonic() + 60
-            while engine.policy_version != version:
-                assert time.monotonic() < deadline, f"v{version} was not committed from the broadcast"
-                time.sleep(0.05)
+            wait_until(lambda v=version: engine.policy_version == v, f"v{version} committed from the broadcast", 60)
             assert loop.run(engine.state_checksum()) != before
         assert hub.num_ids >= 1  # a group was formed: the bytes went through the broadcast, not tcp
     finally:

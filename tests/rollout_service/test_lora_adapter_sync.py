@@ -11,7 +11,6 @@ part runs on a GPU engine only (scripts/gpu_check_sections.py, ``lora_adapter_sy
 from __future__ import annotations
 
 import threading
-import time
 
 import pytest
 import redis
@@ -35,6 +34,7 @@ from tests.rollout_service.server_calls import (
     running_server,
     server_info,
 )
+from tests.waiting import wait_until
 from trainer_service.publisher import WeightPublisher
 from trainer_service.torch_backend import TorchBackend
 
@@ -126,10 +126,7 @@ def test_a_request_in_flight_continues_on_the_new_adapter_from_the_commit_on(mod
 
     reader = threading.Thread(target=stream)
     reader.start()
-    deadline = time.monotonic() + 60
-    while not tokens:  # the request is generating on the current adapter
-        assert time.monotonic() < deadline, "the request generated nothing in 60 s"
-        time.sleep(0.005)
+    wait_until(lambda: tokens, "the request generating on the current adapter", 60, poll_s=0.005)
     adapter_publisher, _ = publishers
     adapter_publisher.publish(version, backend.export_adapter_weights(), backend.adapter_record())
     reply = lora_server.stub.UpdateWeights(pb.UpdateWeightsRequest(version=version), timeout=120)

@@ -26,6 +26,7 @@ from tests.rollout_service.server_calls import (
     running_server,
     server_info,
 )
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -141,10 +142,7 @@ def test_requests_beyond_the_inflight_limit_get_resource_exhausted_and_cancel_fr
     # Paused (keep): admitted requests stay in flight instead of racing to finish.
     stub.Pause(pb.PauseRequest(mode=pb.PAUSE_MODE_KEEP), timeout=30)
     calls = [stub.Generate(long, timeout=120) for _ in range(MAX_INFLIGHT)]
-    deadline = time.monotonic() + 30
-    while stub.ServerInfo(pb.ServerInfoRequest(), timeout=10).num_running < MAX_INFLIGHT:
-        assert time.monotonic() < deadline, "the calls were not admitted"
-        time.sleep(0.05)
+    wait_until(lambda: server_info(stub).num_running >= MAX_INFLIGHT, "every call admitted", 30)
     with pytest.raises(grpc.RpcError) as caught:
         list(stub.Generate(long, timeout=30))
     assert caught.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
@@ -152,10 +150,7 @@ def test_requests_beyond_the_inflight_limit_get_resource_exhausted_and_cancel_fr
     for call in calls:
         call.cancel()  # a client that cancels aborts its engine request and frees its slot
     stub.Resume(pb.ResumeRequest(), timeout=30)
-    deadline = time.monotonic() + 30
-    while stub.ServerInfo(pb.ServerInfoRequest(), timeout=10).num_running:
-        assert time.monotonic() < deadline, "cancelled calls still counted as running"
-        time.sleep(0.1)
+    wait_until(lambda: server_info(stub).num_running == 0, "cancelled calls no longer running", 30, poll_s=0.1)
     _, samples = generate(stub)
     assert len(samples[0]["tokens"]) == 6
 
@@ -167,10 +162,12 @@ def test_deadline_exceeded_aborts_the_engine_request(server):
     try:
         code, _ = rpc_error(lambda: list(stub.Generate(long, timeout=1.0)))
         assert code == grpc.StatusCode.DEADLINE_EXCEEDED
-        deadline = time.monotonic() + 30
-        while (server_info(stub).num_engine_requests, server_info(stub).num_running) != (0, 0):
-            assert time.monotonic() < deadline, "the timed-out request is still held by the engine"
-            time.sleep(0.1)
+        wait_until(
+            lambda: (info := server_info(stub)).num_engine_requests == info.num_running == 0,
+            "the timed-out request gone from the engine",
+            30,
+            poll_s=0.1,
+        )
     finally:
         stub.Resume(pb.ResumeRequest(), timeout=30)
 
@@ -187,19 +184,17 @@ def test_sigterm_refuses_new_calls_finishes_in_flight_ones_then_exits(server):
     )
     chunks = [next(in_flight)]  # admitted and streaming
     os.kill(server.process.pid, signal.SIGTERM)  # as an orchestrator does: the server, not its engine children
-    deadline = time.monotonic() + 20
-    while True:  # a call that raced the signal may still be admitted; the next ones are refused
+
+    def refused() -> bool:  # a call that raced the signal may still be admitted; the next ones are refused
+        short = pb.GenerateRequest(prompt_token_ids=PROMPT, sampling=pb.SamplingParams(max_tokens=2))
         try:
-            list(
-                stub.Generate(
-                    pb.GenerateRequest(prompt_token_ids=PROMPT, sampling=pb.SamplingParams(max_tokens=2)), timeout=10
-                )
-            )
+            list(stub.Generate(short, timeout=10))
         except grpc.RpcError as error:
             assert error.code() == grpc.StatusCode.UNAVAILABLE, error.details()
-            break
-        assert time.monotonic() < deadline, "new calls still admitted after SIGTERM"
-        time.sleep(0.05)
+            return True
+        return False
+
+    wait_until(refused, "new calls refused after SIGTERM", 20)
     chunks += list(in_flight)
     finals = [c for c in chunks if c.finished]
     assert len(finals) == 4 and all(c.finish_reason == pb.FINISH_REASON_LENGTH for c in finals)

@@ -30,6 +30,7 @@ from tests.rollout_service.server_calls import (
     running_server,
     server_info,
 )
+from tests.waiting import wait_until
 from trainer_service.publisher import WeightPublisher
 from trainer_service.torch_backend import TorchBackend
 
@@ -92,12 +93,10 @@ def test_an_operator_pause_outlasts_a_weight_update(server, model_dir, redis_ser
         tokens, final = [], []
         reader = threading.Thread(target=stream, args=(tokens, final))
         reader.start()
-        deadline = time.monotonic() + 30
-        while not tokens:
-            assert time.monotonic() < deadline, "the request generated nothing"
-            time.sleep(0.005)
+        wait_until(lambda tokens=tokens: tokens, "the request generating", 30, poll_s=0.005)
         stub.Pause(pb.PauseRequest(mode=pb.PAUSE_MODE_KEEP), timeout=30)
-        time.sleep(0.3)  # the chunks made before the pause arrive
+        # kept: the chunks made before the pause are still on their way, and nothing says when the last one landed
+        time.sleep(0.3)
         if server_info(stub).num_engine_requests == 1:
             break
         stub.Resume(pb.ResumeRequest(), timeout=30)
@@ -107,7 +106,7 @@ def test_an_operator_pause_outlasts_a_weight_update(server, model_dir, redis_ser
     try:
         at_pause = len(tokens)
         publish_and_update(stub, redis_server, version, backend.export_hf_weights())  # pauses, loads, commits
-        time.sleep(1.0)
+        time.sleep(1.0)  # kept: a check that nothing happens (no token after the update) needs time to pass
         info = server_info(stub)
         # Still held: the update did not resume the engine the operator paused.
         assert info.policy_version == version and info.num_engine_requests == 1 and len(tokens) == at_pause < length
@@ -238,11 +237,12 @@ def test_the_server_reports_throughput_load_and_update_durations_to_the_runs_met
         if s.name == "rollout_generated_tokens_total"
     )
     reader = MetricsStreamReader(client, RedisKeys(RUN_ID))
-    deadline, reports = time.monotonic() + 30, []
-    while not any(r.values["tokens_generated"] >= generated for r in reports):  # a report after the generation
-        assert time.monotonic() < deadline, f"no rollout report with {generated} tokens in 30 s: {reports[-1:]}"
-        time.sleep(0.5)
+
+    def reports_with_the_tokens() -> list:  # up to a report after the generation
         reports = [e.report for e in reader.after("rollout", start_id) if e.report and e.report.source == "test-0"]
+        return reports if any(r.values["tokens_generated"] >= generated for r in reports) else []
+
+    reports = wait_until(reports_with_the_tokens, f"a rollout report with {generated} tokens", 30, poll_s=0.5)
     latest = reports[-1]
     assert latest.role == "rollout" and latest.policy_version == version == latest.values["policy_version"]
     assert [r.step for r in reports] == sorted(r.step for r in reports)  # the server's report count

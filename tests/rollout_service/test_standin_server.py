@@ -17,6 +17,7 @@ from protos.records import FinishReason, WeightManifest
 from protos.redis_keys import RedisKeys
 from rollout_service import standin_fleet
 from tests.rollout_service.server_process import spawn_rollout_server, stop_process
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -81,11 +82,9 @@ def test_a_stand_in_streams_samples_through_the_rollout_client(fleet):
 
 def test_stand_ins_report_a_published_version_and_label_tokens_with_it(fleet, redis_url):
     publish_empty_version(redis_url, 1)
-    deadline = time.monotonic() + 30
     board = VersionBoard(redis.Redis.from_url(redis_url), KEYS)
-    while {report.policy_version for report in board.fleet_reports().values()} != {1}:
-        assert time.monotonic() < deadline, f"fleet reports: {board.fleet_reports()}"
-        time.sleep(0.1)
+    reported = lambda: {report.policy_version for report in board.fleet_reports().values()} == {1}
+    wait_until(reported, "every stand-in reporting v1", 30, poll_s=0.1)
     assert sorted(board.fleet_reports()) == ["standin-0", "standin-1"]
 
     async def after_update(rollout: RolloutClient):

@@ -17,6 +17,7 @@ from rollout_service.__main__ import announce
 from rollout_service.synthetic_engine import SyntheticEngine
 from rollout_service.weight_sync import WeightFollower
 from tests.redis_faults import redis_proxy
+from tests.waiting import wait_until_async
 
 pytestmark = pytest.mark.integration
 
@@ -31,7 +32,8 @@ def test_a_server_started_during_an_outage_registers_once_redis_is_back(redis_ur
         follower = WeightFollower(engine, client, keys, WeightBusConfig(), "")
         proxy.cut()  # the outage begins before the server's first report
         started = asyncio.create_task(announce(args, engine, follower, "127.0.0.1", 7123))
-        await asyncio.sleep(1.5)  # a few refused attempts; the long chaos soak's server exited on the first
+        # a few refused attempts; the long chaos soak's server exited on the first
+        await wait_until_async(lambda: proxy.refused >= 3, "three refused attempts to register", 30)
         assert not started.done(), "the server gave up (or registered) while Redis was unreachable"
         proxy.restore()
         await asyncio.wait_for(started, timeout=60)

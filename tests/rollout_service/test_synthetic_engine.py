@@ -156,7 +156,7 @@ def test_an_operator_pause_holds_generation_across_a_commit_until_resume():
         await stand_in.pause("keep")
         await stand_in.commit_weights(1, "", b"")  # must not resume the operator's pause
         held = asyncio.ensure_future(anext(stream))
-        await asyncio.sleep(0.05)
+        await asyncio.sleep(0.05)  # kept: that no chunk comes out (25 chunk intervals here) needs time to pass
         was_held = not held.done()
         await stand_in.resume()
         rest = [await held] + [chunk async for chunk in stream]

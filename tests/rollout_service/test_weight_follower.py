@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import signal
-import time
 
 import grpc
 import msgspec
@@ -27,6 +26,7 @@ from protos.records import encode
 from protos.redis_keys import RedisKeys
 from tests.redis_faults import redis_proxy
 from tests.rollout_service.server_process import spawn_rollout_server
+from tests.waiting import wait_until
 from trainer_service.publisher import WeightPublisher
 from trainer_service.torch_backend import TorchBackend
 
@@ -34,10 +34,12 @@ pytestmark = pytest.mark.integration
 
 
 def _wait_for_version(stub, version: int, timeout_s: float = 90) -> None:
-    deadline = time.monotonic() + timeout_s
-    while stub.ServerInfo(pb.ServerInfoRequest(), timeout=10).policy_version != version:
-        assert time.monotonic() < deadline, f"the server did not reach v{version} in {timeout_s}s"
-        time.sleep(0.2)
+    wait_until(
+        lambda: stub.ServerInfo(pb.ServerInfoRequest(), timeout=10).policy_version == version,
+        f"the server at v{version}",
+        timeout_s,
+        poll_s=0.2,
+    )
 
 
 def test_a_redis_outage_neither_stops_a_following_server_nor_leaves_it_behind(redis_server, tmp_path):
@@ -64,19 +66,21 @@ def test_a_redis_outage_neither_stops_a_following_server_nor_leaves_it_behind(re
             _wait_for_version(stub, 1)
 
             proxy.cut()  # Redis unreachable for the server from here on
-            time.sleep(3.0)  # several failed reads of its follower
+            wait_until(
+                lambda: "Redis unreachable" in server.log_path.read_text(), "its follower meeting the outage", 60
+            )
             request = pb.GenerateRequest(prompt_token_ids=[1, 4, 5], sampling=pb.SamplingParams(max_tokens=4))
             chunks = list(stub.Generate(request, timeout=60))  # it still serves, on the version it has
             assert [c for c in chunks if c.finished][0].version_spans[0].version == 1
+            refused = proxy.refused
             publisher.publish(2, backend.export_hf_weights())  # announced while the server cannot see it
-            time.sleep(1.0)
+            wait_until(lambda: proxy.refused > refused, "the server trying Redis again after v2's announcement", 30)
             assert server.process.poll() is None
             assert stub.ServerInfo(pb.ServerInfoRequest(), timeout=10).policy_version == 1
 
             proxy.restore()
             _wait_for_version(stub, 2)  # caught up once Redis was back
             assert server.process.poll() is None
-            assert "Redis unreachable" in server.log_path.read_text()
 
             # v3 announced with the address of a publisher that is gone (a trainer killed after its publish): the
             # server stays on v2 and keeps trying; once v3's bytes are reachable (the restarted trainer publishes
@@ -84,10 +88,7 @@ def test_a_redis_outage_neither_stops_a_following_server_nor_leaves_it_behind(re
             manifest, buckets = publisher.tcp_sender.pack(3, backend.export_hf_weights())
             board = VersionBoard(redis.Redis.from_url(redis_server.url), keys)
             board.publish_manifest(msgspec.structs.replace(manifest, publisher_address=f"127.0.0.1:{free_port()}"))
-            deadline = time.monotonic() + 60
-            while "stays on v2" not in server.log_path.read_text():
-                assert time.monotonic() < deadline, "the server never tried the unreachable v3"
-                time.sleep(0.2)
+            wait_until(lambda: "stays on v2" in server.log_path.read_text(), "the server trying the unreachable v3", 60)
             publisher.tcp_sender.tcp.hold(3, buckets)
             board.client.set(keys.manifest(3), encode(manifest))  # the reachable manifest, not announced
             _wait_for_version(stub, 3)
