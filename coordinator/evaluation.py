@@ -138,14 +138,15 @@ class EvalRunner:
         after N steps come that many versions later (or earlier)."""
         self.pending = [version + versions for version in self.pending]
 
-    def due(self, scheduler) -> int | None:
+    def due(self, scheduler, now_s: float | None = None) -> int | None:
         """Hold the scheduler's admission at the next pending version; return it once the trainer is there.
 
         Call only while no round runs. A version the trainer has already passed cannot be evaluated
         pinned (the fleet has moved on), and one the trainer does not reach while nothing is left for
         it to train (for ``eval.timeout_s``) is given up: both are skipped with a warning and counted.
+        ``now_s`` is the monotonic time (tests pass their own clock).
         """
-        now = time.monotonic()
+        now = time.monotonic() if now_s is None else now_s
         if scheduler.trainer_version != self._progress[0] or not self._waiting_on_trainer(scheduler):
             self._progress = (scheduler.trainer_version, now)
         while self.pending and (

@@ -24,6 +24,7 @@ from protos.config import load_run_config
 from protos.records import ReportStatus, VersionReport, WeightManifest
 from protos.redis_keys import RedisKeys
 from tests.coordinator.task_files import write_plain
+from tests.waiting import wait_until_async
 
 pytestmark = pytest.mark.integration
 
@@ -202,12 +203,6 @@ def test_the_fleet_watcher_takes_a_servers_new_version_when_it_reports_not_at_it
     """On-policy, a step's groups wait for a server on the new version: a poll would leave it idle meanwhile."""
     keys = RedisKeys("watch")
 
-    async def until(condition, what: str, timeout_s: float = 10.0) -> None:
-        deadline = time.monotonic() + timeout_s
-        while not condition():
-            assert time.monotonic() < deadline, f"waited {timeout_s}s for {what}"
-            await asyncio.sleep(0.01)
-
     async def scenario():
         client = aioredis.Redis.from_url(redis_url)
         server = RolloutClient("127.0.0.1:1")  # never generates here; the watcher only reads its reports
@@ -215,15 +210,19 @@ def test_the_fleet_watcher_takes_a_servers_new_version_when_it_reports_not_at_it
         watcher = FleetWatcher(Fleet([server]), versions.append, client, keys, interval_s=300.0)
         task = asyncio.create_task(watcher.run(asyncio.Event()))
         try:
-            await until(lambda: versions, "the watcher's first refresh")
+            await wait_until_async(lambda: versions, "the watcher's first refresh", 10, poll_s=0.01)
             board = AsyncVersionBoard(client, keys)
             await board.report_version(VersionReport("r0", "127.0.0.1:1", 3, ReportStatus.OK, "", time.time()))
-            await until(lambda: server.policy_version == 3, "the report of v3 to reach the fleet (poll: 300 s)")
+            await wait_until_async(
+                lambda: server.policy_version == 3, "the report of v3 to reach the fleet (poll: 300 s)", 10, poll_s=0.01
+            )
             sync_client = redis.Redis.from_url(redis_url)
             manifest = WeightManifest(4, [], [], "127.0.0.1:1", "tcp", 0.0)
             await asyncio.to_thread(VersionBoard(sync_client, keys).publish_manifest, manifest)  # the trainer's publish
             sync_client.close()
-            await until(lambda: versions[-1] == 4, "the announcement of v4 to reach admission (poll: 300 s)")
+            await wait_until_async(
+                lambda: versions[-1] == 4, "the announcement of v4 to reach admission (poll: 300 s)", 10, poll_s=0.01
+            )
         finally:
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
@@ -305,16 +304,15 @@ def test_an_eval_the_trainer_never_reaches_is_given_up_only_when_it_alone_holds_
     evals = EvalRunner(scheduler.run, scheduler.fleet, [], scorer=None)
     evals.schedule([2])
     scheduler.pause()  # slots before v2 not admitted yet: the coordinator, not the trainer, holds the run
-    for _ in range(3):
-        assert evals.due(scheduler) is None
-        time.sleep(0.06)
+    now = time.monotonic()
+    for tick in range(3):  # each call 0.06 s later: past the timeout, were the trainer alone holding the run
+        assert evals.due(scheduler, now + 0.06 * tick) is None
     assert evals.pending == [2]
     scheduler.resume()
     assert admit_all(scheduler) == 2 * 4
     scheduler.in_flight.clear()  # all pushed; the trainer never publishes v1 or v2
-    evals.due(scheduler)
-    time.sleep(0.06)
-    assert evals.due(scheduler) is None and evals.rounds_skipped == 1 and scheduler.eval_hold_version is None
+    assert evals.due(scheduler, now + 0.13) is None and evals.pending == [2]  # the trainer holds it from here
+    assert evals.due(scheduler, now + 0.2) is None and evals.rounds_skipped == 1 and scheduler.eval_hold_version is None
 
 
 def test_eval_accepts_only_samples_whose_every_span_is_the_pinned_version():
