@@ -75,11 +75,27 @@ def llama3():
 
 
 def deepseek_v3():
-    """DeepSeek-V3 (Kimi K2, Moonlight): MLA, one dense first layer, shared expert, grouped sigmoid routing."""
+    """DeepSeek-V3 (Kimi K2, Moonlight): MLA, one dense first layer, shared expert, grouped sigmoid routing.
+
+    ``topk_method`` and ``scoring_func`` are no fields of transformers' config class (its model always routes by
+    sigmoid scores plus ``e_score_correction_bias``), but DeepSeek-V3's own config.json carries them and vLLM reads
+    them: without ``noaux_tc`` its model has no ``e_score_correction_bias`` (the checkpoint's key is then a KeyError
+    in the loader), without ``sigmoid`` it would score the experts by softmax.
+
+    The MLA latent keeps DeepSeek-V3's real size, ``kv_lora_rank`` 512 + ``qk_rope_head_dim`` 64: vLLM's CPU MLA
+    backend (its decode kernel) runs only that cache width, 576 ("Head dimension 64 is not supported by MLA").
+
+    RoPE is DeepSeek-V3's own YaRN (its config.json's values). With plain RoPE vLLM rotates MLA's per-head q and
+    shared k through its CPU ``rotary_embedding`` kernel, which misreads those 3-D ``[tokens, heads, 64]`` views (for
+    more than one head q comes out rotated wrong; a strided k is left unrotated): every position but the first then
+    attends differently from transformers. vLLM's DeepSeek YaRN rotation runs in PyTorch on CPU and agrees.
+    """
     from transformers import DeepseekV3Config
 
     return DeepseekV3Config(
         **COMMON,
+        topk_method="noaux_tc",
+        scoring_func="sigmoid",
         num_hidden_layers=2,
         first_k_dense_replace=1,
         intermediate_size=128,
@@ -87,9 +103,9 @@ def deepseek_v3():
         num_attention_heads=2,
         num_key_value_heads=2,
         q_lora_rank=32,
-        kv_lora_rank=32,
+        kv_lora_rank=512,
         qk_nope_head_dim=32,
-        qk_rope_head_dim=32,
+        qk_rope_head_dim=64,
         v_head_dim=32,
         n_routed_experts=8,
         n_shared_experts=1,
@@ -98,6 +114,16 @@ def deepseek_v3():
         topk_group=1,
         routed_scaling_factor=2.5,
         norm_topk_prob=True,
+        rope_parameters=dict(
+            rope_type="yarn",
+            rope_theta=10000.0,
+            factor=40.0,
+            original_max_position_embeddings=4096,
+            beta_fast=32.0,
+            beta_slow=1.0,
+            mscale=1.0,
+            mscale_all_dim=1.0,
+        ),
     )
 
 

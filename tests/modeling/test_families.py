@@ -14,7 +14,15 @@ pytestmark = pytest.mark.unit
 
 # The architecture each family must keep at toy size: the config fields that make it that family.
 ARCHITECTURE = {
-    "deepseek_v3": dict(first_k_dense_replace=1, n_shared_experts=1, kv_lora_rank=32, q_lora_rank=32),
+    "deepseek_v3": dict(
+        first_k_dense_replace=1,
+        n_shared_experts=1,
+        kv_lora_rank=512,  # + qk_rope_head_dim 64: the one MLA cache width vLLM's CPU MLA backend runs
+        qk_rope_head_dim=64,
+        q_lora_rank=32,
+        topk_method="noaux_tc",  # what makes vLLM's model keep the router's e_score_correction_bias
+        scoring_func="sigmoid",
+    ),
     "glm4_5": dict(first_k_dense_replace=1, n_shared_experts=1, use_qk_norm=True, attention_bias=True),
     "gpt_oss": dict(layer_types=["sliding_attention", "full_attention"], sliding_window=16),
     "qwen3_next": dict(layer_types=["linear_attention", "full_attention"]),
