@@ -10,11 +10,12 @@ import json
 import os
 import shutil
 import signal
-import time
 from pathlib import Path
 
 import aiohttp
 import pytest
+
+from tests.waiting import wait_until_async
 
 CHROMIUM_FLAGS = [
     "--headless",
@@ -59,12 +60,17 @@ class Browser:
             stderr=asyncio.subprocess.DEVNULL,
             start_new_session=True,  # its renderer and GPU helpers live in its process group
         )
-        port_file, deadline = profile_dir / "DevToolsActivePort", time.monotonic() + timeout_s
-        while not port_file.exists() or not port_file.read_text().strip():
-            if process.returncode is not None or time.monotonic() > deadline:
-                os.killpg(process.pid, signal.SIGKILL)
-                pytest.fail(f"Chromium wrote no DevTools port in {timeout_s}s (exit code {process.returncode})")
-            await asyncio.sleep(0.1)
+        port_file = profile_dir / "DevToolsActivePort"
+
+        def port_written() -> bool:
+            assert process.returncode is None, f"Chromium exited with code {process.returncode}"
+            return port_file.exists() and bool(port_file.read_text().strip())
+
+        try:
+            await wait_until_async(port_written, "Chromium's DevTools port file", timeout_s, poll_s=0.1)
+        except AssertionError:
+            os.killpg(process.pid, signal.SIGKILL)
+            raise
         port = port_file.read_text().split()[0]
         session = aiohttp.ClientSession()
         async with session.get(f"http://127.0.0.1:{port}/json/list") as reply:
@@ -110,12 +116,9 @@ class Browser:
 
     async def wait_for(self, expression: str, what: str, timeout_s: float = 30):
         """Until ``expression`` is truthy in the page; returns its value. Fails naming ``what`` it waited for."""
-        deadline = time.monotonic() + timeout_s
-        while not (value := await self.evaluate(expression)):
-            if time.monotonic() > deadline:
-                pytest.fail(f"the page did not show {what} within {timeout_s}s ({expression})")
-            await asyncio.sleep(0.2)
-        return value
+        return await wait_until_async(
+            lambda: self.evaluate(expression), f"{what} in the page ({expression})", timeout_s, 0.2
+        )
 
     async def drag(self, x0: float, y0: float, x1: float, y1: float, steps: int = 8) -> None:
         """Press the left button at (x0, y0), move to (x1, y1), release: what a user's drag sends."""

@@ -9,7 +9,7 @@ import zlib
 async def parity_of_text(problem, response_text: str, response_len: int) -> float:
     """Async plug-in: 1.0 when the response's crc32 is even. Deterministic per response, and a group of
     n different responses has equal rewards with probability 2^(1-n), so dynamic sampling has work."""
-    await asyncio.sleep(0)
+    await asyncio.sleep(0)  # a yield, not a wait: it suspends once, as a plug-in that does I/O would
     return float(zlib.crc32(response_text.encode()) % 2 == 0)
 
 

@@ -196,7 +196,7 @@ def test_expiry_racing_a_push_record_neither_fails_the_submit_nor_stops_later_pu
     async def expire_until(done: asyncio.Event, book) -> None:
         while not done.is_set():
             await book.expire()
-            await asyncio.sleep(0)  # every await of the push's record write lets this round run
+            await asyncio.sleep(0)  # a yield, not a wait: every await of the push's record write lets this round run
 
     async def scenario():
         async with harness(rollout_server, redis_url) as h:  # max_staleness 1: two slots

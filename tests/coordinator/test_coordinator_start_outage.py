@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import time
 
 import pytest
 import redis
@@ -20,6 +19,7 @@ from protos.config import load_run_config
 from protos.records import PromptCursor, encode
 from protos.redis_keys import RedisKeys
 from tests.redis_faults import redis_proxy
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -30,10 +30,10 @@ def restore_once_refused(proxy, timeout_s: float = 30.0) -> threading.Thread:
     """Ends the outage once the coordinator has been refused a connection (it tried while Redis was away)."""
 
     def restore() -> None:
-        deadline = time.monotonic() + timeout_s
-        while proxy.refused == 0 and time.monotonic() < deadline:
-            time.sleep(0.05)
-        proxy.restore()
+        try:
+            wait_until(lambda: proxy.refused, "a connection of the coordinator refused", timeout_s)
+        finally:
+            proxy.restore()
 
     thread = threading.Thread(target=restore, daemon=True)
     thread.start()

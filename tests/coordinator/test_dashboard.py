@@ -26,6 +26,7 @@ from coordinator.dashboard import DashboardPortTaken, start_dashboard
 from protos.records import MetricsReport, ReportStatus, RoleDone, VersionReport
 from protos.redis_keys import RedisKeys
 from tests.coordinator.browser import Browser
+from tests.waiting import wait_until_async
 
 pytestmark = pytest.mark.integration
 
@@ -145,8 +146,12 @@ def test_state_covers_the_whole_run_downsampled_and_a_window_on_request(redis_ur
             window = await get_state(base_url, "?from=119000&to=119500")
             for step in range(2001, 2004):
                 write_metrics(sync, "trainer", step, 100000.0 + 10 * step, trainer_values(step))
-            await asyncio.sleep(0.6)  # past the dashboard's shared-refresh interval
-            later = await get_state(base_url)
+
+            async def refreshed() -> dict | None:  # once the dashboard's shared refresh (its interval) read them
+                state = await get_state(base_url)
+                return state if state["roles"]["trainer"]["num_points"] == 2003 else None
+
+            later = await wait_until_async(refreshed, "the dashboard's state with steps 2001-2003", 10)
             async with aiohttp.ClientSession() as session, session.get(base_url + "/api/state?from=5&to=4") as bad:
                 refused = (bad.status, await bad.text())
         sync.close()
@@ -390,6 +395,6 @@ async def drive_the_page(browser: Browser, screenshot: Path) -> dict:
     await browser.wait_for(
         f'document.body.dataset.selection === "all" && {REWARD_POINTS} >= {seen["whole_points"]}', "the whole run again"
     )
-    await asyncio.sleep(0.5)  # one more frame drawn
+    await browser.evaluate("new Promise(done => requestAnimationFrame(() => requestAnimationFrame(() => done(1))))")
     seen["screenshot"] = await browser.screenshot(screenshot)
     return seen

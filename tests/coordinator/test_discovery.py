@@ -24,6 +24,7 @@ from coordinator.tasks import EchoTask
 from protos.config import load_run_config
 from protos.redis_keys import RedisKeys
 from tests.rollout_service.server_process import spawn_rollout_server, stop_process
+from tests.waiting import wait_until_async
 
 pytestmark = pytest.mark.integration
 
@@ -63,21 +64,23 @@ async def _reports(url: str) -> dict:
 
 async def _fresh_reports(url: str, timeout_s: float = 30.0) -> dict:
     """The fleet hash once it holds the beater's entry (a test before may have flushed Redis)."""
-    deadline = time.monotonic() + timeout_s
-    while "beater" not in (reports := await _reports(url)):
-        assert time.monotonic() < deadline, f"no registration of the beater in {timeout_s}s"
-        await asyncio.sleep(0.05)
-    return reports
+
+    async def registered() -> dict | None:
+        reports = await _reports(url)
+        return reports if "beater" in reports else None
+
+    return await wait_until_async(registered, "the beater's registration", timeout_s)
 
 
 def test_a_serving_server_beats_its_address_version_load_and_capacity(beating_server, redis_url):
     async def scenario():
         first = (await _fresh_reports(redis_url))["beater"]
-        deadline = time.monotonic() + 10
-        while (later := (await _reports(redis_url))["beater"]).time_s == first.time_s:
-            assert time.monotonic() < deadline, "the registration was never renewed"
-            await asyncio.sleep(0.05)
-        return first, later
+
+        async def renewed():
+            later = (await _reports(redis_url))["beater"]
+            return later if later.time_s != first.time_s else None
+
+        return first, await wait_until_async(renewed, "the beater's registration renewed", 10)
 
     first, later = asyncio.run(scenario())
     assert later.address == first.address == beating_server.address

@@ -87,7 +87,7 @@ def test_generate_reports_the_wait_for_an_accepted_server_to_the_dispatch_hook()
         fleet = Fleet(clients(1, version=0))
 
         async def promote():
-            await asyncio.sleep(0.2)
+            await asyncio.sleep(0.2)  # kept: the wait that generate() must measure and report
             fleet.clients[0].policy_version = 1
             fleet.notify_changed()
 

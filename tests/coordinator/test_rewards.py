@@ -120,7 +120,7 @@ def sync_len(problem, response_text, response_len):
 
 
 async def async_match(problem, response_text, response_len):
-    await asyncio.sleep(0)
+    await asyncio.sleep(0)  # a yield, not a wait: it suspends once, as a plug-in that does I/O would
     return 1.0 if response_text == problem.ground_truth else 0.0
 
 
@@ -129,7 +129,7 @@ def boom(problem, response_text, response_len):
 
 
 async def slow(problem, response_text, response_len):
-    await asyncio.sleep(30)
+    await asyncio.Event().wait()  # never answers: the scorer's timeout must end it
     return 1.0
 
 

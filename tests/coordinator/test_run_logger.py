@@ -13,6 +13,7 @@ from coordinator.run_logger import RunLogger, follow_run, step_metrics
 from protos.config import load_run_config
 from protos.records import MetricsReport, RoleDone, encode
 from protos.redis_keys import RedisKeys
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -58,13 +59,12 @@ def write_run(client: redis.Redis, keys: RedisKeys, num_steps: int) -> None:
 def offline_history(log_dir, timeout_s: float = 60.0) -> tuple[dict, list[dict]]:
     """(run record, history rows) of the single offline run under ``log_dir``, read from its transaction log once
     wandb's service process has written the run's exit record into it."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        run, rows, finished = _read_run_file(log_dir)
-        if finished:
-            return run, rows
-        assert time.monotonic() < deadline, f"the offline run under {log_dir} has no exit record after {timeout_s}s"
-        time.sleep(0.5)
+
+    def finished() -> tuple[dict, list[dict]] | None:
+        run, rows, done = _read_run_file(log_dir)
+        return (run, rows) if done else None
+
+    return wait_until(finished, f"the exit record of the offline run under {log_dir}", timeout_s, poll_s=0.5)
 
 
 def _read_run_file(log_dir) -> tuple[dict, list[dict], bool]:
