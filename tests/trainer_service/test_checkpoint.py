@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import shutil
 import threading
-import time
 
 import pytest
 import torch
@@ -14,6 +13,7 @@ from synthetic import make_group
 
 from modeling.tiny_model import init_tiny
 from protos.config import TrainerConfig
+from tests.waiting import wait_until
 from trainer_service.checkpoint import CheckpointManager, CheckpointWriter, TrainerState
 from trainer_service.torch_backend import TorchBackend
 from trainer_service.trainer import Trainer
@@ -123,10 +123,8 @@ def test_the_next_step_trains_while_a_checkpoint_becomes_durable_and_its_entries
     assert checkpoints.latest() is None  # a crash now restores nothing of step 2: its entries stay pending
     assert writer.take_durable() == []  # the loop's per-step question does not wait for it
     gate.set()
-    deadline = time.monotonic() + 60
-    while not (durable := writer.take_durable()):  # what the loop asks at each step
-        assert time.monotonic() < deadline, "the checkpoint of step 2 was not durable within 60 s"
-        time.sleep(0.01)
+    # what the loop asks at each step
+    durable = wait_until(writer.take_durable, "the checkpoint of step 2 durable", 60, poll_s=0.01)
     assert durable == ["1-0", "2-0"]  # durable now: these may be acknowledged
     assert writer.take_durable() == [] and writer.wait() == []  # handed out once
     assert checkpoints.latest() == tmp_path / "step-000002"
