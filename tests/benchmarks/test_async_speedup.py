@@ -144,7 +144,7 @@ def test_threads_are_bound_to_their_cores_and_a_process_gone_meanwhile_raises_wh
     import subprocess
     import sys
 
-    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    child = subprocess.Popen([sys.executable, "-c", "import signal; signal.pause()"])
     try:
         bind_threads(child.pid, {0})
         assert os.sched_getaffinity(child.pid) == {0}
