@@ -264,15 +264,25 @@ CAUSES = [
     "Qwen3-Next bridge: refused by fleetrl before building. megatron-core builds its gated-DeltaNet block"
     " (`get_transformer_block_with_experimental_attention_variant_spec`) for Transformer Engine only; the local spec"
     " would make every layer full attention.",
-    "DeepSeek-V3 serve: vLLM 0.32's DeepSeek-V3 weight loader on CPU raises KeyError on the router's"
-    " `e_score_correction_bias` of the first MoE layer, as transformers 5.19 writes it: the key is not mapped to a"
-    " parameter of vLLM's model there.",
     "Qwen3-Next serve: vLLM's CPU gated-DeltaNet attention requires bf16 (`CPU GDN attention requires BF16`); this"
     " matrix runs fp32 so that check 3 can hold 1e-4.",
-    "gpt-oss update: the engine's log-probs after the commit are neither the trainer's new ones nor the old ones,"
-    " while check 3 on the checkpoint passes: most likely vLLM's gpt-oss loader reads some tensor of transformers'"
-    " export (`export_hf_weights`, e.g. the fused expert gate_up layout) differently from the checkpoint on disk;"
-    " not isolated yet.",
+    "gpt-oss update: not the export (`export_hf_weights` equals the checkpoint on disk, all 37 tensors bit for bit;"
+    " committing the unchanged weights already moves the served log-probs by 7.8e-02). vLLM's gpt-oss loader"
+    " (`_load_weights_other`) writes the experts' `w13`/`w2` weights and biases and the attention sinks with a plain"
+    " `param.copy_`, past the weight loaders that vLLM's layerwise `reload_weights` wraps and counts: on a reload the"
+    " engine logs `GptOssRoutedExperts: Failed to load weights` and `OAIAttention: Failed to load weights` (and"
+    " `YaRNScalingRotaryEmbedding`), and the served log-probs match neither the committed weights nor the old ones."
+    " The fix belongs in the rollout worker's reload path (rollout_service), not in the export.",
+]
+
+# What the vLLM CPU engine needs of a family's tiny config (the checkpoints keep these).
+SERVE_NOTES = [
+    "DeepSeek-V3: `topk_method: noaux_tc` and `scoring_func: sigmoid` in config.json as DeepSeek-V3's own has them"
+    " (transformers' config class has neither field; without `noaux_tc` vLLM's model has no"
+    " `e_score_correction_bias` and its loader raises KeyError on the checkpoint's key); the MLA latent at the real"
+    " 512 + 64 (vLLM's CPU MLA decode runs only that cache width, 576); DeepSeek-V3's YaRN RoPE (with plain RoPE"
+    " vLLM's CPU `rotary_embedding` kernel misrotates MLA's 3-D per-head q and strided k views, so every position"
+    " but the first attends differently; its DeepSeek YaRN rotation runs in PyTorch and agrees).",
 ]
 
 # How the Megatron backend runs the families that pass the bridge check on CPU (what it needed).
@@ -311,6 +321,10 @@ def render(rows: list[dict], command: str, where: str) -> str:
         "Causes of the failures, as far as traced:",
         "",
         *[f"- {cause}" for cause in CAUSES],
+        "",
+        "What vLLM's CPU engine needed of the tiny configs:",
+        "",
+        *[f"- {note}" for note in SERVE_NOTES],
         "",
         "What the Megatron backend needed for the families whose bridge check passes:",
         "",
