@@ -14,15 +14,15 @@ from coordinator.openai_requests import ChatRequest
 from coordinator.openai_tools import parse_tool_calls
 from protos.records import FinishReason
 
-__all__ = ["chat_answer"]
+__all__ = ["answer_choice", "chat_answer", "context_tokens"]
 
 
 def chat_answer(tokenizer, turns: list[tuple[Session, int]], chat: ChatRequest) -> dict:
     """The answer to ``chat``: choice ``i`` is turn ``turns[i] = (session, turn index)``. The top-level ``fleetrl``
     field is choice 0's (each choice carries its own); ``usage`` counts the context once and every choice's turn."""
-    choices = [_choice(tokenizer, session, index, chat, i) for i, (session, index) in enumerate(turns)]
+    choices = [answer_choice(tokenizer, session, index, chat, i) for i, (session, index) in enumerate(turns)]
     first_session, first_index = turns[0]
-    context = _context_tokens(first_session, first_index)
+    context = context_tokens(first_session, first_index)
     completion_tokens = sum(len(session.turns[index].token_ids) for session, index in turns)
     return {
         "id": f"chatcmpl-{first_session.session_id[:16]}-{first_index}",
@@ -39,11 +39,13 @@ def chat_answer(tokenizer, turns: list[tuple[Session, int]], chat: ChatRequest) 
     }
 
 
-def _context_tokens(session: Session, index: int) -> int:
+def context_tokens(session: Session, index: int) -> int:
+    """The tokens of the context turn ``index`` was generated after (the prompt and every earlier turn)."""
     return len(session.prompt) + sum(len(t.token_ids) for t in session.turns[:index])
 
 
-def _choice(tokenizer, session: Session, index: int, chat: ChatRequest, choice_index: int) -> dict:
+def answer_choice(tokenizer, session: Session, index: int, chat: ChatRequest, choice_index: int) -> dict:
+    """Choice ``choice_index`` of an answer: turn ``index`` of ``session`` as a ``chat.completion`` choice."""
     turn = session.turns[index]
     tokens = turn.token_ids
     if turn.finish_reason == FinishReason.STOP and tokens and tokens[-1] in tokenizer.all_special_ids:

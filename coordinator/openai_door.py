@@ -1,11 +1,14 @@
-"""The OpenAI-compatible door: ``POST /v1/chat/completions`` onto SessionBook sessions (docs/agents.md).
+"""The OpenAI-compatible door: ``POST /v1/chat/completions`` and ``POST /v1/responses`` onto SessionBook
+sessions (docs/agents.md).
 
-An adapter like ``agent_api.py``, over HTTP: an agent that speaks the OpenAI chat API trains by changing its base
-URL. Each request's messages are rendered with the model's chat template; the first request of a session opens
-it with that rendering as its prompt (``n`` > 1 opens n sessions of one group, one per choice), a later one (header ``X-Fleetrl-Session``) must render to the session's
-record followed by new tokens, which are appended (mask 0) before the model's turn. Token truth is the core's:
-what is trained is the record, never the agent's text. Reading the request and rendering it are in
-``openai_requests.py``: rendering runs in a worker thread, bounded by the context before any tokenizing.
+An adapter like ``agent_api.py``, over HTTP: an agent that speaks the OpenAI chat or Responses API trains by
+changing its base URL. Each request's messages are rendered with the model's chat template; the first request of
+a session opens it with that rendering as its prompt (``n`` > 1 opens n sessions of one group, one per choice), a
+later one (header ``X-Fleetrl-Session``) must render to the session's record followed by new tokens, which are
+appended (mask 0) before the model's turn. Token truth is the core's: what is trained is the record, never the
+agent's text. Reading the request and rendering it are in ``openai_requests.py`` (a Responses request is read
+into the same chat request, ``openai_responses.py``): rendering runs in a worker thread, bounded by the context
+before any tokenizing. ``stream: true`` sends the tokens as the engine generates them (``openai_stream.py``).
 """
 
 from __future__ import annotations
@@ -18,41 +21,30 @@ import math
 
 from aiohttp import web
 
-from coordinator.agent_errors import AgentRefused
 from coordinator.agent_groups import GroupState
 from coordinator.agent_sessions import Session, SessionBook
 from coordinator.openai_answers import chat_answer
+from coordinator.openai_errors import ERROR_TYPE, refusal_of
 from coordinator.openai_requests import ChatRenderer, ChatRequest, DoorRefused, parse_chat
-from coordinator.openai_stream import stream_answer
+from coordinator.openai_responses import RESPONSES_FIELDS, parse_responses, response_answer
+from coordinator.openai_responses_events import ResponseEvents
+from coordinator.openai_stream import ChatEvents, stream_turns
 
 __all__ = ["DoorRefused", "build_app", "start_openai_door"]
 
 logger = logging.getLogger(__name__)
 
-STATUS = {"invalid": 400, "not_found": 404, "precondition": 409, "denied": 403, "exhausted": 429, "unavailable": 503}
-ERROR_TYPE = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    403: "permission_error",
-    404: "not_found_error",
-    405: "invalid_request_error",  # as OpenAI's API answers a wrong method
-    409: "conflict_error",
-    413: "invalid_request_error",
-    429: "rate_limit_error",
-    503: "service_unavailable",
-}
-# The core's names of fields that the door's clients send under OpenAI's names.
-DOOR_FIELDS = {"sampling.temperature": "temperature", "prompt_token_ids": "messages", "token_ids": "messages"}
 MAX_BODY_BYTES = 16 * 2**20  # a long agent history in JSON; larger bodies are refused 413 while being read
 SESSION_ID = web.RequestKey("fleetrl_session_id", str)  # answered as X-Fleetrl-Session, refusals included
+PARAM_NAMES = web.RequestKey("fleetrl_param_names", dict)  # a route's names of the chat route's fields
+INTERNAL = "internal error in the fleetrl door (logged by the coordinator)"
 
 
-def _refusal(status: int, message: str, param: str | None = None, retry_after_ms: int = 0) -> web.Response:
+def _refusal(status: int, error: dict, retry_after_ms: int = 0) -> web.Response:
     headers = {}
     if retry_after_ms:
         headers = {"Retry-After": str(max(1, math.ceil(retry_after_ms / 1000))), "retry-after-ms": str(retry_after_ms)}
-    body = {"error": {"message": message, "type": ERROR_TYPE.get(status, "server_error"), "param": param}}
-    return web.json_response(body, status=status, headers=headers)
+    return web.json_response({"error": error}, status=status, headers=headers)
 
 
 @web.middleware
@@ -60,20 +52,15 @@ async def refusals(request: web.Request, handler) -> web.StreamResponse:
     """Every refusal is an OpenAI-style error body; an unexpected failure is logged here, never sent."""
     try:
         response = await handler(request)
-    except DoorRefused as error:
-        response = _refusal(error.status, str(error), error.param, error.retry_after_ms)
-    except AgentRefused as error:
-        field, _, rest = str(error).partition(":")
-        param = field if rest and field.replace("_", "").replace(".", "").isalnum() else None
-        message = str(error)
-        if param in DOOR_FIELDS:  # the door's clients sent it under OpenAI's name
-            param, message = DOOR_FIELDS[param], DOOR_FIELDS[param] + ":" + rest
-        response = _refusal(STATUS[error.kind], message, param, error.retry_after_ms)
     except web.HTTPException as error:  # unknown route, wrong method, body too large
-        response = _refusal(error.status, error.reason)
-    except Exception:
-        logger.exception("openai door: %s %s failed", request.method, request.path)
-        response = _refusal(500, "internal error in the fleetrl door (logged by the coordinator)")
+        error_type = ERROR_TYPE.get(error.status, "server_error")
+        response = _refusal(error.status, {"message": error.reason, "type": error_type, "param": None})
+    except Exception as error:
+        refusal = refusal_of(error, request.get(PARAM_NAMES))
+        if refusal is None:
+            logger.exception("openai door: %s %s failed", request.method, request.path)
+            refusal = (500, {"message": INTERNAL, "type": "server_error", "param": None}, 0)
+        response = _refusal(*refusal)
     if SESSION_ID in request:
         response.headers["X-Fleetrl-Session"] = request[SESSION_ID]
     return response
@@ -93,11 +80,33 @@ class OpenAIDoor:
         name = self.authorize(token or None, scope)
         return await name if inspect.isawaitable(name) else name
 
-    # 1) completions ------------------------------------------------------------------------------
+    # 1) completions and responses: one model turn per session -----------------------------------------
     async def completions(self, request: web.Request) -> web.StreamResponse:
         owner = await self.grant(request, "generate")
         chat = parse_chat(await _json_body(request), self.tokenizer, self.book.max_model_len)
-        rendered = await self.renderer.render(chat)  # in a worker thread: the loop serves other requests meanwhile
+        sessions, rendered = await self.sessions_of(request, owner, chat)
+        if chat.stream:
+            events = ChatEvents(self.tokenizer, chat)
+            return await stream_turns(request, self.turn_of(owner, chat, rendered), sessions, events)
+        turns = await self.turns(owner, sessions, chat, rendered)
+        return web.json_response(chat_answer(self.tokenizer, turns, chat))
+
+    async def responses(self, request: web.Request) -> web.StreamResponse:
+        """``POST /v1/responses``: the Responses API's request as a chat request (``openai_responses.py``)."""
+        owner = await self.grant(request, "generate")
+        request[PARAM_NAMES] = RESPONSES_FIELDS  # refusals name the fields as this route spells them
+        chat, echo = parse_responses(await _json_body(request), self.tokenizer, self.book.max_model_len)
+        sessions, rendered = await self.sessions_of(request, owner, chat)
+        if chat.stream:
+            events = ResponseEvents(self.tokenizer, chat, echo)
+            return await stream_turns(request, self.turn_of(owner, chat, rendered), sessions, events)
+        [(session, index)] = await self.turns(owner, sessions, chat, rendered)
+        return web.json_response(response_answer(self.tokenizer, session, index, chat, echo))
+
+    async def sessions_of(self, request: web.Request, owner: str, chat: ChatRequest):
+        """``(sessions, rendered)``: the request's sessions (opened now, or the one it continues) and its
+        rendering (in a worker thread: the loop serves other requests meanwhile)."""
+        rendered = await self.renderer.render(chat)
         session_id = request.headers.get("X-Fleetrl-Session", "")
         if session_id:
             if chat.n > 1:
@@ -111,17 +120,26 @@ class OpenAIDoor:
         else:
             sessions = await self.open(request, owner, rendered, chat)
         request[SESSION_ID] = ",".join(s.session_id for s in sessions)
-        # each sample's turn, generated side by side (every session of a group may be on another server)
+        return sessions, rendered
+
+    async def turns(self, owner: str, sessions: list[Session], chat: ChatRequest, rendered: list[int]):
+        """``[(session, turn index)]``: each sample's turn, generated side by side (every session of a group may
+        be on another server); on a failure the others are waited for, so no turn is left running unanswered."""
         indexes = await asyncio.gather(*(self.turn(owner, s, chat, rendered) for s in sessions), return_exceptions=True)
         failed = next((i for i in indexes if isinstance(i, BaseException)), None)
-        if failed is not None:  # the others were waited for: no turn is left running unanswered
+        if failed is not None:
             raise failed
-        answer = chat_answer(self.tokenizer, list(zip(sessions, indexes, strict=True)), chat)
-        if chat.stream:
-            return await stream_answer(request, answer, chat.include_usage, request[SESSION_ID])
-        return web.json_response(answer)
+        return list(zip(sessions, indexes, strict=True))
 
-    async def turn(self, owner: str, session: Session, chat: ChatRequest, rendered: list[int]) -> int:
+    def turn_of(self, owner: str, chat: ChatRequest, rendered: list[int]):
+        """``turn`` for a stream: ``(session, on_chunk) -> turn index``, tokens handed to ``on_chunk`` as they come."""
+
+        async def turn(session: Session, on_chunk) -> int:
+            return await self.turn(owner, session, chat, rendered, on_chunk)
+
+        return turn
+
+    async def turn(self, owner: str, session: Session, chat: ChatRequest, rendered: list[int], on_chunk=None) -> int:
         """The index of the model's turn after ``rendered``: appended and generated now, or recorded already."""
         if chat.temperature is not None and chat.temperature != session.group.temperature:
             raise DoorRefused(
@@ -134,7 +152,7 @@ class OpenAIDoor:
         _check_prefix(session.session_id, record, rendered)
         if len(rendered) > len(record):
             await self.book.append(owner, session.session_id, rendered[len(record) :], len(record))
-        return await self.generate(owner, session, chat, len(rendered))
+        return await self.generate(owner, session, chat, len(rendered), on_chunk)
 
     async def open(self, request: web.Request, owner: str, prompt: list[int], chat: ChatRequest) -> list[Session]:
         """``chat.n`` sessions of one group (the first may admit it); all abandoned again if one cannot open."""
@@ -178,13 +196,17 @@ class OpenAIDoor:
         if n > self.book.config.max_sessions:
             raise DoorRefused(400, f"n: {n} samples, above agent.max_sessions {self.book.config.max_sessions}", "n")
 
-    async def generate(self, owner: str, session: Session, chat: ChatRequest, length: int) -> int:
-        """The model's turn; the iterator is drained so that the core's ``finally`` frees the session now."""
+    async def generate(self, owner: str, session: Session, chat: ChatRequest, length: int, on_chunk=None) -> int:
+        """The model's turn; the iterator is drained so that the core's ``finally`` frees the session now. With
+        ``on_chunk`` (a stream) every token comes as the engine sends it; the finished chunk is the record's."""
         index = None
-        turns = self.book.generate(owner, session.session_id, chat.max_tokens, chat.stop_token_ids, length)
+        interval = 1 if on_chunk is not None else 0  # 0: the core's default chunking
+        turns = self.book.generate(owner, session.session_id, chat.max_tokens, chat.stop_token_ids, length, interval)
         async for chunk in turns:
             if chunk.finished:
                 index = chunk.turn_index
+            elif on_chunk is not None:
+                on_chunk(chunk)
         if index is None:
             raise AssertionError("SessionBook.generate ended without its finished chunk")
         return index
@@ -279,6 +301,7 @@ def build_app(book: SessionBook, tokenizer, authorize, max_body_bytes: int = MAX
     app = web.Application(middlewares=[refusals], client_max_size=max_body_bytes)
     app.router.add_get("/v1/models", door.models)
     app.router.add_post("/v1/chat/completions", door.completions)
+    app.router.add_post("/v1/responses", door.responses)
     app.router.add_post("/v1/fleetrl/sessions/{session_id}/reward", door.reward)
     app.router.add_post("/v1/fleetrl/sessions/{session_id}/submit", door.submit)
     app.router.add_post("/v1/fleetrl/sessions/{session_id}/abandon", door.abandon)

@@ -115,25 +115,29 @@ def _template_message(index: int, message: dict) -> dict:
 
 
 def _flat_message(index: int, message: dict) -> dict:
-    """A message whose content is a list of parts becomes one with that text (text parts joined by newlines, as
-    vLLM's string content format does); a template would otherwise render the list's Python repr."""
-    content = message.get("content")
+    content = flat_content(f"messages[{index}]", message.get("content"), "messages")
+    return message if content is message.get("content") else {**message, "content": content}
+
+
+def flat_content(where: str, content, param: str):
+    """A content given as a list of parts becomes its text (text parts joined by newlines, as vLLM's string content
+    format does): a template would otherwise render the list's Python repr. A string or None is returned as it is;
+    anything else is a 400 naming ``<where>.content``."""
     if not isinstance(content, list):
         if content is not None and not isinstance(content, str):
-            raise DoorRefused(400, f"messages[{index}].content: a string or a list of parts", "messages")
-        return message
+            raise DoorRefused(400, f"{where}.content: a string or a list of parts", param)
+        return content
     texts = []
     for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
         if kind not in ("text", "input_text", "output_text") or not isinstance(part.get("text"), str):
             raise DoorRefused(
                 400,
-                f"messages[{index}].content[{j}]: type {kind!r} unsupported (this door trains a text model: send "
-                "text parts only)",
-                "messages",
+                f"{where}.content[{j}]: type {kind!r} unsupported (this door trains a text model: send text parts only)",
+                param,
             )
         texts.append(part["text"])
-    return {**message, "content": "\n".join(texts)}
+    return "\n".join(texts)
 
 
 def stop_tokens(tokenizer, stop) -> list[int]:

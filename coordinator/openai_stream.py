@@ -1,51 +1,202 @@
-"""``stream: true`` answers of the OpenAI door: a generated turn sent as server-sent events of
-``chat.completion.chunk`` objects, as OpenAI's clients read them.
+"""``stream: true`` answers of the OpenAI door: the turn's text sent as server-sent events while the engine
+generates it (one engine chunk per token), as ``chat.completion.chunk`` objects or as Responses API events.
 
-The turns are generated and recorded first (the same path as a plain answer: the tokens trained are the
-engine's), then each choice is sent as a role chunk, a content chunk, a tool-calls chunk when tool calls were
-parsed, and a finish chunk (with that choice's ``fleetrl`` field); then the usage chunk when
-``stream_options.include_usage`` asks for it, and ``data: [DONE]``. Frameworks that stream by default work
-unchanged; the text does not arrive token by token.
+Each session's turn runs as its own task (the same turn as a plain answer: recorded by the core before its
+finished chunk, the tokens trained are the engine's). The headers go out once every turn has sent its first
+token, so a refusal before that (busy session, no server, staleness budget) is a plain HTTP error; a failure
+after it is an error event. A client that goes away does not stop a turn: it is recorded, and the same request
+sent again answers it. Text is held back where it may still change: a special token at the end (the end of turn
+is left out of the content), an incomplete UTF-8 character, and, when tool calls are parsed, anything from a
+possible ``<tool_call>`` on (sent as parsed when the turn ends).
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
+import time
 
 from aiohttp import web
 
+from coordinator.agent_sessions import TurnChunk
+from coordinator.openai_answers import answer_choice, chat_answer
+from coordinator.openai_errors import refusal_of
 
-def _event(data: dict | str) -> bytes:
-    return b"data: " + (data if isinstance(data, str) else json.dumps(data)).encode() + b"\n\n"
+__all__ = ["ChatEvents", "TextDeltas", "error_event", "sse", "stream_turns"]
+
+logger = logging.getLogger(__name__)
+MARKER = "<tool_call>"
 
 
-async def stream_answer(
-    request: web.Request, answer: dict, include_usage: bool, session_header: str
-) -> web.StreamResponse:
-    """Send ``answer`` (the door's ``chat.completion`` object) as server-sent events."""
+def sse(data: dict | str, event: str = "") -> bytes:
+    head = f"event: {event}\n".encode() if event else b""
+    return head + b"data: " + (data if isinstance(data, str) else json.dumps(data)).encode() + b"\n\n"
+
+
+async def stream_turns(request: web.Request, turn, sessions: list, events) -> web.StreamResponse:
+    """Generate ``turn(session, on_chunk)`` for each session and send what ``events`` makes of it."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def run(i: int, session) -> None:
+        try:
+            queue.put_nowait((i, await turn(session, lambda chunk: queue.put_nowait((i, chunk)))))
+        except Exception as error:  # sent as a refusal (or an error event) below
+            queue.put_nowait((i, error))
+
+    tasks = [asyncio.create_task(run(i, s)) for i, s in enumerate(sessions)]
+    pending, started = [], set()
+    while len(started) < len(sessions):  # 1) every turn's first token (or its end), else a plain refusal
+        i, item = await queue.get()
+        if isinstance(item, Exception):
+            await asyncio.gather(*tasks)  # the others finish (and are recorded) before the refusal
+            raise item
+        started.add(i)
+        pending.append((i, item))
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-    response.headers["X-Fleetrl-Session"] = session_header  # set before the headers go out
+    response.headers["X-Fleetrl-Session"] = ",".join(s.session_id for s in sessions)
     await response.prepare(request)
-    base = {key: answer[key] for key in ("id", "created", "model")} | {"object": "chat.completion.chunk"}
-    for choice in answer["choices"]:
-        for event in _choice_chunks(base, choice):
-            await response.write(_event(event))
-    if include_usage:
-        await response.write(_event({**base, "choices": [], "usage": answer["usage"]}))
-    await response.write(_event("[DONE]"))
-    await response.write_eof()
+    done = 0
+    try:
+        while done < len(sessions):  # 2) tokens as they come, each choice's end as it is recorded
+            i, item = pending.pop(0) if pending else await queue.get()
+            if isinstance(item, Exception):  # 3) a failure after the headers: an error event ends the stream
+                await response.write(events.error(item))
+                break
+            if isinstance(item, TurnChunk):
+                await response.write(events.tokens(i, sessions[i], item))
+            else:
+                done += 1
+                await response.write(events.done(i, sessions[i], item))
+        else:
+            await response.write(events.end())
+        await response.write_eof()
+    except ConnectionError:  # the client went away; the turns still finish and are recorded
+        logger.info("openai door: a stream's client went away (sessions %s)", response.headers["X-Fleetrl-Session"])
     return response
 
 
-def _choice_chunks(base: dict, choice: dict) -> list[dict]:
+def error_event(error: Exception, renames: dict | None = None) -> dict:
+    """The ``error`` object of a failure after a stream's headers (an unexpected one is logged, never sent)."""
+    refusal = refusal_of(error, renames)
+    if refusal is None:
+        logger.error("openai door: a streamed turn failed", exc_info=error)
+        return {"message": "internal error in the fleetrl door (logged by the coordinator)", "type": "server_error"}
+    return refusal[1]
+
+
+class TextDeltas:
+    """One choice's text, sent as it becomes final; ``finish(content)`` is what is left of the answer's."""
+
+    def __init__(self, tokenizer, hold_tool_calls: bool):
+        self.tokenizer, self.hold_tool_calls = tokenizer, hold_tool_calls
+        self.special = set(tokenizer.all_special_ids)
+        self.token_ids: list[int] = []
+        self.sent = ""
+
+    def push(self, token_ids: list[int]) -> str:
+        self.token_ids += token_ids
+        text = self._final_text()
+        if len(text) <= len(self.sent) or not text.startswith(self.sent):
+            return ""
+        delta, self.sent = text[len(self.sent) :], text
+        return delta
+
+    def _final_text(self) -> str:
+        tokens = self.token_ids
+        while tokens and tokens[-1] in self.special:  # maybe the end of turn, which the content leaves out
+            tokens = tokens[:-1]
+        text = self.tokenizer.decode(tokens, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        text = text.rstrip("\ufffd")  # an incomplete character
+        if not self.hold_tool_calls:
+            return text
+        if text[:1].isspace():  # stripped only when the turn holds calls: unknown until it ends
+            return ""
+        cut = text.find(MARKER)
+        if cut < 0:
+            partial = [k for k in range(1, len(MARKER)) if text.endswith(MARKER[:k])]
+            cut = len(text) - max(partial, default=0)
+        return text[:cut].rstrip()  # whitespace before a call is stripped
+
+    def finish(self, content: str | None) -> str:
+        if not content:
+            return ""
+        if not content.startswith(self.sent):
+            logger.warning("openai door: streamed text %r is not a prefix of the answer %r", self.sent, content)
+            return ""
+        return content[len(self.sent) :]
+
+
+class ChatEvents:
+    """``chat.completion.chunk`` events: per choice a role chunk, content deltas, then the rest as parsed."""
+
+    def __init__(self, tokenizer, chat):
+        self.tokenizer, self.chat = tokenizer, chat
+        self.deltas: dict[int, TextDeltas] = {}
+        self.turns: dict[int, tuple] = {}
+        self.base = {"object": "chat.completion.chunk", "created": 0, "model": chat.model}
+
+    def _chunk(self, i: int, delta: dict, **extra) -> dict:
+        return {**self.base, "choices": [{"index": i, "delta": delta, "finish_reason": None, **extra}]}
+
+    def _start(self, i: int, session, index: int) -> bytes:
+        if i in self.deltas:
+            return b""
+        self.deltas[i] = TextDeltas(self.tokenizer, self.chat.parse_tools)
+        if "id" not in self.base:  # the answer's id, from the first choice that starts
+            self.base |= {"id": f"chatcmpl-{session.session_id[:16]}-{index}", "created": int(time.time())}
+        return sse(self._chunk(i, {"role": "assistant", "content": ""}))
+
+    def tokens(self, i: int, session, chunk: TurnChunk) -> bytes:
+        head = self._start(i, session, chunk.turn_index)
+        delta = self.deltas[i].push(chunk.token_ids)
+        if not delta and not self.chat.logprobs:
+            return head
+        return head + sse(self._chunk(i, {"content": delta}, logprobs=self._logprobs(chunk.token_ids, chunk.logprobs)))
+
+    def done(self, i: int, session, index: int) -> bytes:
+        head = self._start(i, session, index)
+        self.turns[i] = (session, index)
+        choice = answer_choice(self.tokenizer, session, index, self.chat, i)
+        deltas, turn = self.deltas[i], session.turns[index]
+        rest = deltas.finish(choice["message"]["content"])
+        left = len(deltas.token_ids)
+        logprobs = self._logprobs(turn.token_ids[left:], turn.logprobs[left:])
+        body = b"".join(sse(c) for c in _choice_chunks(self.base, choice, content=rest, role=False, logprobs=logprobs))
+        return head + body
+
+    def _logprobs(self, token_ids: list[int], logprobs: list[float]) -> dict | None:
+        if not self.chat.logprobs:
+            return None
+        pieces = self.tokenizer.convert_ids_to_tokens(list(token_ids))
+        return {
+            "content": [{"token": p, "logprob": lp, "top_logprobs": []} for p, lp in zip(pieces, logprobs, strict=True)]
+        }
+
+    def end(self) -> bytes:
+        usage = b""
+        if self.chat.include_usage:
+            turns = [self.turns[i] for i in sorted(self.turns)]
+            usage = sse({**self.base, "choices": [], "usage": chat_answer(self.tokenizer, turns, self.chat)["usage"]})
+        return usage + sse("[DONE]")
+
+    def error(self, error: Exception) -> bytes:
+        return sse({"error": error_event(error)})
+
+
+def _choice_chunks(base: dict, choice: dict, content=..., role: bool = True, logprobs=...) -> list[dict]:
+    """The chunks of a choice: a role chunk, its content (``content``: the part not sent yet), its tool calls,
+    and a finish chunk that carries the choice's ``fleetrl`` field."""
     index, message = choice["index"], choice["message"]
+    content = message["content"] if content is ... else content
+    logprobs = choice["logprobs"] if logprobs is ... else logprobs
 
     def chunk(delta: dict, finish_reason=None, **extra) -> dict:
         return {**base, "choices": [{"index": index, "delta": delta, "finish_reason": finish_reason, **extra}]}
 
-    chunks = [chunk({"role": "assistant", "content": ""})]
-    if message["content"] is not None:
-        chunks.append(chunk({"content": message["content"]}, logprobs=choice["logprobs"]))
+    chunks = [chunk({"role": "assistant", "content": ""})] if role else []
+    if content is not None and (content or role or logprobs):
+        chunks.append(chunk({"content": content}, logprobs=logprobs))
     if message.get("tool_calls"):
         calls = [{"index": k, **call} for k, call in enumerate(message["tool_calls"])]
         chunks.append(chunk({"tool_calls": calls}))
