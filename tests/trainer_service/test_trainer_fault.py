@@ -21,6 +21,7 @@ from synthetic import push_groups
 from channels.version_board import VersionBoard
 from modeling.tiny_model import init_tiny
 from protos.redis_keys import RedisKeys
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.e2e
 
@@ -75,6 +76,12 @@ def _last_reported_step(client: redis.Redis, keys: RedisKeys) -> int:
     return decode_metrics(newest[0][1][b"m"]).step if newest and b"m" in newest[0][1] else 0
 
 
+def _alive(trainer: subprocess.Popen, log: Path) -> bool:
+    """True while the trainer process runs; fails with its log's tail once it exited."""
+    assert trainer.poll() is None, log.read_text()[-3000:]
+    return True
+
+
 def _pending(client: redis.Redis, keys: RedisKeys) -> int:
     return int(client.xpending(keys.trajectories, keys.trainer_group)["pending"])
 
@@ -87,20 +94,22 @@ def test_sigkill_mid_step_then_restart_trains_every_group_exactly_once(redis_ser
     first = _start_trainer(model_dir, redis_server.url, ckpt_dir, log)
     # Kill once a checkpoint exists and entries are read but not yet acknowledged: mid-step. SIGSTOP
     # freezes the trainer so the check and the kill see the same state.
-    deadline = time.monotonic() + 180
-    while True:
+
+    def stopped_mid_step() -> bool:
         assert first.poll() is None, log.read_text()[-3000:]
-        assert time.monotonic() < deadline, "trainer never reached a checkpoint with entries in flight"
-        if (ckpt_dir / "latest").exists() and _pending(client, keys) > 0:
-            os.killpg(first.pid, signal.SIGSTOP)
-            # An XACK the trainer wrote just before it stopped can still reach Redis after a first look (another
-            # connection: no ordering): the pending count must be the same twice, a moment apart.
-            seen = _pending(client, keys)
-            time.sleep(0.2)
-            if seen > 0 and _pending(client, keys) == seen:
-                break
-            os.killpg(first.pid, signal.SIGCONT)
-        time.sleep(0.005)
+        if not ((ckpt_dir / "latest").exists() and _pending(client, keys) > 0):
+            return False
+        os.killpg(first.pid, signal.SIGSTOP)
+        # An XACK the trainer wrote just before it stopped can still reach Redis after a first look (another
+        # connection: no ordering): the pending count must be the same twice, a moment apart.
+        seen = _pending(client, keys)
+        time.sleep(0.2)  # kept: nothing tells when such an XACK has landed; "a moment apart" is the check
+        if seen > 0 and _pending(client, keys) == seen:
+            return True
+        os.killpg(first.pid, signal.SIGCONT)
+        return False
+
+    wait_until(stopped_mid_step, "the trainer stopped at a checkpoint with entries in flight", 180, poll_s=0.005)
     os.killpg(first.pid, signal.SIGKILL)
     first.wait(timeout=30)
     killed_at = _latest_state(ckpt_dir)
@@ -135,10 +144,8 @@ def test_a_trainer_killed_between_publish_and_checkpoint_replays_the_step_and_sk
     ckpt_dir, log = tmp_path / "ckpt", tmp_path / "trainer.log"
     push_groups(redis_server.url, keys, list(range(4 * GROUPS_PER_STEP)))  # four steps; checkpoints every third
     first = _start_trainer(model_dir, redis_server.url, ckpt_dir, log)
-    deadline = time.monotonic() + 180
-    while _last_reported_step(client, keys) < 4:  # step 4 published and reported: it waits for step 5's groups now
-        assert first.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
-        time.sleep(0.05)
+    # step 4 published and reported: it waits for step 5's groups now
+    wait_until(lambda: _alive(first, log) and _last_reported_step(client, keys) >= 4, "step 4 reported", 180)
     os.killpg(first.pid, signal.SIGKILL)
     first.wait(timeout=30)
     # step 4's groups are pending (and step 1-3's too if the checkpoint's durable half was still running then)
@@ -176,10 +183,13 @@ def test_a_trainer_killed_after_its_checkpoint_publishes_that_version_again_from
     ckpt_dir, log = tmp_path / "ckpt", tmp_path / "trainer.log"
     push_groups(redis_server.url, keys, list(range(3 * GROUPS_PER_STEP)))  # three steps; checkpoints every third
     first = _start_trainer(model_dir, redis_server.url, ckpt_dir, log)
-    deadline = time.monotonic() + 180
-    while not (ckpt_dir / "latest").exists() or _latest_state(ckpt_dir)["policy_version"] < 3:  # v3 out, durable
-        assert first.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
-        time.sleep(0.05)
+    wait_until(  # v3 out, durable
+        lambda: (
+            _alive(first, log) and (ckpt_dir / "latest").exists() and _latest_state(ckpt_dir)["policy_version"] >= 3
+        ),
+        "a checkpoint at v3",
+        180,
+    )
     os.killpg(first.pid, signal.SIGKILL)
     first.wait(timeout=30)
     dead_address = VersionBoard(client, keys).manifest(3).publisher_address
@@ -250,13 +260,16 @@ def test_a_redis_outage_while_the_trainer_waits_for_groups_neither_stops_it_nor_
     push_groups(redis_server.url, keys, list(range(half)))
     with redis_proxy(redis_server.url) as (proxy_url, proxy):
         trainer = _start_trainer(model_dir, proxy_url, ckpt_dir, log)
-        deadline = time.monotonic() + 180
-        while int(client.get(keys.policy_version) or 0) < half // GROUPS_PER_STEP:  # the first half trained
-            assert trainer.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
-            time.sleep(0.1)
+        wait_until(
+            lambda: _alive(trainer, log) and int(client.get(keys.policy_version) or 0) >= half // GROUPS_PER_STEP,
+            "the first half trained",
+            180,
+            poll_s=0.1,
+        )
         proxy.cut()  # it now waits for more groups with Redis unreachable
         push_groups(redis_server.url, keys, list(range(half, NUM_GROUPS)))
-        time.sleep(4.0)
+        # several refused attempts: with the retry policy's doubling pauses (0.1 s first), about 1.5 s of outage
+        wait_until(lambda: proxy.refused >= 5, "five refused connections of the trainer", 60)
         assert trainer.poll() is None, log.read_text()[-3000:]
         proxy.restore()
         assert trainer.wait(timeout=300) == 0, log.read_text()[-3000:]
@@ -280,10 +293,9 @@ def test_a_trainer_restarted_without_a_checkpoint_behind_a_published_version_ref
     push_groups(redis_server.url, keys, list(range(NUM_GROUPS)))
     off = ["trainer.ckpt_interval=0"]  # as a ckpt_interval beyond the step the trainer died at
     first = _start_trainer(model_dir, redis_server.url, ckpt_dir, log, *off)
-    deadline = time.monotonic() + 180
-    while int(client.get(keys.policy_version) or 0) < 3:  # three steps trained and published, none saved
-        assert first.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
-        time.sleep(0.05)
+    wait_until(  # three steps trained and published, none saved
+        lambda: _alive(first, log) and int(client.get(keys.policy_version) or 0) >= 3, "v3 published", 180
+    )
     os.killpg(first.pid, signal.SIGKILL)
     first.wait(timeout=30)
     assert _pending(client, keys) >= 3 * GROUPS_PER_STEP  # every entry read is still pending: nothing acknowledged
@@ -307,11 +319,11 @@ def test_an_idle_trainer_acknowledges_the_entries_of_its_durable_checkpoint_with
     push_groups(redis_server.url, keys, list(range(3 * GROUPS_PER_STEP)))  # three steps; the checkpoint at step 3
     trainer = _start_trainer(model_dir, redis_server.url, ckpt_dir, log)
     try:
-        deadline = time.monotonic() + 180
-        while not (ckpt_dir / "latest").exists() or _pending(client, keys) > 0:
-            assert trainer.poll() is None, log.read_text()[-3000:]
-            assert time.monotonic() < deadline, f"{_pending(client, keys)} entries still pending at step 3"
-            time.sleep(0.05)
+        wait_until(
+            lambda: _alive(trainer, log) and (ckpt_dir / "latest").exists() and _pending(client, keys) == 0,
+            "a checkpoint and no entry pending",
+            180,
+        )
         assert _latest_state(ckpt_dir)["step"] == 3 and _last_reported_step(client, keys) == 3
         assert trainer.poll() is None  # idle: waiting for step 4's groups
     finally:
