@@ -192,8 +192,8 @@ def qwen3_next():
         num_experts_per_tok=2,
         linear_num_key_heads=2,
         linear_num_value_heads=2,
-        linear_key_head_dim=32,
-        linear_value_head_dim=32,
+        linear_key_head_dim=128,  # Qwen3-Next's own width, the one vLLM's CPU gated-DeltaNet kernel runs
+        linear_value_head_dim=128,
         linear_conv_kernel_dim=4,
     )
 
