@@ -388,6 +388,7 @@ def main() -> None:
         print("RESULT " + json.dumps(run_one(args.one, args.part, args.dir)), flush=True)
         return
     where = f"CPU ({platform.machine()}, {platform.processor() or 'cpu'}), vLLM CPU backend, torch trainer, fp32"
+    where += "".join(f" ({family}'s engine {dtype})" for family, dtype in ENGINE_DTYPE.items())
     command = "nice -n 10 .venv/bin/python scripts/model_matrix.py" + (
         "" if args.families == list(FAMILIES) else " --families " + " ".join(args.families)
     )
