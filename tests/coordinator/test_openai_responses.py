@@ -5,6 +5,7 @@ door, a real rollout server (vLLM CPU, tiny model) and real Redis; the same sess
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import pytest
 
@@ -16,6 +17,18 @@ pytestmark = pytest.mark.integration
 
 shared_tokenizer = test_openai_agent_surface.tokenizer  # the fixture "tokenizer" of that module, here too
 
+
+@contextlib.asynccontextmanager
+async def door_with_client(server, redis_url: str, tokenizer):
+    """A ``DoorHarness`` and the official client on it (closed after)."""
+    async with DoorHarness(server.address, redis_url, tokenizer) as h:
+        client = sdk(h)
+        try:
+            yield h, client
+        finally:
+            await client.close()
+
+
 RESPONSES_TOOLS = [{"type": "function", **TOOLS[0]["function"]}]  # the Responses API's flat function tool
 
 
@@ -23,40 +36,36 @@ def test_a_string_input_opens_a_session_and_its_output_items_sent_back_continue_
     rollout_server, redis_url, shared_tokenizer
 ):
     async def scenario():
-        async with DoorHarness(rollout_server.address, redis_url, shared_tokenizer) as h:
-            client = sdk(h)
-            try:
-                reply = await client.responses.with_raw_response.create(
-                    model="m", input="314", max_output_tokens=4, extra_headers={"X-Fleetrl-Group-Key": "r1"}
-                )
-                first = reply.parse()
-                session = h.book.sessions[reply.headers["X-Fleetrl-Session"]]
-                assert first.object == "response" and first.status in ("completed", "incomplete")
-                assert session.prompt == h.render([USER]) and len(session.turns) == 1
-                turn = session.turns[0]
-                assert first.model_extra["fleetrl"]["token_ids"] == turn.token_ids
-                assert first.usage.input_tokens == len(session.prompt)
-                assert first.usage.output_tokens == len(turn.token_ids)
-                [item] = first.output
-                assert item.type == "message" and item.content[0].type == "output_text"
-                assert first.output_text == shared_tokenizer.decode(
-                    turn.token_ids, skip_special_tokens=False
-                ).removesuffix(shared_tokenizer.eos_token)
+        async with door_with_client(rollout_server, redis_url, shared_tokenizer) as (h, client):
+            reply = await client.responses.with_raw_response.create(
+                model="m", input="314", max_output_tokens=4, extra_headers={"X-Fleetrl-Group-Key": "r1"}
+            )
+            first = reply.parse()
+            session = h.book.sessions[reply.headers["X-Fleetrl-Session"]]
+            assert first.object == "response" and first.status in ("completed", "incomplete")
+            assert session.prompt == h.render([USER]) and len(session.turns) == 1
+            turn = session.turns[0]
+            assert first.model_extra["fleetrl"]["token_ids"] == turn.token_ids
+            assert first.usage.input_tokens == len(session.prompt)
+            assert first.usage.output_tokens == len(turn.token_ids)
+            [item] = first.output
+            assert item.type == "message" and item.content[0].type == "output_text"
+            assert first.output_text == shared_tokenizer.decode(turn.token_ids, skip_special_tokens=False).removesuffix(
+                shared_tokenizer.eos_token
+            )
 
-                # as agent frameworks do: the earlier input, the output items as they came, the new input
-                items = [{"role": "user", "content": "314"}, *[o.model_dump() for o in first.output]]
-                items.append({"role": "user", "content": [{"type": "input_text", "text": "1"}]})
-                second = await client.responses.create(
-                    model="m", input=items, max_output_tokens=4, extra_headers={"X-Fleetrl-Session": session.session_id}
-                )
-                assert second.model_extra["fleetrl"]["turn_index"] == 2
-                assert [t.generated for t in session.turns] == [True, False, True]
-                again = await client.responses.create(
-                    model="m", input=items, max_output_tokens=4, extra_headers={"X-Fleetrl-Session": session.session_id}
-                )
-                assert again.id == second.id and len(session.turns) == 3  # a lost answer asked again
-            finally:
-                await client.close()
+            # as agent frameworks do: the earlier input, the output items as they came, the new input
+            items = [{"role": "user", "content": "314"}, *[o.model_dump() for o in first.output]]
+            items.append({"role": "user", "content": [{"type": "input_text", "text": "1"}]})
+            second = await client.responses.create(
+                model="m", input=items, max_output_tokens=4, extra_headers={"X-Fleetrl-Session": session.session_id}
+            )
+            assert second.model_extra["fleetrl"]["turn_index"] == 2
+            assert [t.generated for t in session.turns] == [True, False, True]
+            again = await client.responses.create(
+                model="m", input=items, max_output_tokens=4, extra_headers={"X-Fleetrl-Session": session.session_id}
+            )
+            assert again.id == second.id and len(session.turns) == 3  # a lost answer asked again
 
     asyncio.run(scenario())
 
@@ -65,29 +74,25 @@ def test_instructions_tools_function_calls_and_their_outputs_render_through_the_
     rollout_server, redis_url, shared_tokenizer
 ):
     async def scenario():
-        async with DoorHarness(rollout_server.address, redis_url, shared_tokenizer) as h:
-            client = sdk(h)
-            try:
-                items = [
-                    {"role": "user", "content": "314"},
-                    {"type": "function_call", "call_id": "call_1", "name": "add", "arguments": '{"x": 12}'},
-                    {"type": "function_call_output", "call_id": "call_1", "output": "27"},
-                ]
-                reply = await client.responses.with_raw_response.create(
-                    model="m",
-                    instructions="5",
-                    input=items,
-                    tools=RESPONSES_TOOLS,
-                    max_output_tokens=4,
-                    extra_headers={"X-Fleetrl-Group-Key": "r2"},
-                )
-                response = reply.parse()
-                session = h.book.sessions[reply.headers["X-Fleetrl-Session"]]
-                prompt = shared_tokenizer.decode(session.prompt, skip_special_tokens=False)
-                assert prompt == "<bos>tools:add,5314call:add(12)<eos>result:27."
-                assert [t.name for t in response.tools] == ["add"] and response.instructions == "5"
-            finally:
-                await client.close()
+        async with door_with_client(rollout_server, redis_url, shared_tokenizer) as (h, client):
+            items = [
+                {"role": "user", "content": "314"},
+                {"type": "function_call", "call_id": "call_1", "name": "add", "arguments": '{"x": 12}'},
+                {"type": "function_call_output", "call_id": "call_1", "output": "27"},
+            ]
+            reply = await client.responses.with_raw_response.create(
+                model="m",
+                instructions="5",
+                input=items,
+                tools=RESPONSES_TOOLS,
+                max_output_tokens=4,
+                extra_headers={"X-Fleetrl-Group-Key": "r2"},
+            )
+            response = reply.parse()
+            session = h.book.sessions[reply.headers["X-Fleetrl-Session"]]
+            prompt = shared_tokenizer.decode(session.prompt, skip_special_tokens=False)
+            assert prompt == "<bos>tools:add,5314call:add(12)<eos>result:27."
+            assert [t.name for t in response.tools] == ["add"] and response.instructions == "5"
 
     asyncio.run(scenario())
 
@@ -140,15 +145,11 @@ def test_a_streamed_response_sends_created_text_deltas_and_completed_with_the_re
     rollout_server, redis_url, shared_tokenizer
 ):
     async def scenario():
-        async with DoorHarness(rollout_server.address, redis_url, shared_tokenizer) as h:
-            client = sdk(h)
-            try:
-                stream = await client.responses.create(
-                    model="m", input="314", max_output_tokens=6, stream=True, extra_headers={"X-Fleetrl-Group-Key": "s"}
-                )
-                events = [event async for event in stream]
-            finally:
-                await client.close()
+        async with door_with_client(rollout_server, redis_url, shared_tokenizer) as (h, client):
+            stream = await client.responses.create(
+                model="m", input="314", max_output_tokens=6, stream=True, extra_headers={"X-Fleetrl-Group-Key": "s"}
+            )
+            events = [event async for event in stream]
             kinds = [e.type for e in events]
             assert kinds[:2] == ["response.created", "response.in_progress"], kinds
             assert kinds[-1] in ("response.completed", "response.incomplete")

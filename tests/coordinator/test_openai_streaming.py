@@ -11,8 +11,8 @@ import pytest
 
 from coordinator.openai_stream import TextDeltas
 from tests.coordinator import test_openai_door
-from tests.coordinator.test_openai_agent_surface import sdk
 from tests.coordinator.test_openai_door import USER, DoorHarness
+from tests.coordinator.test_openai_responses import door_with_client
 
 pytestmark = pytest.mark.integration
 
@@ -23,26 +23,22 @@ def test_a_streamed_chat_sends_one_content_delta_per_token_and_the_recorded_turn
     rollout_server, redis_url, shared_tokenizer
 ):
     async def scenario():
-        async with DoorHarness(rollout_server.address, redis_url, shared_tokenizer) as h:
-            client = sdk(h)
-            try:
-                stream = await client.chat.completions.create(
-                    model="m",
-                    messages=[USER],
-                    max_tokens=12,
-                    stream=True,
-                    logprobs=True,
-                    stream_options={"include_usage": True},
-                    extra_headers={"X-Fleetrl-Group-Key": "tokens"},
-                )
-                chunks = [chunk async for chunk in stream]
-                [session] = h.book.sessions.values()
-                turn = session.turns[0]
-                plain = await client.chat.completions.create(
-                    model="m", messages=[USER], max_tokens=12, extra_headers={"X-Fleetrl-Session": session.session_id}
-                )  # the same request again: the recorded turn, answered plainly
-            finally:
-                await client.close()
+        async with door_with_client(rollout_server, redis_url, shared_tokenizer) as (h, client):
+            stream = await client.chat.completions.create(
+                model="m",
+                messages=[USER],
+                max_tokens=12,
+                stream=True,
+                logprobs=True,
+                stream_options={"include_usage": True},
+                extra_headers={"X-Fleetrl-Group-Key": "tokens"},
+            )
+            chunks = [chunk async for chunk in stream]
+            [session] = h.book.sessions.values()
+            turn = session.turns[0]
+            plain = await client.chat.completions.create(
+                model="m", messages=[USER], max_tokens=12, extra_headers={"X-Fleetrl-Session": session.session_id}
+            )  # the same request again: the recorded turn, answered plainly
             deltas = [c.choices[0].delta.content for c in chunks if c.choices and c.choices[0].delta.content]
             assert "".join(deltas) == plain.choices[0].message.content
             content_ids = [t for t in turn.token_ids if t not in shared_tokenizer.all_special_ids]
