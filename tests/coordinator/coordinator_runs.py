@@ -9,7 +9,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +22,7 @@ from coordinator.redis_server import free_port
 from protos.records import decode_group
 from protos.redis_keys import RedisKeys
 from tests.rollout_service.server_process import ServerProcess, spawn_rollout_server
+from tests.waiting import WaitTimeout, wait_until
 
 RUN_ID = "coord-run"
 KEYS = RedisKeys(RUN_ID)
@@ -194,13 +194,15 @@ def _spawn(log: Path, module: str, *args: str) -> subprocess.Popen:
 
 def _wait_for_trainer_start(client: redis.Redis, before: bytes | None, trainer, log: Path, timeout_s=180) -> int:
     """A fresh trainer sets v0 (first run) or publishes the version after the last published one."""
-    deadline = time.monotonic() + timeout_s
     expected = 0 if before is None else int(before) + 1
-    while (raw := client.get(KEYS.policy_version)) is None or int(raw) < expected:
+
+    def started() -> bool:
         assert trainer.poll() is None, log.read_text()[-3000:]
-        assert time.monotonic() < deadline, f"trainer did not start within {timeout_s}s"
-        time.sleep(0.2)
-    return int(raw)
+        raw = client.get(KEYS.policy_version)
+        return raw is not None and int(raw) >= expected
+
+    wait_until(started, f"the trainer at v{expected} or later", timeout_s, poll_s=0.2)
+    return int(client.get(KEYS.policy_version))
 
 
 def fleetrl(run: Run, *argv: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -220,14 +222,16 @@ def status(run: Run) -> dict:
 
 
 def wait_for_admin(run: Run, timeout_s: float = 120) -> dict:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
+
+    def answered() -> dict | None:
         assert run.coordinator.poll() is None, run.log("coordinator")
         result = fleetrl(run, "status", "--json", check=False)
-        if result.returncode == 0:
-            return json.loads(result.stdout)
-        time.sleep(0.5)
-    pytest.fail(f"admin API of the coordinator not up in {timeout_s}s:\n{run.log('coordinator')}")
+        return json.loads(result.stdout) if result.returncode == 0 else None
+
+    try:
+        return wait_until(answered, "the coordinator's admin API", timeout_s, poll_s=0.5)
+    except WaitTimeout as timeout:
+        pytest.fail(f"{timeout}\n{run.log('coordinator')}")
 
 
 def pushed_groups(redis_url: str) -> list:
