@@ -98,12 +98,16 @@ def _typed(bucket: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 class _RecordCopies(TorchFunctionMode):
-    """Records ``copy_`` into parameters instead of copying; refuses what a replay could not reproduce."""
+    """Records ``copy_`` into parameters instead of copying; refuses what a replay could not reproduce.
 
-    def __init__(self, parameter_storages: dict[int, str]):
+    Each copy is resolved to a bucket slice when it is made (no loader temporary is kept alive), with the entry the
+    loaders are loading at that moment (``loading[0]``) as the fallback source of a copy from a computed tensor."""
+
+    def __init__(self, parameter_storages: dict[int, str], buckets: list[torch.Tensor], loading: list):
         super().__init__()
         self.parameter_storages = parameter_storages
-        self.copies: list[tuple[torch.Tensor, torch.Tensor, str]] = []
+        self.buckets, self.loading = buckets, loading
+        self.copies: list[SliceCopy] = []
         self.fills: list[ConstantFill] = []
 
     def _parameter_of(self, tensor) -> str | None:
@@ -111,11 +115,15 @@ class _RecordCopies(TorchFunctionMode):
             return None
         return self.parameter_storages.get(tensor.untyped_storage().data_ptr())
 
+    def _record(self, target: torch.Tensor, source, parameter: str) -> None:
+        # (the mode is off inside its own handler: the checks' tensor calls are not recorded)
+        self.copies.append(_slice_copy(target, source, parameter, self.buckets, self.loading[0]))
+
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         name = getattr(func, "__name__", "")
         if name == "copy_" and self._parameter_of(args[0]) is not None:
-            self.copies.append((args[0], args[1], self._parameter_of(args[0])))
+            self._record(args[0], args[1], self._parameter_of(args[0]))
             return args[0]
         if name == "__setitem__" and self._parameter_of(args[0]) is not None:
             target = args[0][args[1]]
@@ -123,7 +131,7 @@ class _RecordCopies(TorchFunctionMode):
                 args[0].untyped_storage().data_ptr()
             ):
                 raise PlanRefused(f"an indexed assignment into {self._parameter_of(args[0])} that is not a view copy")
-            self.copies.append((target, args[2], self._parameter_of(args[0])))
+            self._record(target, args[2], self._parameter_of(args[0]))
             return None
         if name == "fill_" and self._parameter_of(args[0]) is not None and isinstance(args[1], (int, float)):
             self.fills.append(ConstantFill(args[0], self._parameter_of(args[0]), float(args[1])))
@@ -141,10 +149,17 @@ def capture(model: torch.nn.Module, weights, buckets: list[torch.Tensor], layout
         loader = getattr(parameter, "weight_loader", None)
         if getattr(loader, "__name__", "") == "online_process_loader":  # vLLM's layerwise reload left in place
             raise PlanRefused(f"{name} still has vLLM's deferred (online-processing) loader")
-    recorder = _RecordCopies(parameter_storages)
+    loading: list = [None]  # (name, view) of the entry the loaders are at
+
+    def tracked():
+        for name, tensor in weights:
+            loading[0] = (name, tensor)
+            yield name, tensor
+
+    recorder = _RecordCopies(parameter_storages, buckets, loading)
     with torch.no_grad(), recorder:
-        model.load_weights(weights)
-    copies = [_slice_copy(target, source, parameter, buckets) for target, source, parameter in recorder.copies]
+        model.load_weights(tracked())
+    copies = recorder.copies
     if not copies:
         raise PlanRefused("the loaders made no copy into a parameter")
     _refuse_overlaps([*copies, *recorder.fills])
@@ -152,13 +167,30 @@ def capture(model: torch.nn.Module, weights, buckets: list[torch.Tensor], layout
     return RefitPlan(layout, copies, nbytes, tuple(recorder.fills))
 
 
-def _slice_copy(target: torch.Tensor, source, parameter: str, buckets: list[torch.Tensor]) -> SliceCopy:
+def _slice_copy(target: torch.Tensor, source, parameter: str, buckets: list[torch.Tensor], loading=None) -> SliceCopy:
     if not isinstance(source, torch.Tensor):
         raise PlanRefused(f"a copy into {parameter} from {type(source).__name__}, not a tensor")
     if tuple(target.shape) != tuple(source.shape):
         raise PlanRefused(f"a copy into {parameter} of shape {tuple(target.shape)} from {tuple(source.shape)}")
     if source.device != target.device and target.device.type != "cpu" and source.device.type != "cpu":
         raise PlanRefused(f"a copy into {parameter} across devices {source.device} -> {target.device}")
+    found = _bucket_slice(target, source, parameter, buckets)
+    if found is None and loading is not None:
+        # A loader that hands over a computed tensor whose values are the loaded entry's own (vLLM's GPU loaders
+        # make contiguous or dtype-converted copies): copy from the entry's slice instead; copy_ converts alike,
+        # and the check against vLLM's reload proves the replay gives the same bytes.
+        view = _same_values_as(source, loading[1])
+        found = None if view is None else _bucket_slice(target, view, parameter, buckets)
+    if found is None:
+        entry = f"while loading {loading[0]} {tuple(loading[1].shape)} {loading[1].dtype}" if loading else ""
+        raise PlanRefused(
+            f"a copy into {parameter} from a tensor the loader computed (not a slice of the buckets): "
+            f"{tuple(source.shape)} {source.dtype} on {source.device}, contiguous={source.is_contiguous()} {entry}"
+        )
+    return found
+
+
+def _bucket_slice(target: torch.Tensor, source: torch.Tensor, parameter: str, buckets) -> SliceCopy | None:
     pointer = source.data_ptr()
     for index, bucket in enumerate(buckets):
         start = bucket.data_ptr()
@@ -177,7 +209,26 @@ def _slice_copy(target: torch.Tensor, source, parameter: str, buckets: list[torc
                 tuple(source.stride()),
                 offset_bytes // source.element_size(),
             )
-    raise PlanRefused(f"a copy into {parameter} from a tensor the loader computed (not a slice of the buckets)")
+    return None
+
+
+def _same_values_as(source: torch.Tensor, view) -> torch.Tensor | None:
+    """``view`` (or its leading rows, as a vocabulary shard narrows) when ``source`` holds exactly its values, maybe
+    converted to ``source``'s dtype; None otherwise. A constant view proves nothing (any reshuffle of it looks the
+    same), so it never matches."""
+    if not isinstance(view, torch.Tensor) or view.device != source.device or view.numel() == 0:
+        return None
+    if tuple(view.shape) != tuple(source.shape):
+        if view.dim() != source.dim() or view.dim() == 0 or tuple(view.shape[1:]) != tuple(source.shape[1:]):
+            return None
+        if source.shape[0] > view.shape[0]:
+            return None
+        view = view.narrow(0, 0, source.shape[0])
+    flat = view.reshape(-1)
+    if not bool((flat != flat[0]).any()):
+        return None
+    converted = view if view.dtype == source.dtype else view.to(source.dtype)
+    return view if torch.equal(_bits(converted), _bits(source)) else None
 
 
 def _extent(tensor: torch.Tensor) -> tuple[int, int]:
@@ -195,30 +246,56 @@ def _refuse_overlaps(copies: list[SliceCopy | ConstantFill]) -> None:
 
 
 def parameter_digests(model: torch.nn.Module, masks: dict[str, torch.Tensor] | None = None) -> dict[str, float]:
-    """fp64 sum of each parameter (of its bytes outside ``masks[name]`` where given): equal before and after a
-    reload when the reload did not touch them."""
+    """fp64 sum of each parameter (of its bytes outside ``masks[name]`` where given; none of a parameter the plan
+    writes whole, ``masks[name] is None``): equal before and after a reload when the reload did not touch them."""
     digests = {}
     with torch.no_grad():
         for name, parameter in model.named_parameters():
             values = parameter.detach()
             if masks is not None and name in masks:
+                if masks[name] is None:
+                    continue
                 values = values[~masks[name]]
-            digests[name] = float(values.double().sum()) if values.numel() else 0.0
+            # sum(dtype=) widens inside the kernel: no fp64 copy of a large expert tensor
+            digests[name] = float(values.sum(dtype=torch.float64)) if values.numel() else 0.0
     return digests
 
 
-def written_masks(plan: RefitPlan, model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Per parameter the plan writes, True where one of its copies lands."""
+def written_masks(plan: RefitPlan, model: torch.nn.Module) -> dict[str, torch.Tensor | None]:
+    """Per parameter the plan writes: None where its copies cover it whole (the usual case: no memory spent), else
+    a bool mask, True where one of its copies lands (writes never overlap: refused at capture)."""
     parameters = dict(model.named_parameters())
-    masks: dict[str, torch.Tensor] = {}
+    written: dict[str, int] = {}
     for copy in plan.writes():
+        written[copy.parameter] = written.get(copy.parameter, 0) + copy.target.numel()
+    masks: dict[str, torch.Tensor | None] = {
+        name: None for name, count in written.items() if count == parameters[name].numel()
+    }
+    for copy in plan.writes():
+        _refuse_outside(copy, parameters[copy.parameter])
+    for copy in plan.writes():
+        if copy.parameter in masks and masks[copy.parameter] is None:
+            continue
         parameter = parameters[copy.parameter]
+        _refuse_outside(copy, parameter)
         mask = masks.get(copy.parameter)
         if mask is None:
             mask = masks[copy.parameter] = torch.zeros(parameter.shape, dtype=torch.bool, device=parameter.device)
         offset = (copy.target.data_ptr() - parameter.data_ptr()) // parameter.element_size()
-        mask.as_strided(copy.target.shape, copy.target.stride(), mask.storage_offset() + offset).fill_(True)
+        if copy.target.numel():
+            mask.as_strided(copy.target.shape, copy.target.stride(), mask.storage_offset() + offset).fill_(True)
     return masks
+
+
+def _refuse_outside(copy: SliceCopy | ConstantFill, parameter: torch.Tensor) -> None:
+    """A write recorded for ``parameter`` (by its storage) must land inside it: two parameters sharing one storage
+    would otherwise be told apart wrongly."""
+    if not copy.target.numel():
+        return
+    start, end = _extent(copy.target)
+    first = parameter.data_ptr()
+    if start < first or end > first + parameter.numel() * parameter.element_size():
+        raise PlanRefused(f"a write into {copy.parameter}'s storage that lands outside the parameter")
 
 
 def check(plan: RefitPlan, model: torch.nn.Module, buckets, before: dict[str, float], masks) -> None:
@@ -276,3 +353,36 @@ def _scribble(target: torch.Tensor) -> None:
 
 def _bits(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.contiguous().view(-1).view(torch.uint8)
+
+
+@dataclass
+class Attempt:
+    """A plan captured on a layout's first version, waiting for vLLM's reload of that version to be checked against."""
+
+    plan: RefitPlan
+    masks: dict[str, torch.Tensor | None]
+    before: dict[str, float]
+
+
+def attempt(model: torch.nn.Module, weights, buckets: list[torch.Tensor], layout: str) -> Attempt | str:
+    """Capture a plan and take the digests its check needs; on any failure the reason (a plan is an optimization:
+    whatever goes wrong in it must leave the engine loading the safe way, never fail the update)."""
+    try:
+        plan = capture(model, weights, buckets, layout)
+        masks = written_masks(plan, model)
+        return Attempt(plan, masks, parameter_digests(model, masks))
+    except PlanRefused as error:
+        return str(error)
+    except Exception as error:  # noqa: BLE001 -- see the docstring
+        return f"capturing failed with {type(error).__name__}: {error}"
+
+
+def accept(attempt: Attempt, model: torch.nn.Module, buckets: list[torch.Tensor]) -> RefitPlan | str:
+    """``attempt``'s plan once it reproduces the reload the caller just made of the same version; else why not."""
+    try:
+        check(attempt.plan, model, buckets, attempt.before, attempt.masks)
+        return attempt.plan
+    except PlanRefused as error:
+        return str(error)
+    except Exception as error:  # noqa: BLE001 -- as in attempt()
+        return f"checking failed with {type(error).__name__}: {error}"

@@ -88,6 +88,8 @@ class WeightLoaderExtension:
         model = self.model_runner.get_model()
         if use_plan and isinstance(known, refit_plan.RefitPlan):
             if refit_plan.still_served(known, model):
+                # A replay only copies bucket slices into the served parameters: a failure there is a bug, and the
+                # engine would serve half-updated weights; it propagates and the update fails loudly.
                 known.replay(buckets)
                 self.fleetrl_last_load_path = "plan"
                 return len(manifest.tensors)
@@ -95,16 +97,13 @@ class WeightLoaderExtension:
             del plans[layout]
             known = None
         dequantize_to = self._fleetrl_dequantize_target(manifest)
-        plan = masks = before = None
+        attempt = None
         reason = self._fleetrl_plan_unavailable(manifest, dequantize_to) if use_plan and known is None else "-"
         if not reason:
-            try:
-                plan = refit_plan.capture(model, iter_device_tensors(manifest, buckets), buckets, layout)
-                masks = refit_plan.written_masks(plan, model)
-                before = refit_plan.parameter_digests(model, masks)
-            except refit_plan.PlanRefused as error:
-                plan, plans[layout] = None, f"refused: {error}"
-                log.warning("weight updates keep vLLM's reload (no refit plan): %s", error)
+            attempt = refit_plan.attempt(model, iter_device_tensors(manifest, buckets), buckets, layout)
+            if isinstance(attempt, str):
+                plans[layout], attempt = f"refused: {attempt}", None
+                log.warning("weight updates keep vLLM's reload (no refit plan): %s", plans[layout])
         elif reason != "-":
             plans[layout] = f"refused: {reason}"
             log.info("weight updates keep vLLM's reload (no refit plan): %s", reason)
@@ -118,19 +117,20 @@ class WeightLoaderExtension:
 
         self.model_runner.reload_weights(weights_iterator=counted(), is_checkpoint_format=True)
         self.fleetrl_last_load_path = "reload"
-        if plan is not None:
-            try:
-                refit_plan.check(plan, model, buckets, before, masks)
-                plans[layout] = plan
+        if attempt is not None:
+            accepted = refit_plan.accept(attempt, model, buckets)
+            if isinstance(accepted, refit_plan.RefitPlan):
+                plans[layout] = accepted
                 log.info(
                     "refit plan accepted: %d copies, %.1f MiB per update into %d parameters",
-                    len(plan.copies),
-                    plan.nbytes / 2**20,
-                    len(masks),
+                    len(accepted.copies),
+                    accepted.nbytes / 2**20,
+                    len(attempt.masks),
                 )
-            except refit_plan.PlanRefused as error:
-                plans[layout] = f"refused: {error}"
-                log.warning("weight updates keep vLLM's reload (refit plan refused): %s", error)
+            else:
+                plans[layout] = f"refused: {accepted}"
+                log.warning("weight updates keep vLLM's reload (refit plan refused): %s", accepted)
+            del attempt  # its masks and the plan's views of this version's buckets
         return loaded
 
     def _fleetrl_plan_unavailable(self, manifest, dequantize_to) -> str:

@@ -104,12 +104,91 @@ def test_replaying_the_plan_serves_the_same_bytes_as_the_loaders_for_every_later
             assert torch.equal(got, want), name
 
 
-def test_a_loader_that_copies_from_a_computed_tensor_is_refused_at_capture():
+def test_a_loader_that_copies_from_a_computed_tensor_of_other_values_is_refused_at_capture():
+    class Scaling(TinyServedModel):
+        def load_weights(self, weights):
+            for name, tensor in weights:
+                if name == "q.weight":
+                    self.qk.data.narrow(0, 0, 4).copy_(tensor * 2)
+
     manifest, buckets = pack(checkpoint(0))
+    with pytest.raises(refit_plan.PlanRefused, match=r"computed .*\(4, 4\) torch.float32.*while loading q.weight"):
+        refit_plan.capture(Scaling(), iter_device_tensors(manifest, buckets), buckets, "layout")
+
+
+def test_a_copy_from_a_contiguous_clone_of_the_loaded_entry_is_replayed_from_the_entry_slice():
+    """vLLM's GPU loaders may hand over a copy of the entry with its values unchanged: the plan copies the slice."""
+    manifest, buckets = pack(checkpoint(0))
+    served = TinyServedModel(loader_transposes=True)
+    plan = captured_and_checked(served, manifest, buckets)
+    assert [(c.parameter, c.shape) for c in plan.copies[:2]] == [("qk", (4, 4)), ("qk", (2, 4))]
+    later_manifest, later_buckets = pack(checkpoint(1))
+    plan.replay(later_buckets)
+    reference = TinyServedModel()
+    reference.load_weights(checkpoint(1))
+    assert all(torch.equal(a, b) for a, b in zip(served.parameters(), reference.parameters(), strict=True))
+
+
+def test_a_copy_from_a_dtype_converted_entry_is_replayed_as_a_converting_copy():
+    class HalfNorm(TinyServedModel):
+        def __init__(self):
+            super().__init__()
+            self.norm = nn.Parameter(torch.zeros(4, dtype=torch.bfloat16), requires_grad=False)
+
+        def load_weights(self, weights):
+            for name, tensor in weights:
+                if name == "norm.weight":
+                    self.norm.data.copy_(tensor.to(torch.bfloat16))
+
+    manifest, buckets = pack(checkpoint(0))
+    served = HalfNorm()
+    plan = captured_and_checked(served, manifest, buckets)
+    assert [(c.parameter, c.dtype) for c in plan.copies] == [("norm", torch.float32)]  # fp32 slice, bf16 target
+    plan.replay(pack(checkpoint(2))[1])
+    assert torch.equal(served.norm, dict(checkpoint(2))["norm.weight"].to(torch.bfloat16))
+
+
+def test_a_computed_copy_of_a_constant_entry_is_refused_as_a_reshuffle_cannot_be_told_apart():
+    class Reversing(TinyServedModel):
+        def load_weights(self, weights):
+            for name, tensor in weights:
+                if name == "norm.weight":
+                    self.norm.data.copy_(tensor.flip(0))
+
+    named = [(n, torch.ones_like(t) if n == "norm.weight" else t) for n, t in checkpoint(0)]
+    manifest, buckets = pack(named)
     with pytest.raises(refit_plan.PlanRefused, match="computed"):
-        refit_plan.capture(
-            TinyServedModel(loader_transposes=True), iter_device_tensors(manifest, buckets), buckets, "layout"
-        )
+        refit_plan.capture(Reversing(), iter_device_tensors(manifest, buckets), buckets, "layout")
+
+
+def test_a_loader_that_fails_in_any_way_leaves_a_reason_instead_of_an_exception():
+    class Broken(TinyServedModel):
+        def load_weights(self, weights):
+            raise RuntimeError("CUDA out of memory")
+
+    manifest, buckets = pack(checkpoint(0))
+    reason = refit_plan.attempt(Broken(), iter_device_tensors(manifest, buckets), buckets, "layout")
+    assert reason == "capturing failed with RuntimeError: CUDA out of memory"
+    model = TinyServedModel()
+    attempt = refit_plan.attempt(model, iter_device_tensors(manifest, buckets), buckets, "layout")
+    assert isinstance(attempt, refit_plan.Attempt)
+    model.load_weights(iter_device_tensors(manifest, buckets))
+    # the check given no buckets to read the version from fails inside (an IndexError), not with a refusal
+    assert refit_plan.accept(attempt, model, []).startswith("checking failed with IndexError")
+
+
+def test_masks_are_kept_only_for_parameters_the_plan_writes_in_part():
+    class PartlyLoaded(TinyServedModel):
+        def load_weights(self, weights):  # k never comes: the rows of qk after q's stay as they are
+            super().load_weights((n, t) for n, t in weights if n != "k.weight")
+
+    manifest, buckets = pack(checkpoint(0))
+    model = PartlyLoaded()
+    plan = refit_plan.capture(model, iter_device_tensors(manifest, buckets), buckets, "layout")
+    masks = refit_plan.written_masks(plan, model)
+    assert masks["embed"] is None and masks["norm"] is None  # copies (and the padding's fill) cover them whole
+    assert masks["qk"].tolist() == [[True] * 4] * 4 + [[False] * 4] * 2
+    assert set(refit_plan.parameter_digests(model, masks)) == {"qk"}
 
 
 def test_processing_after_the_load_that_changes_the_bytes_refuses_the_plan():
