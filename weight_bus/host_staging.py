@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+import numpy as np
 import torch
 
 ALIGN_BYTES = 64  # each tensor's view starts aligned for any dtype
@@ -45,6 +46,14 @@ def copy_into(
         views.append((name, view))
         offset += _aligned(nbytes)
     return views
+
+
+def host_array(nbytes: int, pinned: bool) -> np.ndarray:
+    """A uint8 host array, page-locked when ``pinned`` (device-to-host copies into it are asynchronous).
+
+    The array's base is the torch tensor that owns the memory, so the memory lives as long as the array.
+    """
+    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned).numpy()
 
 
 class PinnedHostStaging:

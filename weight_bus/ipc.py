@@ -34,7 +34,7 @@ from protos.records import CudaIpcBucket, CudaIpcVersion, WeightManifest
 from protos.redis_keys import RedisKeys
 from weight_bus import nccl_group as ng
 from weight_bus import packing
-from weight_bus.nccl_device import ChunkPacker, FlatHost, host_buffer
+from weight_bus.nccl_device import ChunkPacker, FlatHost
 from weight_bus.sender import PublishStats, WeightSender
 
 logger = logging.getLogger(__name__)
@@ -149,7 +149,8 @@ class IpcWeightPublisher:
     def __init__(self, client: redis.Redis, keys: RedisKeys, config, device: torch.device | None = None):
         self.client, self.keys, self.config = client, keys, config
         self.board = VersionBoard(client, keys)
-        self.fallback = WeightSender(client, keys, config, transport="ipc", recycle=False)
+        # Its pinned host buffers are recycled once a version is dropped and no receiver reads it (HostMirror).
+        self.fallback = WeightSender(client, keys, config, transport="ipc", pinned=True)
         self.tcp = self.fallback.tcp
         self.codec = self.fallback.codec
         self.device = device or torch.device("cuda", torch.cuda.current_device())
@@ -216,8 +217,8 @@ class HostMirror:
     buckets -> crc32 per tensor -> tcp hold (+ disk snapshot) -> the checksummed manifest in Redis.
 
     At most one version waits: a newer one replaces it (its manifest stays unchecksummed; tcp receivers ask for the
-    latest). Mirroring a version takes longer than a fast step (crc32 runs at ~1 GB/s), so a queue would grow without
-    bound. A failure is raised at the trainer's next publish."""
+    latest). Mirroring a version can take longer than a fast step (crc32 runs at a few GB/s per core), so a queue would
+    grow without bound. A failure is raised at the trainer's next publish."""
 
     def __init__(self, sender: WeightSender, device: torch.device):
         self.sender, self.device = sender, device
@@ -270,16 +271,17 @@ class HostMirror:
 
     def _mirror(self, manifest: WeightManifest, buckets: list[torch.Tensor]) -> None:
         started = time.monotonic()
-        host = [host_buffer(bucket.numel(), self.device) for bucket in buckets]
+        # From the tcp publisher's pool: a dropped version's buffers that no receiver reads any more, or new ones.
+        arrays = [self.sender.tcp.allocate(bucket.numel()) for bucket in buckets]
+        host = [torch.from_numpy(array) for array in arrays]
         with torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext():
             for bucket, copy in zip(buckets, host, strict=True):
                 copy.copy_(bucket, non_blocking=self.stream is not None)
         if self.stream is not None:
             self.stream.synchronize()
-        flat = FlatHost(host)
-        tensors = [msgspec.structs.replace(e, checksum=flat.crc32(e)) for e in manifest.tensors]
+        crcs = FlatHost(host).checksums(manifest.tensors)
+        tensors = [msgspec.structs.replace(e, checksum=crc) for e, crc in zip(manifest.tensors, crcs, strict=True)]
         checksummed = msgspec.structs.replace(manifest, tensors=tensors, checksummed=True)
-        arrays = [bucket.numpy() for bucket in host]
         self.sender.tcp.hold(manifest.version, arrays)
         if self.sender.snapshots is not None:
             self.sender.snapshots.begin(manifest.version)

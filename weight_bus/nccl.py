@@ -66,11 +66,12 @@ class NcclWeightPublisher:
         self.client, self.keys, self.config = client, keys, config
         self.comm_factory, self.unique_id_factory = comm_factory, unique_id_factory
         self.nccl_board = NcclBoard(client, keys)
-        # tcp hold (late receivers), snapshots, announce; its host buffers are pinned, made here
-        self.fallback = WeightSender(client, keys, config, transport="nccl", recycle=False)
+        self.device = device or torch.device("cuda", torch.cuda.current_device())
+        # tcp hold (late receivers), snapshots, announce; its host buffers (pinned on a GPU) are recycled once a
+        # version is dropped and no receiver reads it any more: allocating GBs of pinned memory per version is slow
+        self.fallback = WeightSender(client, keys, config, transport="nccl", pinned=self.device.type == "cuda")
         self.tcp = self.fallback.tcp
         self.codec = self.fallback.codec
-        self.device = device or torch.device("cuda", torch.cuda.current_device())
         self.ring = DeviceRing(self.fallback.bytes_per_bucket, self.device)
         self.group: NcclGroup | None = self.nccl_board.read_group()  # generations stay monotonic
         self.comm: NcclCommunicator | None = None
@@ -79,7 +80,8 @@ class NcclWeightPublisher:
         started = time.monotonic()
         named = list(named_tensors)  # the layout is planned from metadata before the first byte moves
         entries, sizes = packing.plan_layout(packing.encoded_metas(named, self.codec), self.fallback.bytes_per_bucket)
-        host = [host_buffer(size, self.device) for size in sizes]
+        arrays = [self.tcp.allocate(size) for size in sizes]
+        host = [torch.from_numpy(array) for array in arrays]
         self._ensure_group()
         failure = self._run_round(version, sizes, host, ChunkPacker(named, self.codec, entries, self.device))
         for _ in range(MAX_ATTEMPTS - 1):
@@ -90,7 +92,7 @@ class NcclWeightPublisher:
         if failure is not None:
             logger.error("weight bus (nccl): v%d not broadcast (%s); receivers catch up over tcp", version, failure)
         manifest = self._manifest(version, entries, sizes, host)
-        self.fallback.announce(manifest, [bucket.numpy() for bucket in host])
+        self.fallback.announce(manifest, arrays)  # the arrays themselves, so the pool gets back what it gave
         return PublishStats(version, time.monotonic() - started, len(entries), sum(sizes), len(sizes))
 
     def _run_round(self, version, sizes, host, packer: ChunkPacker | None) -> BroadcastFailed | None:
@@ -186,7 +188,8 @@ class NcclWeightPublisher:
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
         flat = FlatHost(host)
-        tensors = [msgspec.structs.replace(e, checksum=flat.crc32(e)) for e in entries]
+        crcs = flat.checksums(entries)
+        tensors = [msgspec.structs.replace(e, checksum=crc) for e, crc in zip(entries, crcs, strict=True)]
         return WeightManifest(version, tensors, sizes, self.tcp.address, "nccl", time.time())
 
     def close(self) -> None:

@@ -8,13 +8,12 @@ from __future__ import annotations
 
 import contextlib
 import time
-import zlib
 
 import numpy as np
 import torch
 
+from weight_bus import checksums, packing
 from weight_bus import nccl_group as ng
-from weight_bus import packing
 
 POLL_S = 0.002
 
@@ -119,4 +118,9 @@ class FlatHost:
         return self.buckets[chunk.bucket][chunk.start : chunk.start + chunk.nbytes]
 
     def crc32(self, entry) -> int:
-        return zlib.crc32(self.buckets[entry.bucket].numpy()[entry.offset : entry.offset + entry.nbytes])
+        return self.checksums([entry])[0]
+
+    def checksums(self, entries) -> list[int]:
+        """crc32 of each entry's bytes, on the shared checksum pool (all cores, not one)."""
+        arrays = [bucket.numpy() for bucket in self.buckets]
+        return checksums.crc32_many([arrays[e.bucket][e.offset : e.offset + e.nbytes] for e in entries])

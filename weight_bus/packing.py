@@ -13,14 +13,15 @@ Everything else keeps its dtype, so fp32 router biases stay fp32.
 from __future__ import annotations
 
 import time
-import zlib
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
+import msgspec
 import numpy as np
 import torch
 
 from protos.records import LoraAdapter, TensorEntry, WeightManifest
+from weight_bus import checksums
 from weight_bus.codecs import mxfp8
 
 ALIGN_BYTES = 64
@@ -66,12 +67,13 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def _tensor_bytes(tensor: torch.Tensor) -> memoryview:
-    """The tensor's bytes in logical order on the CPU (a view when it is already contiguous there)."""
-    if tensor.device.type != "cpu":
-        tensor = tensor.cpu()
-    flat = tensor.detach().contiguous().view(-1).view(torch.uint8)
-    return memoryview(flat.numpy())
+def _flat_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor's bytes in logical order as a flat uint8 tensor where it lies (a view when already contiguous).
+
+    A device tensor stays on its device: ``_fill`` copies it straight into the host bucket (pinned on a GPU machine),
+    instead of a blocking ``.cpu()`` into fresh pageable memory and a second copy into the bucket.
+    """
+    return tensor.detach().contiguous().view(-1).view(torch.uint8)
 
 
 def encode_tensors(
@@ -142,15 +144,23 @@ def _new_buffer(nbytes: int) -> np.ndarray:
     return np.empty(nbytes, dtype=np.uint8)  # no zero fill: _fill zeroes only the gaps
 
 
-def _fill(index: int, pending: list[tuple[int, TensorEntry, memoryview]], used: int, alloc) -> PackedBucket:
+def _fill(index: int, pending: list[tuple[TensorEntry, torch.Tensor]], used: int, alloc) -> PackedBucket:
+    """Copy the pending payloads into a bucket, then checksum them there (in parallel, from the host bytes)."""
     data = alloc(_align(used))
-    cursor = 0
-    for offset, _, payload in pending:
-        data[cursor:offset] = 0
-        data[offset : offset + payload.nbytes] = np.frombuffer(payload, dtype=np.uint8)
-        cursor = offset + payload.nbytes
+    target = torch.from_numpy(data)
+    cursor, on_device = 0, False
+    for entry, payload in pending:
+        data[cursor : entry.offset] = 0
+        if entry.nbytes:
+            on_device |= payload.device.type == "cuda"
+            target[entry.offset : entry.offset + entry.nbytes].copy_(payload, non_blocking=payload.is_cuda)
+        cursor = entry.offset + entry.nbytes
     data[cursor:] = 0  # padding is deterministic, so snapshots and buckets of equal weights are equal
-    return PackedBucket(index, data, [entry for _, entry, _ in pending])
+    if on_device:
+        torch.cuda.synchronize()  # every device-to-host copy has landed before the bytes are checksummed
+    crcs = checksums.crc32_many([data[e.offset : e.offset + e.nbytes] for e, _ in pending])
+    entries = [msgspec.structs.replace(e, checksum=crc) for (e, _), crc in zip(pending, crcs, strict=True)]
+    return PackedBucket(index, data, entries)
 
 
 def iter_buckets(
@@ -162,28 +172,21 @@ def iter_buckets(
     """Encode and pack tensors bucket by bucket; only one bucket's host bytes are alive at a time.
 
     ``alloc(nbytes)`` gives each bucket's uint8 buffer (a publisher recycles old ones). Always yields
-    at least one bucket (possibly empty), as receivers expect.
+    at least one bucket (possibly empty), as receivers expect. Device tensors are copied straight into
+    the bucket (asynchronously, one synchronize per bucket).
     """
     placer = _Placer(bytes_per_bucket)
-    pending: list[tuple[int, TensorEntry, memoryview]] = []
+    pending: list[tuple[TensorEntry, torch.Tensor]] = []
     for name, payload, entry_codec in encode_tensors(named_tensors, codec):
-        data = _tensor_bytes(payload)
+        data = _flat_bytes(payload)
         previous_bucket, previous_used = placer.bucket, placer.used
-        bucket, offset = placer.place(data.nbytes)
+        bucket, offset = placer.place(data.numel())
         if bucket != previous_bucket:
             yield _fill(previous_bucket, pending, previous_used, alloc)
             pending = []
-        entry = TensorEntry(
-            name,
-            _dtype_name(payload.dtype),
-            tuple(payload.shape),
-            entry_codec,
-            bucket,
-            offset,
-            data.nbytes,
-            zlib.crc32(data),
-        )
-        pending.append((offset, entry, data))
+        shape = tuple(payload.shape)
+        entry = TensorEntry(name, _dtype_name(payload.dtype), shape, entry_codec, bucket, offset, data.numel(), 0)
+        pending.append((entry, data))  # the checksum is set by _fill, from the bucket's bytes
     yield _fill(placer.bucket, pending, placer.used, alloc)
 
 
@@ -238,13 +241,18 @@ class ChecksumError(ValueError):
 
 
 def verify(manifest: WeightManifest, buffer: memoryview, bucket: int | None = None) -> None:
-    """Raise ChecksumError naming the first tensor (of ``bucket``, or all) whose bytes differ."""
+    """Raise ChecksumError naming the first tensor (of ``bucket``, or all) whose bytes differ.
+
+    The crcs run on the shared checksum pool, so a large version is verified at several cores' speed.
+    """
     starts = bucket_offsets(manifest)
-    for entry in manifest.tensors:
-        if bucket is not None and entry.bucket != bucket:
-            continue
+    entries = [entry for entry in manifest.tensors if bucket is None or entry.bucket == bucket]
+    views = []
+    for entry in entries:
         begin = starts[entry.bucket] + entry.offset
-        if zlib.crc32(buffer[begin : begin + entry.nbytes]) != entry.checksum:
+        views.append(buffer[begin : begin + entry.nbytes])
+    for entry, crc in zip(entries, checksums.crc32_many(views), strict=True):
+        if crc != entry.checksum:
             raise ChecksumError(
                 f"weights v{manifest.version}: tensor {entry.name} (bucket {entry.bucket}) "
                 "failed its checksum; the transfer is refused"

@@ -8,6 +8,7 @@ afterwards, each at its own pace, so ``publish`` never waits on a rollout server
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Iterable
@@ -20,6 +21,7 @@ from channels.version_board import VersionBoard
 from protos.records import LoraAdapter, WeightManifest
 from protos.redis_keys import RedisKeys
 from weight_bus import packing
+from weight_bus.host_staging import host_array
 from weight_bus.pipeline import SendPipeline
 from weight_bus.snapshot import SnapshotWriter
 from weight_bus.tcp import TcpWeightPublisher
@@ -41,7 +43,17 @@ class PublishStats:
 class WeightSender:
     """Publishes versions over tcp (optionally with disk snapshots); see the module docstring."""
 
-    def __init__(self, client: redis.Redis, keys: RedisKeys, config, transport: str = "tcp", recycle: bool = True):
+    def __init__(
+        self,
+        client: redis.Redis,
+        keys: RedisKeys,
+        config,
+        transport: str = "tcp",
+        recycle: bool = True,
+        pinned: bool | None = None,
+    ):
+        """``pinned``: bucket buffers in page-locked memory (default: when CUDA is there), so device tensors are
+        copied into them asynchronously; ``recycle`` hands a dropped version's buffers to later versions."""
         self.client = client
         self.keys = keys
         self.board = VersionBoard(client, keys)
@@ -49,8 +61,14 @@ class WeightSender:
         self.codec = packing.WireCodec.from_config(config)
         self.bytes_per_bucket = int(config.bucket_mib * 2**20)
         self.transport_name = transport
+        pinned = torch.cuda.is_available() if pinned is None else pinned
         self.tcp = TcpWeightPublisher(
-            config.host, config.port, config.keep_versions, config.send_timeout_s, recycle=recycle
+            config.host,
+            config.port,
+            config.keep_versions,
+            config.send_timeout_s,
+            recycle=recycle,
+            new_buffer=functools.partial(host_array, pinned=pinned),
         )
         self.snapshots = SnapshotWriter(config.snapshot_dir, config.keep_snapshots) if config.snapshot_dir else None
 

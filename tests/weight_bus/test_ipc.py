@@ -154,3 +154,38 @@ def msgspec_replace(manifest, version: int):
     import msgspec
 
     return msgspec.structs.replace(manifest, version=version)
+
+
+def test_the_host_mirror_copies_later_versions_into_the_host_buffers_of_a_dropped_one(redis_url):
+    """Allocating GBs of pinned host memory per version is slow: the mirror takes its host buckets from the tcp
+    publisher's pool, which gets a version's buffers back only once it is dropped and no receiver reads it."""
+    import msgspec
+
+    from channels.version_board import VersionBoard
+    from weight_bus import receiver
+    from weight_bus.ipc import HostMirror
+
+    client, keys = redis.Redis.from_url(redis_url), RedisKeys("ipc-recycle")
+    board = VersionBoard(client, keys)
+    sender = WeightSender(client, keys, WeightBusConfig(keep_versions=1), transport="ipc")
+    mirror = HostMirror(sender, torch.device("cpu"))
+    try:
+        for version in (1, 2, 3):
+            named = [(name, tensor + version) for name, tensor in _named()]
+            manifest, buckets = packing.pack(named, version, 4096, publisher_address=sender.tcp.address)
+            board.publish_manifest(msgspec.structs.replace(manifest, checksummed=False))  # as the ipc publisher does
+            mirror.submit(manifest, [torch.from_numpy(np.asarray(b)) for b in buckets])
+            mirror.wait(timeout_s=30)
+            if version == 1:
+                first = sender.tcp.buckets_of(1)[0]
+            if version == 2:
+                assert sender.tcp.buckets_of(2)[0] is not first  # v1 was still held when v2 was copied
+        assert sender.tcp.buckets_of(3)[0] is first  # v2's hold dropped v1 into the pool
+        stored = board.manifest(3)
+        assert stored.checksummed and stored.tensors == manifest.tensors
+        into = bytearray(packing.total_nbytes(stored))
+        assert receiver.receive_into(stored, memoryview(into), 10.0) == "publisher"  # checksums of v3's bytes
+        assert bytes(into) == b"".join(np.asarray(b).tobytes() for b in buckets)
+    finally:
+        mirror.close()
+        sender.close()

@@ -11,12 +11,13 @@ import threading
 import time
 from collections.abc import Callable
 
+import numpy as np
 import pytest
 import torch
 
 from protos.records import TensorEntry, WeightManifest
 from tests.weight_bus.bus_tensors import joined_buckets, named_tensors
-from weight_bus.packing import iter_tensors, pack, total_nbytes, verify
+from weight_bus.packing import ChecksumError, iter_tensors, pack, total_nbytes, verify
 from weight_bus.tcp import MAGIC, TcpWeightPublisher, WeightUnavailableError, fetch
 
 pytestmark = pytest.mark.integration
@@ -241,3 +242,68 @@ def test_request_without_magic_is_dropped_and_the_publisher_keeps_serving(publis
     buffer = bytearray(total_nbytes(manifest))
     fetch(manifest, memoryview(buffer), timeout_s=5)
     assert buffer == joined_buckets(buckets)
+
+
+# ---------------------------------------------------------------------------------------------------
+# recycled buffers and checksums on receipt
+
+
+def _reader_in_the_middle(address: str, version: int) -> socket.socket:
+    """A receiver that asked for ``version`` and read only the header: the publisher is sending it."""
+    host, port = address.rsplit(":", 1)
+    sock = socket.create_connection((host, int(port)), timeout=10)
+    sock.sendall(MAGIC + version.to_bytes(8, "little"))
+    header = sock.recv(8, socket.MSG_WAITALL)
+    assert int.from_bytes(header, "little") > 0
+    return sock
+
+
+def _read_to_the_end(sock: socket.socket) -> bytes:
+    """The rest of the reply; returns once the publisher has closed the connection (its send is over)."""
+    chunks = []
+    with sock:
+        while chunk := sock.recv(1 << 20):
+            chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def test_a_recycled_buffer_is_not_handed_out_while_its_version_is_held_or_read():
+    made: list[np.ndarray] = []
+
+    def new_buffer(nbytes: int) -> np.ndarray:
+        made.append(np.empty(nbytes, dtype=np.uint8))
+        return made[-1]
+
+    size = 32 << 20  # more than the sockets buffer: the publisher stays in the middle of sending v2
+    pub = TcpWeightPublisher(keep_versions=2, timeout_s=10.0, new_buffer=new_buffer)
+    try:
+        versions = {}
+        for version in (1, 2, 3):
+            versions[version] = [pub.allocate(size)]
+            versions[version][0][:] = version
+            pub.hold(version, versions[version])  # v3's hold drops v1, which nobody reads
+        assert len(made) == 3  # v1 and v2 were held while v3 was allocated: new memory
+        reader = _reader_in_the_middle(pub.address, 2)
+        assert pub.allocate(size) is versions[1][0]  # dropped and unread: recycled
+        pub.hold(4, [np.full(size, 4, dtype=np.uint8)])  # drops v2 while the receiver reads it
+        fifth = pub.allocate(size)
+        assert fifth is not versions[2][0] and len(made) == 4  # v2's memory is not handed out
+        fifth[:] = 5
+        assert set(_read_to_the_end(reader)) == {2}  # the receiver got v2's bytes, none overwritten
+        assert pub.allocate(size) is versions[2][0]  # its send is over: now it is recycled
+    finally:
+        pub.close()
+
+
+def test_a_receiver_refuses_a_byte_corrupted_in_a_multi_chunk_tensor_naming_it(publisher):
+    from weight_bus import receiver
+    from weight_bus.checksums import CHUNK_BYTES
+
+    big = torch.arange(2 * CHUNK_BYTES // 4 + 3, dtype=torch.int32)  # spans three checksum chunks
+    manifest, buckets = pack([("a", torch.ones(4)), ("layers.0.big", big)], 9, 1 << 20, publisher.address)
+    entry = manifest.tensors[1]
+    buckets[entry.bucket][entry.offset + CHUNK_BYTES + 5] ^= 0x10  # one bit, in its second chunk
+    publisher.hold(9, buckets)
+    into = bytearray(total_nbytes(manifest))
+    with pytest.raises(ChecksumError, match=r"v9: tensor layers\.0\.big \(bucket 1\) failed its checksum"):
+        receiver.receive_into(manifest, memoryview(into), timeout_s=10.0)
