@@ -50,7 +50,9 @@ def servers(model_dir, redis_server, tmp_path_factory) -> list[ServerProcess]:
 
 
 def test_admin_verbs_steer_a_live_run_that_keeps_the_staleness_bound(tmp_path, model_dir, servers, redis_server):
-    b, steps = 4, 40  # more steps than the test lets it run: it ends with a drain
+    # Far more steps than the test lets it run (it ends with a drain): on a fast machine 40 steps of 8 tokens were
+    # all trained while the test was still running its CLI calls, and the drain found no coordinator.
+    b, steps = 4, 1000
     run = start_run(
         tmp_path,
         model_dir,
@@ -252,12 +254,15 @@ def test_a_coordinator_killed_mid_run_is_restarted_and_every_prompt_is_pushed_on
         assert 0 <= run.start_version + position // b - oldest <= 1, (position, oldest, run.start_version)
 
 
-def _freeze_coordinator_calls(stub, engine, address: str, timeout_s: float = 120) -> None:
+def _freeze_coordinator_calls(stub, engine, address: str, run, timeout_s: float = 120) -> None:
     """Catch the server at ``address`` generating for the coordinator and pause it there (PAUSE_MODE_KEEP): only a
     kill can end those calls then."""
     from protos import admin_pb2, rollout_pb2
 
     def busy() -> bool:
+        assert run.coordinator.poll() is None, f"the coordinator exited before {address} was caught busy:\n" + (
+            run.log("coordinator")
+        )
         now = stub.GetStatus(admin_pb2.GetStatusRequest(), timeout=10)
         assert now.groups_pushed < now.total_groups, f"{address} never busy mid-run"
         return now.groups_pushed >= 1 and any(s.address == address and s.inflight for s in now.servers)
@@ -289,7 +294,8 @@ def test_a_server_killed_mid_run_loses_no_prompt_and_its_requests_are_redispatch
 ):
     from protos import admin_pb2, admin_pb2_grpc, rollout_pb2_grpc
 
-    b, steps = 4, 10
+    # enough steps that the run is still going once the admin API answers (10 were done before that in CI)
+    b, steps = 4, 24
     run = start_run(
         tmp_path,
         model_dir,
@@ -303,7 +309,7 @@ def test_a_server_killed_mid_run_loses_no_prompt_and_its_requests_are_redispatch
         wait_for_admin(run)
         stub = admin_pb2_grpc.CoordinatorAdminStub(grpc.insecure_channel(run.admin))
         engine = rollout_pb2_grpc.RolloutServiceStub(grpc.insecure_channel(victim.address))
-        _freeze_coordinator_calls(stub, engine, victim.address)
+        _freeze_coordinator_calls(stub, engine, victim.address, run)
         os.killpg(victim.process.pid, signal.SIGKILL)
         victim.process.wait()
         deadline = time.monotonic() + 10
