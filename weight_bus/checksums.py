@@ -134,6 +134,16 @@ def shared_pool() -> ChecksumPool:
         return _shared
 
 
+def configure(num_threads: int) -> None:
+    """Replace the shared pool by one of ``num_threads`` (1: sequential), while no checksum is in flight; benchmarks
+    compare thread counts in one run."""
+    global _shared
+    with _shared_lock:
+        previous, _shared = _shared, ChecksumPool(num_threads)
+    if previous is not None:
+        previous.close()
+
+
 def crc32_many(buffers: list) -> list[int]:
     """``zlib.crc32`` of each buffer, on the shared pool."""
     return shared_pool().crc32_many(buffers)

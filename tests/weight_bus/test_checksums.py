@@ -64,3 +64,14 @@ def test_verify_refuses_a_corrupted_byte_in_a_later_chunk_naming_the_tensor():
 def test_the_shared_pool_is_made_once():
     assert checksums.shared_pool() is checksums.shared_pool()
     assert checksums.crc32_many([b"fleetrl"]) == [zlib.crc32(b"fleetrl")]
+
+
+def test_configure_replaces_the_shared_pool_with_one_of_the_given_threads():
+    threads = checksums.shared_pool().num_threads
+    try:
+        checksums.configure(1)
+        assert checksums.shared_pool().num_threads == 1
+        buffer = _bytes(3 * CHUNK_BYTES + 1)
+        assert checksums.crc32_many([buffer, b""]) == [zlib.crc32(buffer), 0]
+    finally:
+        checksums.configure(threads)
