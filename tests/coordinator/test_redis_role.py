@@ -62,3 +62,31 @@ def test_an_embedded_redis_that_cannot_start_ends_the_demo_with_its_log(tmp_path
         finally:
             launcher.stop_all(grace_s=5)
     assert launcher.roles["valkey"].report()["state"] != "running"
+
+
+def test_the_ray_role_actor_runs_valkey_in_a_directory_it_makes_and_restarts_it_with_its_data(tmp_path):
+    """``fleetrl up``'s valkey: a RoleActor (plain class here, a Ray actor in a run) on a node where the run
+    directory may not exist; a crash is restarted on the same address with every acknowledged write."""
+    from coordinator.ray_actors import RoleActor
+
+    port = free_port()
+    data_dir = tmp_path / "node" / "run" / "valkey"  # not made by the driver that built the spec
+    policy = RestartPolicy(backoff_s=0.1).model_dump()
+    actor = RoleActor(str(tmp_path / "logs"), policy, str(tmp_path), interval_s=0.05)
+    pid = actor.start(redis_spec(data_dir, "127.0.0.1", port))
+    try:
+        wait_accepting("127.0.0.1", port, 30.0)
+        assert (data_dir / "appendonlydir").is_dir()
+        client = redis.Redis(port=port, socket_timeout=5)
+        client.set("policy_version", 7)
+        os.killpg(pid, signal.SIGKILL)
+
+        def restarted() -> bool:
+            report = actor.report()
+            return report["restarts"] == 1 and report["state"] == "running" and report["pid"] != pid
+
+        wait_until(restarted, "valkey restarted by its actor", 30)
+        wait_accepting("127.0.0.1", port, 30.0)
+        assert client.get("policy_version") == b"7"
+    finally:
+        actor.stop(grace_s=5)
