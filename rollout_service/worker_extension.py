@@ -79,6 +79,7 @@ class WeightLoaderExtension:
         import logging
 
         from rollout_service import refit_plan
+        from rollout_service.reload_routing import route_reload_weights
         from weight_bus.ipc import iter_device_tensors
 
         log = logging.getLogger(__name__)
@@ -115,7 +116,9 @@ class WeightLoaderExtension:
                 loaded += 1
                 yield name, tensor
 
-        self.model_runner.reload_weights(weights_iterator=counted(), is_checkpoint_format=True)
+        # Some models' loaders write tensors past the weight loaders the layerwise reload counts (gpt-oss).
+        routed = route_reload_weights(model, counted())
+        self.model_runner.reload_weights(weights_iterator=routed, is_checkpoint_format=True)
         self.fleetrl_last_load_path = "reload"
         if attempt is not None:
             accepted = refit_plan.accept(attempt, model, buckets)
