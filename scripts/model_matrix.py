@@ -272,13 +272,6 @@ CAUSES = [
     "Qwen3-Next bridge: refused by fleetrl before building. megatron-core builds its gated-DeltaNet block"
     " (`get_transformer_block_with_experimental_attention_variant_spec`) for Transformer Engine only; the local spec"
     " would make every layer full attention.",
-    "gpt-oss update: not the export (`export_hf_weights` equals the checkpoint on disk, all 37 tensors bit for bit;"
-    " committing the unchanged weights already moves the served log-probs by 7.8e-02). vLLM's gpt-oss loader"
-    " (`_load_weights_other`) writes the experts' `w13`/`w2` weights and biases and the attention sinks with a plain"
-    " `param.copy_`, past the weight loaders that vLLM's layerwise `reload_weights` wraps and counts: on a reload the"
-    " engine logs `GptOssRoutedExperts: Failed to load weights` and `OAIAttention: Failed to load weights` (and"
-    " `YaRNScalingRotaryEmbedding`), and the served log-probs match neither the committed weights nor the old ones."
-    " The fix belongs in the rollout worker's reload path (rollout_service), not in the export.",
 ]
 
 # What the vLLM CPU engine needs of a family's tiny config (the checkpoints keep these).
