@@ -16,7 +16,14 @@ from coordinator.agent_groups import Session
 from coordinator.openai_answers import answer_choice, context_tokens
 from coordinator.openai_requests import NEUTRAL, ChatRequest, DoorRefused, flat_content, parse_chat
 
-__all__ = ["RESPONSES_FIELDS", "parse_responses", "response_answer", "response_head", "response_output"]
+__all__ = [
+    "RESPONSES_FIELDS",
+    "parse_responses",
+    "response_answer",
+    "response_head",
+    "response_output",
+    "token_logprobs",
+]
 
 # The chat route's names of fields, as this route's requests spell them (refusals name the latter).
 RESPONSES_FIELDS = {
@@ -26,6 +33,7 @@ RESPONSES_FIELDS = {
 }
 # Fields that need state or tools the door does not have: refused unless absent, null or the value here.
 REFUSED = {"previous_response_id": None, "conversation": None, "background": False, "truncation": "disabled"}
+LOGPROBS = "message.output_text.logprobs"  # the ``include`` value that asks for the text's logprobs
 ECHOED = ("instructions", "tools", "tool_choice", "temperature", "max_output_tokens", "metadata")
 
 
@@ -49,10 +57,27 @@ def parse_responses(body: dict, tokenizer, max_model_len: int) -> tuple[ChatRequ
     chat_body = {key: body[key] for key in NEUTRAL if key in body}
     chat_body |= {"messages": messages, "model": body.get("model"), "stream": body.get("stream")}
     chat_body |= {"temperature": body.get("temperature"), "max_completion_tokens": body.get("max_output_tokens")}
+    chat_body["logprobs"] = LOGPROBS in _include(body.get("include"))
     if body.get("tools") is not None:
         chat_body["tools"] = _chat_tools(body["tools"])
     chat = parse_chat(chat_body, tokenizer, max_model_len)
     return chat, {key: body.get(key) for key in ECHOED}
+
+
+def _include(include) -> list[str]:
+    """``include``: a list of strings. Only ``message.output_text.logprobs`` adds anything: the other values
+    name output the door never makes (search results, images, reasoning), so they are accepted and add nothing."""
+    if include is None:
+        return []
+    if not isinstance(include, list) or not all(isinstance(value, str) for value in include):
+        raise DoorRefused(400, f"include: {include!r} is not a list of strings", "include")
+    return include
+
+
+def token_logprobs(entries: list[dict]) -> list[dict]:
+    """The Responses API's logprobs of output text from the chat API's entries (each token's, the end of turn
+    included, as the chat route answers them; no alternatives: ``top_logprobs`` is refused unless 0)."""
+    return [{**entry, "bytes": list(entry["token"].encode()), "top_logprobs": []} for entry in entries]
 
 
 def input_messages(items) -> list[dict]:
@@ -122,7 +147,8 @@ def response_output(choice: dict, item_prefix: str) -> list[dict]:
     ``function_call`` item per tool call."""
     message, output = choice["message"], []
     if message["content"] is not None:
-        part = {"type": "output_text", "text": message["content"], "annotations": [], "logprobs": []}
+        logprobs = token_logprobs(choice["logprobs"]["content"]) if choice["logprobs"] else []
+        part = {"type": "output_text", "text": message["content"], "annotations": [], "logprobs": logprobs}
         item = {"type": "message", "id": f"msg_{item_prefix}", "status": "completed", "role": "assistant"}
         output.append(item | {"content": [part]})
     for call in message.get("tool_calls") or []:

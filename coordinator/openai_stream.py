@@ -86,45 +86,87 @@ def error_event(error: Exception, renames: dict | None = None) -> dict:
 
 
 class TextDeltas:
-    """One choice's text, sent as it becomes final; ``finish(content)`` is what is left of the answer's."""
+    """One choice's text, sent as it becomes final; ``finish(content)`` is what is left of the answer's.
+
+    Decoded incrementally, as vLLM's detokenizer does: each push decodes only a window from the last settled
+    offset (``prefix``) to the end, and the new text is what the window adds to its settled part (``prefix`` to
+    ``read``). Re-decoding the whole turn per token made a long stream quadratic. The window starts before any
+    incomplete character or merge (the offsets move only once the window's text ends in a whole character), so
+    the pieces concatenate to the whole turn's decoding.
+    """
 
     def __init__(self, tokenizer, hold_tool_calls: bool):
         self.tokenizer, self.hold_tool_calls = tokenizer, hold_tool_calls
         self.special = set(tokenizer.all_special_ids)
-        self.token_ids: list[int] = []
-        self.sent = ""
+        self.num_tokens = 0  # every token pushed, held ones included
+        self.ids: list[int] = []  # the tokens decoded so far (a trailing special token waits in held_ids)
+        self.held_ids: list[int] = []  # maybe the end of turn, which the content leaves out
+        self.prefix = self.read = 0
+        self.sent_pieces: list[str] = []
+        self.unsent = ""  # decoded, held back: whitespace or a partial marker before a possible tool call
+        self.holding = False  # from a tool call on (or a leading space) nothing more is sent until the end
+
+    @property
+    def sent(self) -> str:
+        return "".join(self.sent_pieces)
 
     def push(self, token_ids: list[int]) -> str:
-        self.token_ids += token_ids
-        text = self._final_text()
-        if len(text) <= len(self.sent) or not text.startswith(self.sent):
+        self.num_tokens += len(token_ids)
+        if self.holding:
             return ""
-        delta, self.sent = text[len(self.sent) :], text
+        for token in token_ids:
+            if token in self.special:
+                self.held_ids.append(token)
+            else:
+                self.ids += [*self.held_ids, token]
+                self.held_ids.clear()
+        delta = self._release(self._decode_new())
+        if delta:
+            self.sent_pieces.append(delta)
         return delta
 
-    def _final_text(self) -> str:
-        tokens = self.token_ids
-        while tokens and tokens[-1] in self.special:  # maybe the end of turn, which the content leaves out
-            tokens = tokens[:-1]
-        text = self.tokenizer.decode(tokens, skip_special_tokens=False, clean_up_tokenization_spaces=False)
-        text = text.rstrip("\ufffd")  # an incomplete character
+    def _decode_new(self) -> str:
+        """The text the tokens since the last call add, "" while it ends in an incomplete character."""
+        if self.read == len(self.ids):
+            return ""
+        window = self.ids[self.prefix :]
+        new_text = self._decode(window)
+        settled = self._decode(window[: self.read - self.prefix])
+        if len(new_text) <= len(settled) or new_text.endswith("\ufffd"):
+            return ""  # an incomplete UTF-8 character (or a merge that shortens the text): wait for more tokens
+        self.prefix, self.read = self.read, len(self.ids)
+        return new_text[len(settled) :]
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+    def _release(self, piece: str) -> str:
+        """What of ``piece`` (and the text held before it) can be sent now."""
+        text = self.unsent + piece
         if not self.hold_tool_calls:
             return text
-        if text[:1].isspace():  # stripped only when the turn holds calls: unknown until it ends
+        if not self.sent_pieces and text[:1].isspace():  # stripped only when the turn holds calls: unknown till its end
+            self.holding = True
             return ""
-        cut = text.find(MARKER)
-        if cut < 0:
+        end = text.find(MARKER)
+        if end >= 0:  # the text before a call goes out (stripped), the rest as parsed when the turn ends
+            self.holding = True
+        else:
             partial = [k for k in range(1, len(MARKER)) if text.endswith(MARKER[:k])]
-            cut = len(text) - max(partial, default=0)
-        return text[:cut].rstrip()  # whitespace before a call is stripped
+            end = len(text) - max(partial, default=0)
+        while end > 0 and text[end - 1].isspace():  # whitespace before a call is stripped
+            end -= 1
+        self.unsent = text[end:]
+        return text[:end]
 
     def finish(self, content: str | None) -> str:
         if not content:
             return ""
-        if not content.startswith(self.sent):
-            logger.warning("openai door: streamed text %r is not a prefix of the answer %r", self.sent, content)
+        sent = self.sent
+        if not content.startswith(sent):
+            logger.warning("openai door: streamed text %r is not a prefix of the answer %r", sent, content)
             return ""
-        return content[len(self.sent) :]
+        return content[len(sent) :]
 
 
 class ChatEvents:
@@ -160,7 +202,7 @@ class ChatEvents:
         choice = answer_choice(self.tokenizer, session, index, self.chat, i)
         deltas, turn = self.deltas[i], session.turns[index]
         rest = deltas.finish(choice["message"]["content"])
-        left = len(deltas.token_ids)
+        left = deltas.num_tokens
         logprobs = self._logprobs(turn.token_ids[left:], turn.logprobs[left:])
         body = b"".join(sse(c) for c in _choice_chunks(self.base, choice, content=rest, role=False, logprobs=logprobs))
         return head + body

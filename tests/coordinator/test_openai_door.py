@@ -56,8 +56,8 @@ def tokenizer(tiny_model):
 class DoorHarness(BookHarness):
     """The agent core + the door in this process, against the module's rollout server."""
 
-    def __init__(self, address: str, redis_url: str, tokenizer, max_body_bytes: int = MAX_BODY_BYTES):
-        super().__init__(address, redis_url, KEYS)
+    def __init__(self, address: str, redis_url: str, tokenizer, max_body_bytes: int = MAX_BODY_BYTES, overrides=()):
+        super().__init__(address, redis_url, KEYS, overrides)
         self.tokenizer, self.max_body_bytes = tokenizer, max_body_bytes
 
     async def __aenter__(self) -> DoorHarness:

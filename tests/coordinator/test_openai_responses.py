@@ -118,6 +118,8 @@ def test_malformed_responses_requests_are_400_naming_the_field_and_open_nothing(
                 ({"input": "1", "temperature": "hot"}, "temperature", "temperature"),
                 ({"input": "1", "tool_choice": "required"}, "tool_choice", "tool_choice"),
                 ({"input": "1", "stream": "yes"}, "stream", "stream"),
+                ({"input": "1", "include": "message.output_text.logprobs"}, "include", "include"),
+                ({"input": "1", "top_logprobs": 3}, "top_logprobs", "top_logprobs"),
             ]
             for body, param, named in cases:
                 status, error, _ = await h.post("/responses", body, **{"X-Fleetrl-Group-Key": "bad"})
@@ -161,5 +163,40 @@ def test_a_streamed_response_sends_created_text_deltas_and_completed_with_the_re
             assert "".join(deltas) == final.output_text
             [done] = [e for e in events if e.type == "response.output_text.done"]
             assert done.text == final.output_text and events[0].response.id == final.id
+
+    asyncio.run(scenario())
+
+
+def test_include_output_text_logprobs_answers_each_generated_tokens_logprob_plain_and_streamed(
+    rollout_server, redis_url, shared_tokenizer
+):
+    async def scenario():
+        async with door_with_client(rollout_server, redis_url, shared_tokenizer) as (h, client):
+            include = ["message.output_text.logprobs", "reasoning.encrypted_content"]  # the second adds nothing
+            reply = await client.responses.with_raw_response.create(
+                model="m", input="314", max_output_tokens=6, include=include, extra_headers={"X-Fleetrl-Group-Key": "l"}
+            )
+            turn = h.book.sessions[reply.headers["X-Fleetrl-Session"]].turns[0]
+            [part] = reply.parse().output[0].content
+            assert [e.logprob for e in part.logprobs] == turn.logprobs  # every token's, the end of turn included
+            assert [e.token for e in part.logprobs] == shared_tokenizer.convert_ids_to_tokens(turn.token_ids)
+            assert all(e.bytes == list(e.token.encode()) and e.top_logprobs == [] for e in part.logprobs)
+
+            stream = await client.responses.create(
+                model="m",
+                input="314",
+                max_output_tokens=6,
+                include=include,
+                stream=True,
+                extra_headers={"X-Fleetrl-Group-Key": "l"},  # its group's second member
+            )
+            events = [event async for event in stream]
+            [session] = [s for s in h.book.sessions.values() if s.session_id != reply.headers["X-Fleetrl-Session"]]
+            streamed = [
+                e.logprob for event in events if event.type == "response.output_text.delta" for e in event.logprobs
+            ]
+            assert streamed == session.turns[0].logprobs  # each token's once, with the delta that sent its text
+            [done] = [event for event in events if event.type == "response.output_text.done"]
+            assert [e.logprob for e in done.logprobs] == session.turns[0].logprobs
 
     asyncio.run(scenario())

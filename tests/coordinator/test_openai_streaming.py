@@ -6,17 +6,57 @@ the real door, a real rollout server (vLLM CPU, tiny model) and real Redis.
 from __future__ import annotations
 
 import asyncio
+import random
 
 import pytest
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import PreTrainedTokenizerFast
 
 from coordinator.openai_stream import TextDeltas
 from tests.coordinator import test_openai_door
-from tests.coordinator.test_openai_door import USER, DoorHarness
+from tests.coordinator.test_openai_agent_surface import sdk
+from tests.coordinator.test_openai_door import TEMPLATE, USER, DoorHarness
 from tests.coordinator.test_openai_responses import door_with_client
+from tests.coordinator.test_openai_stream_failures import spawned_standin
 
 pytestmark = pytest.mark.integration
 
 shared_tokenizer = test_openai_door.tokenizer  # the fixture "tokenizer" of that module, here too
+MULTILINGUAL = [
+    "naïve café — crème brûlée",
+    "日本語のテキストを少し",
+    "Ελληνικά και русский текст",
+    "emoji 🙂🚀👩‍💻 and ünïcödé",
+    "plain ascii words 12345",
+]
+
+
+@pytest.fixture(scope="module")
+def byte_tokenizer():
+    """A byte-level BPE tokenizer (the kind of GPT-2's and Qwen's) trained here on multilingual text, small enough
+    that many multi-byte characters are split across tokens while merges span characters elsewhere."""
+    core = Tokenizer(models.BPE())
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    core.decoder = decoders.ByteLevel()
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    trainer = trainers.BpeTrainer(
+        vocab_size=320, special_tokens=["<bos>", "<eos>"], initial_alphabet=alphabet, show_progress=False
+    )
+    core.train_from_iterator(MULTILINGUAL * 20, trainer)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, bos_token="<bos>", eos_token="<eos>")
+    tokenizer.chat_template = TEMPLATE
+    return tokenizer
+
+
+class DecodeCounter:
+    """The tokenizer, counting the tokens it is asked to decode (the detokenizer's work)."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.all_special_ids, self.num_decoded = tokenizer, tokenizer.all_special_ids, 0
+
+    def decode(self, token_ids, **options) -> str:
+        self.num_decoded += len(token_ids)
+        return self.tokenizer.decode(token_ids, **options)
 
 
 def test_a_streamed_chat_sends_one_content_delta_per_token_and_the_recorded_turn_at_its_end(
@@ -90,3 +130,50 @@ def test_text_is_held_back_at_a_final_special_token_and_at_whitespace_a_tool_cal
     assert (
         plain.push(ids(" 3")) == " 3" and plain.push([shared_tokenizer.eos_token_id]) == "" and plain.finish(" 3") == ""
     )
+
+
+def test_the_deltas_of_a_long_multibyte_output_concatenate_to_its_decoding_with_linear_decoding_work(byte_tokenizer):
+    rng = random.Random(0)
+    text = " ".join(rng.choice(MULTILINGUAL) for _ in range(300))
+    token_ids = byte_tokenizer.encode(text, add_special_tokens=False)
+    assert len(token_ids) > 5000 and byte_tokenizer.decode(token_ids) == text
+    assert any("\ufffd" in byte_tokenizer.decode([t]) for t in token_ids)  # characters split across tokens
+    eos = byte_tokenizer.eos_token_id
+    for hold_tool_calls, sizes in ((False, [1]), (True, [1, 2, 3, 5, 8])):
+        counter = DecodeCounter(byte_tokenizer)
+        deltas = TextDeltas(counter, hold_tool_calls)
+        ids, pieces = [*token_ids, eos], []  # the end of turn last, which the content leaves out
+        while ids:
+            size = rng.choice(sizes)
+            pieces.append(deltas.push(ids[:size]))
+            ids = ids[size:]
+        assert "".join(pieces) == text and deltas.finish(text) == ""  # all of it streamed, nothing left to send
+        assert not any("\ufffd" in piece for piece in pieces)  # no character sent in halves
+        # a window per push: decoding the whole text per token would be ~n^2 / 2 tokens
+        assert counter.num_decoded < 8 * len(token_ids), counter.num_decoded
+
+
+def test_a_long_streamed_turn_of_multibyte_text_is_the_plain_answer_of_that_turn(tmp_path, redis_url, byte_tokenizer):
+    """The engine's tokens (a stand-in's, drawn from the byte-level vocabulary) streamed one by one through the door,
+    against the recorded turn answered plainly."""
+    overrides = ("rollout.synthetic.tokens_per_s=0", f"rollout.synthetic.vocab_size={len(byte_tokenizer)}")
+
+    async def scenario(address: str):
+        async with DoorHarness(address, redis_url, byte_tokenizer) as h:
+            client = sdk(h)
+            stream = await client.chat.completions.create(
+                model="m", messages=[USER], max_tokens=240, stream=True, extra_headers={"X-Fleetrl-Group-Key": "long"}
+            )
+            deltas = [c.choices[0].delta.content async for c in stream if c.choices and c.choices[0].delta.content]
+            [session] = h.book.sessions.values()
+            plain = await client.chat.completions.create(
+                model="m", messages=[USER], max_tokens=240, extra_headers={"X-Fleetrl-Session": session.session_id}
+            )
+            await client.close()
+            content = plain.choices[0].message.content
+            assert len(session.turns[0].token_ids) == 240 and len(deltas) > 100
+            assert "".join(deltas) == content
+            assert any(ord(c) > 127 and c != "\ufffd" for c in content)  # multi-byte characters among them
+
+    with spawned_standin(tmp_path / "standin.log", *overrides) as standin:
+        asyncio.run(scenario(standin.addresses[0]))
