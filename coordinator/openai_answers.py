@@ -14,7 +14,7 @@ from coordinator.openai_requests import ChatRequest
 from coordinator.openai_tools import parse_tool_calls
 from protos.records import FinishReason
 
-__all__ = ["answer_choice", "chat_answer", "context_tokens"]
+__all__ = ["answer_choice", "chat_answer", "context_tokens", "token_logprobs"]
 
 
 def chat_answer(tokenizer, turns: list[tuple[Session, int]], chat: ChatRequest) -> dict:
@@ -44,6 +44,17 @@ def context_tokens(session: Session, index: int) -> int:
     return len(session.prompt) + sum(len(t.token_ids) for t in session.turns[:index])
 
 
+def token_logprobs(tokenizer, token_ids: list[int], logprobs: list[float]) -> list[dict]:
+    """OpenAI's logprob entries of tokens (chat ``logprobs.content``, a Responses ``output_text``'s ``logprobs``):
+    each token's vocabulary piece, its logprob, the piece's UTF-8 ``bytes`` and no alternatives (``top_logprobs``
+    is refused unless 0: the engine returns the sampled token's logprob only)."""
+    pieces = tokenizer.convert_ids_to_tokens(list(token_ids))
+    return [
+        {"token": p, "logprob": lp, "bytes": list(p.encode()), "top_logprobs": []}
+        for p, lp in zip(pieces, logprobs, strict=True)
+    ]
+
+
 def answer_choice(tokenizer, session: Session, index: int, chat: ChatRequest, choice_index: int) -> dict:
     """Choice ``choice_index`` of an answer: turn ``index`` of ``session`` as a ``chat.completion`` choice."""
     turn = session.turns[index]
@@ -62,9 +73,7 @@ def answer_choice(tokenizer, session: Session, index: int, chat: ChatRequest, ch
             finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason
     choice = {"index": choice_index, "message": message, "finish_reason": finish_reason, "logprobs": None}
     if chat.logprobs:
-        pieces = tokenizer.convert_ids_to_tokens(turn.token_ids)
-        entries = zip(pieces, turn.logprobs, strict=True)
-        choice["logprobs"] = {"content": [{"token": p, "logprob": lp, "top_logprobs": []} for p, lp in entries]}
+        choice["logprobs"] = {"content": token_logprobs(tokenizer, turn.token_ids, turn.logprobs)}
     versions = [v for v, _, _ in turn.version_spans]
     choice["fleetrl"] = {
         "session_id": session.session_id,

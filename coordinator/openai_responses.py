@@ -16,14 +16,7 @@ from coordinator.agent_groups import Session
 from coordinator.openai_answers import answer_choice, context_tokens
 from coordinator.openai_requests import NEUTRAL, ChatRequest, DoorRefused, flat_content, parse_chat
 
-__all__ = [
-    "RESPONSES_FIELDS",
-    "parse_responses",
-    "response_answer",
-    "response_head",
-    "response_output",
-    "token_logprobs",
-]
+__all__ = ["RESPONSES_FIELDS", "parse_responses", "response_answer", "response_head", "response_output"]
 
 # The chat route's names of fields, as this route's requests spell them (refusals name the latter).
 RESPONSES_FIELDS = {
@@ -72,12 +65,6 @@ def _include(include) -> list[str]:
     if not isinstance(include, list) or not all(isinstance(value, str) for value in include):
         raise DoorRefused(400, f"include: {include!r} is not a list of strings", "include")
     return include
-
-
-def token_logprobs(entries: list[dict]) -> list[dict]:
-    """The Responses API's logprobs of output text from the chat API's entries (each token's, the end of turn
-    included, as the chat route answers them; no alternatives: ``top_logprobs`` is refused unless 0)."""
-    return [{**entry, "bytes": list(entry["token"].encode()), "top_logprobs": []} for entry in entries]
 
 
 def input_messages(items) -> list[dict]:
@@ -147,7 +134,7 @@ def response_output(choice: dict, item_prefix: str) -> list[dict]:
     ``function_call`` item per tool call."""
     message, output = choice["message"], []
     if message["content"] is not None:
-        logprobs = token_logprobs(choice["logprobs"]["content"]) if choice["logprobs"] else []
+        logprobs = choice["logprobs"]["content"] if choice["logprobs"] else []  # the chat route's entries
         part = {"type": "output_text", "text": message["content"], "annotations": [], "logprobs": logprobs}
         item = {"type": "message", "id": f"msg_{item_prefix}", "status": "completed", "role": "assistant"}
         output.append(item | {"content": [part]})

@@ -10,9 +10,9 @@ A turn that fails after its first token ends with an ``error`` event and ``respo
 from __future__ import annotations
 
 from coordinator.agent_sessions import TurnChunk
-from coordinator.openai_answers import answer_choice
+from coordinator.openai_answers import answer_choice, token_logprobs
 from coordinator.openai_requests import ChatRequest
-from coordinator.openai_responses import RESPONSES_FIELDS, response_answer, response_head, token_logprobs
+from coordinator.openai_responses import RESPONSES_FIELDS, response_answer, response_head
 from coordinator.openai_stream import TextDeltas, error_event, sse
 
 __all__ = ["ResponseEvents"]
@@ -57,9 +57,7 @@ class ResponseEvents:
 
     def _hold_logprobs(self, token_ids: list[int], logprobs: list[float]) -> None:
         if self.chat.logprobs:
-            pieces = self.tokenizer.convert_ids_to_tokens(list(token_ids))
-            entries = [{"token": p, "logprob": lp} for p, lp in zip(pieces, logprobs, strict=True)]
-            self.logprobs += token_logprobs(entries)
+            self.logprobs += token_logprobs(self.tokenizer, token_ids, logprobs)
 
     def _delta(self, delta: str) -> bytes:
         """A text delta with the logprobs of the tokens since the last one (each token's once)."""

@@ -20,7 +20,7 @@ import time
 from aiohttp import web
 
 from coordinator.agent_sessions import TurnChunk
-from coordinator.openai_answers import answer_choice, chat_answer
+from coordinator.openai_answers import answer_choice, chat_answer, token_logprobs
 from coordinator.openai_errors import refusal_of
 
 __all__ = ["ChatEvents", "TextDeltas", "error_event", "sse", "stream_turns"]
@@ -210,10 +210,7 @@ class ChatEvents:
     def _logprobs(self, token_ids: list[int], logprobs: list[float]) -> dict | None:
         if not self.chat.logprobs:
             return None
-        pieces = self.tokenizer.convert_ids_to_tokens(list(token_ids))
-        return {
-            "content": [{"token": p, "logprob": lp, "top_logprobs": []} for p, lp in zip(pieces, logprobs, strict=True)]
-        }
+        return {"content": token_logprobs(self.tokenizer, token_ids, logprobs)}
 
     def end(self) -> bytes:
         usage = b""

@@ -83,10 +83,10 @@ def test_a_streamed_chat_sends_one_content_delta_per_token_and_the_recorded_turn
             assert "".join(deltas) == plain.choices[0].message.content
             content_ids = [t for t in turn.token_ids if t not in shared_tokenizer.all_special_ids]
             assert len(deltas) == len(content_ids)  # the tiny vocabulary's tokens are one character each
-            logprobs = [
-                e.logprob for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content
-            ]
-            assert logprobs == turn.logprobs  # every token's, the end of turn included
+            entries = [e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+            assert [e.logprob for e in entries] == turn.logprobs  # every token's, the end of turn included
+            assert [e.token for e in entries] == shared_tokenizer.convert_ids_to_tokens(turn.token_ids)
+            assert all(e.bytes == list(e.token.encode()) and e.top_logprobs == [] for e in entries)  # OpenAI's shape
             [finish] = [c for c in chunks if c.choices and c.choices[0].finish_reason]
             assert finish.model_extra["fleetrl"]["token_ids"] == turn.token_ids
             assert chunks[-1].usage.completion_tokens == len(turn.token_ids)
