@@ -248,10 +248,18 @@ def verify(manifest: WeightManifest, buffer: memoryview, bucket: int | None = No
     starts = bucket_offsets(manifest)
     entries = [entry for entry in manifest.tensors if bucket is None or entry.bucket == bucket]
     views = []
-    for entry in entries:
-        begin = starts[entry.bucket] + entry.offset
-        views.append(buffer[begin : begin + entry.nbytes])
-    for entry, crc in zip(entries, checksums.crc32_many(views), strict=True):
+    try:
+        for entry in entries:
+            begin = starts[entry.bucket] + entry.offset
+            views.append(buffer[begin : begin + entry.nbytes])
+        crcs = checksums.crc32_many(views)
+    finally:
+        # Release the slices now: a ChecksumError's traceback keeps this frame alive, and a slice still exported
+        # from the caller's mapped staging file would make closing it fail (BufferError) instead of the refusal.
+        for view in views:
+            view.release()
+        del views
+    for entry, crc in zip(entries, crcs, strict=True):
         if crc != entry.checksum:
             raise ChecksumError(
                 f"weights v{manifest.version}: tensor {entry.name} (bucket {entry.bucket}) "
