@@ -156,7 +156,8 @@ class TrainerGang(RestartBackoff):
         return [actor.report.remote() for actor in self.actors]
 
     def supervise(self, reports: list[dict], now_s: float | None = None) -> str:
-        """Restart the gang when due; stop it and schedule the restart when a rank failed. Returns what happened."""
+        """Restart the gang when due; stop it and schedule the restart when a rank failed; end the run (RoleFailed) when
+        a rank refused to start (a restart would fail the same way). Returns what happened."""
         now_s = time.monotonic() if now_s is None else now_s
         restarting = self.restart_when_due(now_s, "trainer")
         if restarting is not None:
@@ -164,6 +165,11 @@ class TrainerGang(RestartBackoff):
         failed = next((r for r in reports if r["state"] == "failed"), None)
         if failed is None:
             return ""
+        if failed.get("refused"):  # EXIT_CANNOT_RESTART or never ready: every restart would fail the same way
+            raise RoleFailed(
+                f"{failed['name']} {failed['refused']}; the trainer is not restarted (it would fail the same way); "
+                f"last log lines:\n{log_tail(self.log_dir / (failed['name'] + '.log'))}"
+            )
         ray.get([actor.stop.remote(RANK_STOP_GRACE_S) for actor in self.actors], timeout=RANK_STOP_GRACE_S + 60)
         what = f"{failed['name']} (pid {failed['pid']}) exited"
         if self.restarts_exhausted():

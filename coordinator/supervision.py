@@ -116,6 +116,7 @@ class SupervisedProcess(RestartBackoff):
         self.process: subprocess.Popen | None = None
         self.finished = False  # exited 0 with its work done
         self.failed = ""  # why it is down for good ("" = not)
+        self.refused = ""  # why a restart cannot fix its exit ("" = it may), for a supervisor above (a trainer gang)
         self.served = False  # ready in some start (a rollout server wrote its address): a later exit is a crash
         self.stopping = False
 
@@ -174,7 +175,7 @@ class SupervisedProcess(RestartBackoff):
         self.kill_group()  # engine processes or ranks the dead leader left behind
         refused = self.unrestartable(code)
         if refused:
-            self.failed = f"{self.name} {refused}"
+            self.failed, self.refused = f"{self.name} {refused}", refused
             if not self.restart:
                 return self.failed
             raise RoleFailed(
@@ -236,4 +237,5 @@ class SupervisedProcess(RestartBackoff):
     def report(self) -> dict:
         """What a launcher shows and records (roles.json): pid, restarts and state of this role."""
         state = "failed" if self.failed else "finished" if self.finished else "running" if self.running else "down"
-        return {"name": self.name, "kind": self.spec.kind, "pid": self.pid, "restarts": self.restarts, "state": state}
+        report = {"name": self.name, "kind": self.spec.kind, "pid": self.pid, "restarts": self.restarts, "state": state}
+        return {**report, "refused": self.refused}

@@ -147,3 +147,36 @@ def test_fleetrl_down_reaches_the_driver_through_the_run_control_actor(cluster, 
     ray.kill(control)
     gone = _fleetrl("down", "--ray", address, "--run-id", "down-test", "--namespace", NAMESPACE)
     assert gone.returncode == 2 and "no run 'down-test' is up" in gone.stderr, gone
+
+
+def test_a_trainer_rank_that_refuses_to_start_ends_the_run_instead_of_restarting_the_gang(cluster, tmp_path):
+    """A rank exiting EXIT_CANNOT_RESTART (here: its config file refused) would fail the same way at every gang
+    restart: the gang's supervision ends the run with the rank's own message at the first failure."""
+    from coordinator.ray_placement import TrainerGang
+    from coordinator.supervision import RoleFailed
+
+    config = load_run_config(overrides=["launcher.restart.max_restarts=3"])
+    config_path = tmp_path / "config.json"
+    config_path.write_text('{"trainer": {"no_such_switch": 1}}')
+    gang = TrainerGang(config, config_path, {"log_dir": str(tmp_path / "logs"), "cwd": os.getcwd()}, local=True)
+    try:
+        gang.start()
+
+        def failed() -> list[dict] | None:
+            reports = ray.get(gang.report_refs(), timeout=60)
+            return reports if any(r["state"] == "failed" for r in reports) else None
+
+        reports = wait_until(failed, "the refusing trainer rank to exit", 120)
+        assert reports[0]["refused"] == "refused to start (exit code 78)"
+        with pytest.raises(
+            RoleFailed,
+            match=r"(?s)trainer refused to start \(exit code 78\); the trainer is not "
+            r"restarted.*no_such_switch",
+        ):
+            gang.supervise(reports)
+        assert gang.restarts == 0 and gang.restart_at is None
+    finally:
+        ray.get([actor.stop.remote(5) for actor in gang.actors], timeout=60)
+        for actor in gang.actors:
+            ray.kill(actor)
+        ray.util.remove_placement_group(gang.group)

@@ -127,6 +127,19 @@ def test_a_role_that_exits_cannot_restart_ends_the_run_at_once_with_its_own_mess
     assert role.restarts == 0 and role.restart_at is None and role.report()["state"] == "failed"
 
 
+def test_a_role_without_restarts_of_its_own_reports_why_a_restart_cannot_fix_its_exit(tmp_path):
+    """A Ray trainer rank (restart=False: its gang restarts as a whole) only reports; the report carries the refusal
+    for the gang's supervision to act on."""
+    from protos.exit_codes import EXIT_CANNOT_RESTART
+
+    code = f"raise SystemExit({EXIT_CANNOT_RESTART})"
+    role = SupervisedProcess(lambda: _spec(TRAINER, code, "trainer"), tmp_path, RestartPolicy(), restart=False)
+    role.start()
+    _exited(role)
+    assert role.supervise() == "trainer refused to start (exit code 78)"
+    assert role.report()["state"] == "failed" and role.report()["refused"] == "refused to start (exit code 78)"
+
+
 def test_a_rollout_server_that_exits_before_it_ever_served_is_not_restarted(tmp_path):
     address_file = tmp_path / "rollout-0.address"
     code = "import sys; sys.exit('ValueError: rollout.quantization=mxfp8 is refused')"
