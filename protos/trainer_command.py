@@ -2,8 +2,9 @@
 
 One builder for every starter: ``coordinator.launcher`` (``fleetrl demo``, one machine) and ``deploy.manifests``
 (the Kubernetes trainer pods). The argv starts after the interpreter (``sys.executable`` or the image's
-``python``): ``-m trainer_service train ROLE_ARGS`` for one process, the same under ``-m torch.distributed.run``
-for ``trainer.num_processes`` ranks (``--standalone`` on one node, a c10d rendezvous over ``trainer.num_nodes``).
+``python``): ``-m trainer_service train ROLE_ARGS`` for one process, the same under ``-m trainer_service.torchrun``
+(torchrun, keeping a rank's exit code 78) for ``trainer.num_processes`` ranks (``--standalone`` on one node, a c10d
+rendezvous over ``trainer.num_nodes``).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from dataclasses import dataclass
 from protos.config import RunConfig
 
 TRAINER_MODULE = ("-m", "trainer_service", "train")
+TORCHRUN_MODULE = "trainer_service.torchrun"  # torchrun's arguments; a rank's exit code 78 becomes its own
 
 
 @dataclass(frozen=True)
@@ -55,4 +57,4 @@ def trainer_argv(config: RunConfig, role_args: Sequence[str] = (), rendezvous: R
             "--rdzv-id",
             rendezvous.run_id,
         ]
-    return ["-m", "torch.distributed.run", *ranks, *role]
+    return ["-m", TORCHRUN_MODULE, *ranks, *role]

@@ -1,6 +1,6 @@
 """``python -m trainer_service train --config run.json --model DIR --redis-url URL``: the trainer role.
 
-Several ranks (backend megatron, ``trainer.num_processes`` > 1): ``python -m torch.distributed.run --standalone
+Several ranks (backend megatron, ``trainer.num_processes`` > 1): ``python -m trainer_service.torchrun --standalone
 --nproc-per-node N -m trainer_service train ...``. Every rank runs ``run``; rank 0 alone talks to Redis
 (``RedisSide``) and hands each step's groups and every operator command to the others (``ranks``).
 """

@@ -88,7 +88,7 @@ def test_multi_node_trainer_runs_torchrun_with_the_node_layout(tmp_path):
     job = render_to(tmp_path, BEAM / "dapo-full-ft.yaml", DISAGGREGATED)[("Job", "trainer")]
     args = main_args(job)
     torchrun = args[: args.index("trainer_service")]
-    assert torchrun[:3] == ["python", "-m", "torch.distributed.run"]
+    assert torchrun[:3] == ["python", "-m", "trainer_service.torchrun"]
     flags = dict(zip(torchrun[3::2], torchrun[4::2], strict=False))
     assert flags["--nnodes"] == "8" and flags["--nproc-per-node"] == "8"
     assert flags["--rdzv-backend"] == "c10d" and flags["--rdzv-endpoint"] == "trainer-0.trainer:29400"
@@ -106,7 +106,7 @@ def test_multi_node_trainer_runs_torchrun_with_the_node_layout(tmp_path):
 
 def test_single_node_trainer_runs_torchrun_standalone(tmp_path):
     args = main_args(render_to(tmp_path, BEAM / "dapo.yaml", DISAGGREGATED)[("Job", "trainer")])
-    assert args[:6] == ["python", "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "8"]
+    assert args[:6] == ["python", "-m", "trainer_service.torchrun", "--standalone", "--nproc-per-node", "8"]
     assert "--nnodes" not in args and "--rdzv-endpoint" not in args
 
 

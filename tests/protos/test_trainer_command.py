@@ -41,7 +41,7 @@ def test_one_process_runs_the_module_and_its_flags_parse_as_the_trainers():
 def test_several_ranks_run_under_torchrun_standalone_on_one_node():
     argv = trainer_argv(_config(backend="megatron", num_processes=4), ["--config", "run.json"])
     assert argv == [
-        *("-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4"),
+        *("-m", "trainer_service.torchrun", "--standalone", "--nproc-per-node", "4"),
         *("-m", "trainer_service", "train", "--config", "run.json"),
     ]
 
