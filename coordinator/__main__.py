@@ -186,9 +186,10 @@ async def start_agent_door(config, pipeline: Pipeline, fleet, stop: asyncio.Even
     in Redis (restored before it serves and before any admission); its expiry loop is supervised with the
     operators'."""
     from channels.agent_sessions import AgentSessionStore
-    from coordinator.agent_api import agent_authenticator, start_agent_server
+    from coordinator.agent_api import agent_authenticator
     from coordinator.agent_sessions import SessionBook
     from coordinator.agent_store import restore_book
+    from coordinator.kept_port import start_agent_server_of_run
 
     scheduler = pipeline.scheduler
     server = next((c for c in fleet.clients if c.healthy), fleet.clients[0])
@@ -205,12 +206,14 @@ async def start_agent_door(config, pipeline: Pipeline, fleet, stop: asyncio.Even
     cursor = await scheduler.queue.prompt_cursor()  # names the last group pushed
     await restore_book(book, cursor.group_id if cursor is not None else None)
     auth = agent_authenticator(config.agent)
-    server, port = await start_agent_server(book, auth, config.agent)
+    server, port = await start_agent_server_of_run(  # a picked port is the run's: kept across restarts
+        book, auth, config.agent, scheduler.queue.client, scheduler.queue.keys
+    )
     logger.info("agent API on %s:%d (only agents: %s)", config.agent.host, port, config.agent.only_agents)
     door = None
     if config.agent.openai_port >= 0:
         from coordinator.agent_api import http_authorize
-        from coordinator.openai_address import start_openai_door_of_run
+        from coordinator.kept_port import start_openai_door_of_run
         from coordinator.tasks import load_tokenizer
 
         tokenizer = load_tokenizer(config.model_path)

@@ -192,15 +192,27 @@ def agent_authenticator(agent) -> Authenticator:
     return authenticator
 
 
-async def start_agent_server(book: SessionBook, auth: Authenticator, config) -> tuple[grpc.aio.Server, int]:
-    """The agent gRPC server on ``config.host:config.port`` (TLS when configured); returns (server, port)."""
+async def start_agent_server(
+    book: SessionBook, auth: Authenticator, config, port: int | None = None
+) -> tuple[grpc.aio.Server, int]:
+    """The agent gRPC server on ``config.host`` and ``port`` (``config.port`` when None; TLS when configured);
+    returns (server, port).
+
+    Raises:
+        RuntimeError: the port cannot be bound (grpc logs why; another process holding it, mostly).
+    """
     from coordinator.auth import add_port
 
-    server = grpc.aio.server()
+    # Without SO_REUSEPORT a port another process listens on is refused, not shared: another run's coordinator
+    # on the same host must not take half of this run's agent calls (coordinator/kept_port.py).
+    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
     pb_grpc.add_AgentServiceServicer_to_server(AgentServicer(book, auth), server)
-    port = add_port(server, f"{config.host}:{config.port}", config)
+    address = f"{config.host}:{config.port if port is None else port}"
+    bound = add_port(server, address, config)  # grpcio 1.85 raises RuntimeError where older versions return 0
+    if not bound:
+        raise RuntimeError(f"Failed to bind to address {address}")
     await server.start()
-    return server, port
+    return server, bound
 
 
 HTTP_STATUS = {

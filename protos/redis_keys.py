@@ -123,3 +123,9 @@ class RedisKeys:
         """The OpenAI door's port (int as string) when it was picked at start (``agent.openai_port: 0``): a restarted
         coordinator of the run listens on it again, so agents keep their base URL."""
         return self._key("agent:openai_door_port")
+
+    @property
+    def agent_api_port(self) -> str:
+        """The agent gRPC API's port (int as string) when it was picked at start (``agent.port: 0``): a restarted
+        coordinator of the run listens on it again, so agent SDK clients keep their address."""
+        return self._key("agent:api_port")

@@ -12,7 +12,7 @@ import socket
 import openai
 import pytest
 
-from coordinator.openai_address import start_openai_door_of_run
+from coordinator.kept_port import start_openai_door_of_run
 from coordinator.tasks import load_tokenizer
 from tests.coordinator.test_openai_door import USER, DoorHarness, authorize
 
@@ -236,7 +236,7 @@ def test_a_picked_door_port_is_kept_for_the_run_and_taken_again_after_a_restart(
                 squatter.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # past the closed door's TIME_WAIT
                 squatter.bind(("127.0.0.1", port))
                 squatter.listen()
-                with caplog.at_level(logging.WARNING, logger="coordinator.openai_address"):
+                with caplog.at_level(logging.WARNING, logger="coordinator.kept_port"):
                     runner, moved = await start_openai_door_of_run(*start)
                 await runner.cleanup()
             assert moved != port and int(await h.redis.get(h.keys.openai_door_port)) == moved
