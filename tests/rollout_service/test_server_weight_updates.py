@@ -31,6 +31,7 @@ from tests.rollout_service.server_calls import (
     server_info,
 )
 from tests.waiting import wait_until
+from tests.weight_bus.ipc_manifests import announced_before_checksums
 from trainer_service.publisher import WeightPublisher
 from trainer_service.torch_backend import TorchBackend
 
@@ -327,8 +328,6 @@ def test_an_ipc_version_announced_before_its_checksums_arrives_over_tcp_once_the
     the handles waits for the checksummed manifest the host mirror stores, then receives and verifies it over tcp."""
     import threading
 
-    import msgspec
-
     from channels.version_board import VersionBoard
     from protos.records import CudaIpcBucket, CudaIpcVersion, encode
     from weight_bus import packing
@@ -349,13 +348,7 @@ def test_an_ipc_version_announced_before_its_checksums_arrives_over_tcp_once_the
     replies = []
     try:
         manifest, buckets = packing.pack(list(backend.export_hf_weights()), version, 2**20)
-        unchecked = msgspec.structs.replace(
-            manifest,
-            tensors=[msgspec.structs.replace(e, checksum=0) for e in manifest.tensors],
-            publisher_address=sender.tcp.address,
-            transport="ipc",
-            checksummed=False,
-        )
+        unchecked = announced_before_checksums(manifest, sender.tcp.address)
         VersionBoard(client, keys).publish_manifest(unchecked)
         update = threading.Thread(
             target=lambda: replies.append(stub.UpdateWeights(pb.UpdateWeightsRequest(version=version), timeout=60))

@@ -14,6 +14,7 @@ import torch
 from protos.config import WeightBusConfig
 from protos.records import CudaIpcBucket, CudaIpcVersion, decode_ipc_version, encode
 from protos.redis_keys import RedisKeys
+from tests.weight_bus.ipc_manifests import announced_before_checksums
 from trainer_service.publisher import WeightPublisher
 from weight_bus import packing
 from weight_bus.ipc import iter_device_tensors, why_not_openable
@@ -69,8 +70,6 @@ def test_ipc_transport_without_cuda_at_the_trainer_publishes_over_tcp(redis_url)
 def test_an_ipc_version_announced_before_its_checksums_gets_them_from_the_host_mirror(redis_url, tmp_path):
     """The ipc publisher announces a version before its host copy; the mirror then holds the bytes on tcp, writes
     the snapshot and replaces the stored manifest with the checksummed one, which a tcp receiver verifies."""
-    import msgspec
-
     from channels.version_board import VersionBoard
     from weight_bus import receiver
     from weight_bus.ipc import HostMirror
@@ -82,13 +81,7 @@ def test_an_ipc_version_announced_before_its_checksums_gets_them_from_the_host_m
     mirror = HostMirror(sender, torch.device("cpu"))
     try:
         manifest, buckets = packing.pack(_named(), 4, 4096)
-        unchecked = msgspec.structs.replace(
-            manifest,
-            tensors=[msgspec.structs.replace(e, checksum=0) for e in manifest.tensors],
-            publisher_address=sender.tcp.address,
-            transport="ipc",
-            checksummed=False,
-        )
+        unchecked = announced_before_checksums(manifest, sender.tcp.address)
         VersionBoard(client, keys).publish_manifest(unchecked)
         mirror.submit(unchecked, [torch.from_numpy(np.asarray(b)) for b in buckets])
         mirror.wait(timeout_s=30)
