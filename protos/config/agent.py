@@ -15,7 +15,12 @@ class AgentConfig(Strict):
 
     enabled: bool = Field(False, description="Serve the agent API from the coordinator.")
     host: str = Field("127.0.0.1", description="Interface of the agent gRPC server (0.0.0.0 for other hosts).")
-    port: int = Field(0, ge=0, le=65535, description="Agent gRPC port; 0 = a free one (written to the run dir).")
+    port: int = Field(
+        0,
+        ge=0,
+        le=65535,
+        description="Agent gRPC port; 0 = a free one, kept for the run in Redis (coordinator/kept_port.py).",
+    )
     openai_port: int = Field(-1, ge=-1, le=65535, description="OpenAI-compatible HTTP port; -1 = off, 0 = free one.")
     only_agents: bool = Field(
         False,
