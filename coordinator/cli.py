@@ -174,12 +174,29 @@ def _cmd_rollout(args: argparse.Namespace) -> int:
 
 
 def _cmd_model_init_tiny(args: argparse.Namespace) -> int:
+    if args.tokenizer == "bpe":
+        return _init_tiny_with_bpe(args)
     if args.family == "beam":
         from modeling.beam.tiny import init_tiny_beam as init_tiny
     else:
         from modeling.tiny_model import init_tiny
     path = init_tiny(args.path, seed=args.seed, warmup_steps=args.warmup_steps)
     print(f"tiny MoE checkpoint and tokenizer written to {path}")
+    return 0
+
+
+def _init_tiny_with_bpe(args: argparse.Namespace) -> int:
+    # The echo warm-up fits the character vocabulary's digit ids; the BPE checkpoint stays random.
+    if args.family != "qwen3-moe" or args.warmup_steps:
+        print(
+            "fleetrl model init-tiny: --tokenizer bpe builds only --family qwen3-moe, without --warmup-steps",
+            file=sys.stderr,
+        )
+        return 2
+    from modeling.user_checkpoint import init_user_checkpoint
+
+    path = init_user_checkpoint(args.path, family="qwen3_moe", seed=args.seed)
+    print(f"tiny MoE checkpoint with the BPE tokenizer and its chat template written to {path}")
     return 0
 
 
@@ -210,6 +227,12 @@ def build_parser() -> argparse.ArgumentParser:
     init_tiny.add_argument("--seed", type=int, default=0)
     init_tiny.add_argument("--warmup-steps", type=int, default=0, help="short echo warm-up (the demo uses 150)")
     init_tiny.add_argument("--family", choices=["qwen3-moe", "beam"], default="qwen3-moe", help="model architecture")
+    init_tiny.add_argument(
+        "--tokenizer",
+        choices=["char", "bpe"],
+        default="char",
+        help="char: the 64-character vocabulary; bpe: a byte-level BPE with a ChatML template, as a user's checkpoint",
+    )
     init_tiny.set_defaults(func=_cmd_model_init_tiny)
 
     _add_up_commands(commands)
