@@ -29,6 +29,7 @@ from protos.records import decode_metrics
 from protos.redis_keys import RedisKeys
 from tests.chaos.schedule import CONNECTION_CUT, KILL_ROLLOUT, REDIS_RESTART, Fault, SoakSize
 from tests.redis_faults import redis_proxy
+from tests.waiting import WaitTimeout, wait_until
 
 RUN_ID = "chaos"
 GROUPS_PER_STEP, GROUP_SIZE, MAX_STALENESS = 4, 4, 1
@@ -88,10 +89,11 @@ class ProcessWatch:
         """Processes of the run still alive ``timeout_s`` after the launcher exited (a process SIGKILLed by its stop
         takes a moment to die; a zombie waiting for init to reap it counts as gone): any descendant seen, or any
         process in a role's session."""
-        deadline = time.monotonic() + timeout_s
-        while (alive := self._alive()) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        return alive
+        try:
+            wait_until(lambda: not self._alive(), "every process of the run gone", timeout_s, poll_s=0.2)
+            return []
+        except WaitTimeout:
+            return self._alive()
 
     def _alive(self) -> list[str]:
         alive = set()
@@ -224,18 +226,18 @@ class ChaosRun:
 
     def wait_for(self, condition, what: str, timeout_s: float):
         """Poll ``condition`` until truthy; the run must keep going meanwhile."""
-        deadline = time.monotonic() + timeout_s
-        while True:
+
+        def running_and_met():
             if self.process.poll() is not None:
                 raise SoakFailed(
                     f"the run ended (code {self.process.returncode}) while waiting for {what}\n{self.text()}"
                 )
-            value = condition()
-            if value:
-                return value
-            if time.monotonic() > deadline:
-                raise SoakFailed(f"no {what} within {timeout_s:.0f}s\n{self.text()}")
-            time.sleep(0.1)
+            return condition()
+
+        try:
+            return wait_until(running_and_met, what, timeout_s, poll_s=0.1)
+        except WaitTimeout:
+            raise SoakFailed(f"no {what} within {timeout_s:.0f}s\n{self.text()}") from None
 
     # faults -------------------------------------------------------------------------------------------------------
     def inject(self, schedule: list[Fault], start_timeout_s: float = 600.0) -> None:
@@ -245,7 +247,7 @@ class ChaosRun:
             timeout_s = start_timeout_s if number == 1 else RECOVERY_TIMEOUT_S
             what = f"step {fault.after_step} (fault {number} of {len(schedule)}: {fault.kind} {fault.target})"
             self.wait_for(lambda f=fault: self.trainer_step() >= f.after_step, what, timeout_s)
-            time.sleep(fault.delay_s)
+            time.sleep(fault.delay_s)  # kept: the schedule's own delay, where in the step the fault lands
             if self.trainer_step() >= self.size.num_steps:  # nothing would show the recovery
                 raise SoakFailed(f"the run ended before fault {number} ({fault.kind}): schedule too dense for its pace")
             record = FaultRecord(fault, self.trainer_step(), time.time())
@@ -265,7 +267,7 @@ class ChaosRun:
         if fault.kind in outages:
             begin, end = outages[fault.kind]
             begin()
-            time.sleep(fault.duration_s)
+            time.sleep(fault.duration_s)  # kept: the outage lasts this long by design
             end()
             record.ended_s = time.time()
             self.wait_for(self._answers_through_proxy, "Redis answering through the proxy", RECOVERY_TIMEOUT_S)

@@ -8,7 +8,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +18,7 @@ import pytest
 
 from coordinator.redis_server import free_port
 from protos import admin_pb2, admin_pb2_grpc
+from tests.waiting import WaitTimeout, wait_until
 
 GROUPS_PER_STEP, GROUP_SIZE = 4, 4
 
@@ -53,14 +53,15 @@ class LaunchedRun:
 
     def wait_for(self, condition: Callable[[], object], what: str, timeout_s: float) -> object:
         """Poll ``condition`` until it returns a truthy value; the run must stay alive meanwhile."""
-        deadline = time.monotonic() + timeout_s
-        while True:
+
+        def alive_and_met():
             assert self.process.poll() is None, f"the run ended while waiting for {what}:\n{self.text()}"
-            value = condition()
-            if value:
-                return value
-            assert time.monotonic() < deadline, f"no {what} within {timeout_s}s:\n{self.text()}"
-            time.sleep(0.2)
+            return condition()
+
+        try:
+            return wait_until(alive_and_met, what, timeout_s, poll_s=0.2)
+        except WaitTimeout as timeout:
+            raise AssertionError(f"{timeout}\n{self.text()}") from None
 
     def kill_role(self, name: str) -> dict:
         """SIGKILL the process group of role ``name`` (its engine processes too); returns its report before."""

@@ -33,6 +33,7 @@ from tests.coordinator.coordinator_runs import (
     status,
     wait_for_admin,
 )
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.e2e
 
@@ -65,9 +66,9 @@ def test_admin_verbs_steer_a_live_run_that_keeps_the_staleness_bound(tmp_path, m
         wait_for_admin(run)
         # pause: nothing more is admitted, in-flight groups still finish and are pushed
         assert "coordinator paused" in fleetrl(run, "pause").stdout
-        time.sleep(1.0)
+        time.sleep(1.0)  # kept: an admission decided just before the pause may still be landing; none says when
         paused = status(run)
-        time.sleep(1.5)
+        time.sleep(1.5)  # kept: that nothing is admitted while paused is a check that needs time to pass
         assert status(run)["slotsAdmitted"] == paused["slotsAdmitted"] and paused["state"] == "RUN_STATE_PAUSED"
         table = fleetrl(run, "status").stdout
         assert "| paused |" in table and all(s.address in table for s in servers)
@@ -87,10 +88,13 @@ def test_admin_verbs_steer_a_live_run_that_keeps_the_staleness_bound(tmp_path, m
         # a live temperature change applies to requests made after it; each group records the one it was drawn at
         assert "temperature: 1.0 -> 0.9" in fleetrl(run, "set", "temperature=0.9").stdout
         changed_at = int(status(run).get("groupsPushed", 0))
-        deadline = time.monotonic() + 120
-        while int(status(run).get("groupsPushed", 0)) < max(3 * b, changed_at + 2 * b + 1):  # > 2B in flight then
-            assert time.monotonic() < deadline, "the resumed run pushed nothing"
-            time.sleep(0.2)
+        enough = max(3 * b, changed_at + 2 * b + 1)  # > 2B in flight at the change: later groups are all at 0.9
+
+        def pushed() -> int:
+            count = int(status(run).get("groupsPushed", 0))
+            return count if count >= enough else 0
+
+        wait_until(pushed, f"{enough} groups pushed by the resumed run", 120, poll_s=0.2)
         # drain: admitted work is finished and pushed, nothing new is admitted, the coordinator stops
         drained = fleetrl(run, "drain", "--wait-s", "60").stdout
         assert drained.startswith("coordinator drained: 0 groups in flight, ")
@@ -225,10 +229,12 @@ def test_a_coordinator_killed_mid_run_is_restarted_and_every_prompt_is_pushed_on
     try:
         wait_for_admin(run)
         stub = admin_pb2_grpc.CoordinatorAdminStub(grpc.insecure_channel(run.admin))
-        deadline = time.monotonic() + 120
-        while stub.GetStatus(admin_pb2.GetStatusRequest(), timeout=10).groups_pushed < b + 2:  # mid-step
-            assert time.monotonic() < deadline, f"nothing pushed:\n{run.log('coordinator')}"
-            time.sleep(0.02)
+        wait_until(  # mid-step: the kill lands between two steps' pushes
+            lambda: stub.GetStatus(admin_pb2.GetStatusRequest(), timeout=10).groups_pushed >= b + 2,
+            f"{b + 2} groups pushed",
+            120,
+            poll_s=0.02,
+        )
         os.kill(run.coordinator.pid, signal.SIGKILL)
         run.coordinator.wait()
         pushed_before = len(pushed_groups(redis_server.url))
@@ -273,20 +279,19 @@ def _freeze_coordinator_calls(stub, engine, address: str, run, timeout_s: float 
         for _ in range(2):
             if not engine.ServerInfo(rollout_pb2.ServerInfoRequest(), timeout=10).num_engine_requests:
                 return False
-            time.sleep(0.2)
+            time.sleep(0.2)  # kept: "still held a moment later" is the check; no event marks a stream done closing
         return True
 
-    deadline = time.monotonic() + timeout_s
-    while True:
-        assert time.monotonic() < deadline, (
-            f"{address} never busy: {stub.GetStatus(admin_pb2.GetStatusRequest(), timeout=10)}"
-        )
-        if busy():
-            engine.Pause(rollout_pb2.PauseRequest(mode=rollout_pb2.PAUSE_MODE_KEEP), timeout=10)
-            if frozen() and busy():
-                return
-            engine.Resume(rollout_pb2.ResumeRequest(), timeout=10)
-        time.sleep(0.01)
+    def caught() -> bool:
+        if not busy():
+            return False
+        engine.Pause(rollout_pb2.PauseRequest(mode=rollout_pb2.PAUSE_MODE_KEEP), timeout=10)
+        if frozen() and busy():
+            return True
+        engine.Resume(rollout_pb2.ResumeRequest(), timeout=10)
+        return False
+
+    wait_until(caught, f"{address} generating for the coordinator, then frozen there", timeout_s, poll_s=0.01)
 
 
 def test_a_server_killed_mid_run_loses_no_prompt_and_its_requests_are_redispatched(

@@ -26,6 +26,7 @@ from protos.redis_keys import RedisKeys
 from tests.coordinator.test_grafana_dashboard import DASHBOARD, all_panels, promql_metric_names
 from tests.deploy.prometheus_tools import find_tool
 from tests.rollout_service.server_process import spawn_rollout_server, stop_process
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.e2e
 
@@ -88,15 +89,15 @@ class Prometheus:
         return [float(v) for series in result for _, v in series["values"] if v not in ("NaN", "+Inf", "-Inf")]
 
     def wait_until_up(self, timeout_s: float = 60) -> None:
-        deadline = time.monotonic() + timeout_s
-        while True:
+        def answering() -> bool:
             assert self.process.poll() is None, self.log.read_text()[-3000:]
             try:
                 self.api("status/buildinfo")
-                return
+                return True
             except OSError:
-                assert time.monotonic() < deadline, f"Prometheus not answering on {self.port} in {timeout_s}s"
-                time.sleep(0.3)
+                return False
+
+        wait_until(answering, f"Prometheus answering on {self.port}", timeout_s, poll_s=0.3)
 
 
 def _spawn(log: Path, *args: str) -> subprocess.Popen:
@@ -158,19 +159,19 @@ def test_prometheus_scrapes_a_run_and_holds_every_series_the_grafana_dashboard_q
         started = time.time()
         trainer = _spawn(tmp_path / "trainer.log", "trainer_service", "train", *common, "--linger-s", "5")
         processes.append(trainer)
-        deadline = time.monotonic() + 180
-        while client.get(keys.policy_version) is None:  # the coordinator starts on the trainer's first version
-            assert trainer.poll() is None and time.monotonic() < deadline, (tmp_path / "trainer.log").read_text()[
-                -3000:
-            ]
-            time.sleep(0.2)
+
+        def first_version() -> bool:  # the coordinator starts on the trainer's first version
+            assert trainer.poll() is None, (tmp_path / "trainer.log").read_text()[-3000:]
+            return client.get(keys.policy_version) is not None
+
+        wait_until(first_version, "the trainer's first version", 180, poll_s=0.2)
         coordinator = _spawn(
             tmp_path / "coordinator.log", "coordinator", "run", "--servers", server.address, "--linger-s", "3", *common
         )
         processes.append(coordinator)
         assert coordinator.wait(timeout=400) == 0, (tmp_path / "coordinator.log").read_text()[-3000:]
         assert trainer.wait(timeout=120) == 0, (tmp_path / "trainer.log").read_text()[-3000:]
-        time.sleep(2)  # the last scrapes of a second
+        time.sleep(2)  # kept: Prometheus scrapes every second; its last scrapes of the finished run need that time
         check_what_prometheus_holds(prometheus, started, time.time())
     finally:
         stop_process(server.process)  # its engine processes live in its session
