@@ -192,7 +192,10 @@ class WeightLoaderExtension:
         for module in self.model_runner.get_model().modules():
             kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
             experts = getattr(kernel, "fused_experts", None)
-            if experts is not None and type(experts).__name__.startswith("CPU") and hasattr(module, "w13_weight"):
+            # By the class chain: on a CPU with AMX tiles the bf16 kernel is X86CPUUnquantizedExperts (a subclass of
+            # CPUUnquantizedExperts that pads and prepacks for AMX), whose own name does not start with "CPU".
+            is_cpu_kernel = any(cls.__name__.startswith("CPU") for cls in type(experts).__mro__)
+            if experts is not None and is_cpu_kernel and hasattr(module, "w13_weight"):
                 experts.process_weights_after_loading(module)
 
     def fleetrl_allocate_pipeline_receive_buffer(self) -> bool:

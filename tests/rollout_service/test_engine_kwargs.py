@@ -37,3 +37,25 @@ def test_the_lora_recipes_serve_adapters_in_lora_slots_at_the_guides_rank():
     assert kwargs["enable_lora"] and (kwargs["max_lora_rank"], kwargs["max_loras"]) == (64, 1)
     toy = load_run_config([LORA_16, BEAM / "toy.yaml"])  # the CPU engine: merged layers (MoE has no CPU LoRA)
     assert toy.trainer.lora.sync == "merged" and "enable_lora" not in RolloutEngine("", toy.rollout).engine_kwargs(True)
+
+
+@pytest.mark.parametrize(
+    "config, dtype, backend",
+    [
+        ({"model_type": "deepseek_v3", "kv_lora_rank": 512}, "float32", "CPU_MLA"),  # AMX MLA loads bf16 only
+        ({"model_type": "deepseek_v3", "kv_lora_rank": 512}, "bfloat16", None),  # vLLM's own choice
+        ({"model_type": "qwen3_moe"}, "float32", None),  # no MLA: no attention backend asked for
+    ],
+)
+def test_an_fp32_cpu_engine_of_an_mla_checkpoint_asks_for_the_reference_cpu_mla_backend(
+    tmp_path, config, dtype, backend
+):
+    import json
+
+    from protos.config import RolloutConfig
+    from rollout_service.engine import RolloutEngine
+
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    kwargs = RolloutEngine(str(tmp_path), RolloutConfig(dtype=dtype)).engine_kwargs(on_cpu=True)
+    assert kwargs.get("attention_backend") == backend
+    assert "attention_backend" not in RolloutEngine(str(tmp_path), RolloutConfig(dtype=dtype)).engine_kwargs(False)
