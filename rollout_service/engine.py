@@ -7,18 +7,16 @@ It knows nothing of gRPC or Redis: the servicer (``server.py``) and the weight f
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
 import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from protos.config import RolloutConfig
 from protos.records import decode_manifest
-from rollout_service import metrics, vllm_adapter
+from rollout_service import cpu_kernels, metrics, vllm_adapter
 from rollout_service.lora_slot import LoraSlot, adapter_to_load, check_engine_supports, engine_lora_kwargs, lora_root
 from rollout_service.vllm_adapter import ChunkBuffer, VersionSpanTracker, current_platform_is_cpu, make_load_tracker
 from weight_bus.ipc import IpcUnavailable
@@ -172,10 +170,7 @@ class RolloutEngine:
             kwargs["load_format"] = config.load_format
         if config.kv_cache_dtype != "auto":
             kwargs["kv_cache_dtype"] = config.kv_cache_dtype
-        if on_cpu and config.dtype in ("float32", "float") and uses_mla(self.model_path):
-            # vLLM's CPU platform picks its AMX MLA kernels wherever the CPU has AMX tiles, and they load bf16 weights
-            # only ("expect weight to be bfloat16 ..." at start); an fp32 engine takes the reference CPU MLA backend.
-            kwargs["attention_backend"] = "CPU_MLA"
+        kwargs.update(cpu_kernels.engine_kwargs(self.model_path, config.dtype) if on_cpu else {})
         if not on_cpu:
             kwargs["gpu_memory_utilization"] = config.gpu_memory_utilization
             if config.kv_cache_gib is not None:
@@ -403,14 +398,3 @@ class RolloutEngine:
             self._llm = None
         if self.lora_slot is not None:
             self.lora_slot.close()
-
-
-def uses_mla(model_path: str) -> bool:
-    """Whether the local checkpoint at ``model_path`` has multi-head latent attention (DeepSeek-V3's MLA: a KV LoRA
-    rank in its config); False for a path without a config.json (a hub name)."""
-    config_file = Path(model_path) / "config.json"
-    if not config_file.is_file():
-        return False
-    config = json.loads(config_file.read_text())
-    text_config = config.get("text_config") or config
-    return bool(text_config.get("kv_lora_rank"))
