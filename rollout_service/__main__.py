@@ -51,7 +51,8 @@ async def watch_engine(engine, stop: asyncio.Event, interval_s: float = 1.0) -> 
     """Raise once the vLLM engine core died: a server that cannot generate must exit, not linger."""
     while not stop.is_set():
         if engine.errored:
-            raise RuntimeError(f"rollout server {engine.server_id}: vLLM engine core died")
+            why = getattr(engine, "failure", "") or "vLLM engine core died"
+            raise RuntimeError(f"rollout server {engine.server_id}: {why}")
         await asyncio.sleep(interval_s)
 
 

@@ -16,14 +16,13 @@ from dataclasses import dataclass, field
 
 from protos.config import RolloutConfig
 from protos.records import decode_manifest
-from rollout_service import cpu_kernels, metrics, vllm_adapter
-from rollout_service.lora_slot import LoraSlot, adapter_to_load, check_engine_supports, engine_lora_kwargs, lora_root
+from rollout_service import engine_args, metrics, vllm_adapter
+from rollout_service.load_watchdog import WeightLoadTimeout, within_load_timeout
+from rollout_service.lora_slot import LoraSlot, adapter_to_load, check_engine_supports, lora_root
 from rollout_service.vllm_adapter import ChunkBuffer, VersionSpanTracker, current_platform_is_cpu, make_load_tracker
 from weight_bus.ipc import IpcUnavailable
 
 logger = logging.getLogger(__name__)
-
-WORKER_EXTENSION = "rollout_service.worker_extension.WeightLoaderExtension"
 
 
 class RequestRejected(ValueError):
@@ -91,6 +90,7 @@ class RolloutEngine:
         self._update_lock = asyncio.Lock()
         self.held_by_operator = False  # paused through the API: a weight update must not resume it
         self.last_load_s = 0.0  # seconds the last commit spent loading weights into the engine
+        self.failure = ""  # why the engine cannot serve any more although its core lives (a load that timed out)
         self.features: vllm_adapter.VllmFeatures | None = None
         self._spans = VersionSpanTracker()  # used where vLLM keeps no weight versions (0.26)
         self._committed = asyncio.Event()  # cleared while a commit runs: new requests wait (see generate)
@@ -142,47 +142,8 @@ class RolloutEngine:
         )
 
     def engine_kwargs(self, on_cpu: bool) -> dict:
-        """``AsyncEngineArgs`` of this server: the CPU engine eager, the GPU one with CUDA graphs and its memory share."""
-        config = self.config
-        kwargs = {
-            "model": self.model_path,
-            "dtype": config.dtype,
-            "max_model_len": config.max_model_len,
-            "enforce_eager": on_cpu or config.enforce_eager,
-            "skip_tokenizer_init": True,
-            "seed": config.seed,
-            "worker_extension_cls": WORKER_EXTENSION,
-            "enable_prefix_caching": config.prefix_caching_enabled(on_cpu),
-            # Engine-level chunking; vLLM 0.32 also takes a per-request interval (>= this one), 0.26 does not (then
-            # generate() re-chunks).
-            "stream_interval": config.stream_interval,
-            "enable_return_routed_experts": self._want_routed_experts(),
-            "tensor_parallel_size": config.tensor_parallel_size,
-            "pipeline_parallel_size": config.pipeline_parallel_size,
-            "enable_expert_parallel": config.enable_expert_parallel,
-            "max_num_seqs": config.max_num_seqs,
-            # Logprobs of the distribution each token was drawn from (after temperature, top-p, top-k); vLLM's
-            # default is those of the raw logits, which at temperature != 1 is not the rollout policy.
-            "logprobs_mode": "processed_logprobs",
-        }
-        kwargs.update(engine_lora_kwargs(config.lora))
-        if config.load_format != "auto":
-            kwargs["load_format"] = config.load_format
-        if config.kv_cache_dtype != "auto":
-            kwargs["kv_cache_dtype"] = config.kv_cache_dtype
-        kwargs.update(cpu_kernels.engine_kwargs(self.model_path, config.dtype) if on_cpu else {})
-        if not on_cpu:
-            kwargs["gpu_memory_utilization"] = config.gpu_memory_utilization
-            if config.kv_cache_gib is not None:
-                kwargs["kv_cache_memory_bytes"] = int(config.kv_cache_gib * 2**30)
-        if config.quantization != "none":
-            if on_cpu:
-                raise ValueError(
-                    f"rollout.quantization={config.quantization!r} needs a GPU engine (vLLM on CPU has no "
-                    "MXFP8 kernels); set rollout.quantization=none"
-                )
-            kwargs["quantization"] = config.quantization
-        return kwargs
+        """``AsyncEngineArgs`` of this server (rollout_service.engine_args)."""
+        return engine_args.vllm_engine_kwargs(self.config, self.model_path, on_cpu, self._want_routed_experts())
 
     def load(self) -> tuple[int, int, float]:
         """(running, waiting, kv-cache usage) as the engine's scheduler last reported them."""
@@ -327,14 +288,20 @@ class RolloutEngine:
         return next((reason for reason in reasons if reason), "")
 
     async def commit_weights(
-        self, version: int, staging_path: str, manifest_bytes: bytes, ipc_record: bytes | None = None
+        self,
+        version: int,
+        staging_path: str,
+        manifest_bytes: bytes,
+        ipc_record: bytes | None = None,
+        load_timeout_s: float | None = None,
     ) -> float:
         """Load staged weights (or, with ``ipc_record``, the trainer's device buckets) between pause(keep) and
         resume and label them ``version``.
 
         In-flight requests survive; tokens sampled after this call carry the new version. An engine an operator
         paused stays paused. Returns the seconds generation was held (paused, and new requests kept waiting).
-        Raises IpcUnavailable, with the engine unchanged, when a worker cannot open the IPC buckets.
+        Raises IpcUnavailable, with the engine unchanged, when a worker cannot open the IPC buckets, and
+        WeightLoadTimeout past ``load_timeout_s`` (then the engine stays paused and reports ``errored``).
 
         With nothing generating (on-policy, between steps) and no prefix cache to drop, no request can see the weights
         change: no pause then (vLLM's pause and resume cost two engine-core round trips and a 20 ms sleep).
@@ -352,16 +319,8 @@ class RolloutEngine:
                 load_started = time.monotonic()
                 if adapter_dir is not None:
                     await self.lora_slot.swap(self.llm, adapter_dir)
-                elif ipc_record is None:
-                    await self.llm.collective_rpc(
-                        "fleetrl_load_staged_weights", args=(staging_path, manifest_bytes, self.config.refit_plan)
-                    )
                 else:
-                    loaded = await self.llm.collective_rpc(
-                        "fleetrl_load_ipc_weights", args=(ipc_record, manifest_bytes, self.config.refit_plan)
-                    )
-                    if any(count < 0 for count in loaded):
-                        raise IpcUnavailable(f"v{version}: a worker could not open the IPC buckets")
+                    await self._load_weights(version, staging_path, manifest_bytes, ipc_record, load_timeout_s)
                 self.last_load_s = time.monotonic() - load_started  # the load alone, inside the pause (reports)
                 if self.features.engine_weight_versions or self.cross_check_spans:
                     await self.llm.update_weight_version(str(version))
@@ -372,9 +331,27 @@ class RolloutEngine:
                 self._committed.set()
                 if adapter_dir is not None:
                     self.lora_slot.discard(adapter_dir)  # kept only when it went into force
-                if paused and not self.held_by_operator:  # an operator's pause outlasts the update
+                # An operator's pause outlasts the update; a timed-out load never serves its half-new weights.
+                if paused and not self.held_by_operator and not self.failure:
                     await self.llm.resume_generation()
             return time.monotonic() - started
+
+    async def _load_weights(self, version, staging_path, manifest_bytes, ipc_record, timeout_s) -> None:
+        """Load a version into every worker, from staging or the trainer's IPC buckets, within ``timeout_s``."""
+        stacks_after_s = timeout_s / 2 if timeout_s else 0.0  # the worker's stacks reach the log before we give up
+        if ipc_record is None:
+            call = "fleetrl_load_staged_weights", (staging_path, manifest_bytes, self.config.refit_plan, stacks_after_s)
+        else:
+            call = "fleetrl_load_ipc_weights", (ipc_record, manifest_bytes, self.config.refit_plan, stacks_after_s)
+        try:
+            loaded = await within_load_timeout(
+                self.llm.collective_rpc(call[0], args=call[1]), version, timeout_s, self.server_id
+            )
+        except WeightLoadTimeout as error:
+            self.failure = str(error)
+            raise
+        if ipc_record is not None and any(count < 0 for count in loaded):
+            raise IpcUnavailable(f"v{version}: a worker could not open the IPC buckets")
 
     async def _count_tokens_before_commit(self) -> dict[tuple[str, int], int]:
         """Tokens every live sample holds before new weights load (fleetrl's spans; {} where vLLM keeps them)."""
@@ -385,8 +362,8 @@ class RolloutEngine:
 
     @property
     def errored(self) -> bool:
-        """True once the engine core died; the server must stop (a supervisor restarts it)."""
-        return self._llm is not None and self._llm.errored
+        """True once the engine core died or a load timed out; the server must stop (a supervisor restarts it)."""
+        return bool(self.failure) or (self._llm is not None and self._llm.errored)
 
     async def state_checksum(self) -> float:
         results = await self.llm.collective_rpc("fleetrl_state_checksum")

@@ -55,7 +55,12 @@ class GenerationEngine(Protocol):
         """'' when the engine can load a version straight from the trainer's CUDA IPC buckets, else why not."""
 
     async def commit_weights(
-        self, version: int, staging_path: str, manifest_bytes: bytes, ipc_record: bytes | None = None
+        self,
+        version: int,
+        staging_path: str,
+        manifest_bytes: bytes,
+        ipc_record: bytes | None = None,
+        load_timeout_s: float | None = None,
     ) -> float:
         """Put ``version`` in force between a pause(keep) and a resume; returns the seconds generation was paused."""
 

@@ -231,7 +231,12 @@ class SyntheticEngine:
             self._running.set()
 
     async def commit_weights(
-        self, version: int, staging_path: str, manifest_bytes: bytes, ipc_record: bytes | None = None
+        self,
+        version: int,
+        staging_path: str,
+        manifest_bytes: bytes,
+        ipc_record: bytes | None = None,
+        load_timeout_s: float | None = None,
     ) -> float:
         """Pause, label ``version`` (no bytes are loaded: the stand-in has no weights), resume unless an operator
         paused the engine; returns the seconds generation was paused."""

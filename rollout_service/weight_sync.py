@@ -238,16 +238,19 @@ class WeightFollower:
 
     async def _commit_locked(self, pending: PendingUpdate, started: float | None = None) -> float:
         """Commit ``pending``; ``started`` (monotonic) is when its update began, for the reported duration."""
+        timeout_s = self.config.load_timeout_s
         try:
             try:
                 paused_s = await self.engine.commit_weights(
-                    pending.version, pending.path, encode(pending.manifest), pending.ipc_record
+                    pending.version, pending.path, encode(pending.manifest), pending.ipc_record, timeout_s
                 )
             except IpcUnavailable as error:  # nothing was loaded: take the version over tcp instead
                 logger.warning("server %s: %s; receiving v%d over tcp", self.engine.server_id, error, pending.version)
                 pending.ipc_record, pending.loaded = None, False
                 await self._load_locked(pending)
-                paused_s = await self.engine.commit_weights(pending.version, pending.path, encode(pending.manifest))
+                paused_s = await self.engine.commit_weights(
+                    pending.version, pending.path, encode(pending.manifest), None, timeout_s
+                )
         finally:
             self._drop_pending()
         metrics.UPDATE_PAUSE_SECONDS.observe(paused_s)

@@ -15,12 +15,17 @@ from __future__ import annotations
 import mmap
 import os
 
+from rollout_service.load_watchdog import profiled_load, stacks_if_slow
+
 
 class WeightLoaderExtension:
     """Mixed into vLLM's worker class; ``self.model_runner`` is the worker's model runner."""
 
-    def fleetrl_load_staged_weights(self, staging_path: str, manifest_bytes: bytes, use_plan: bool = True) -> int:
-        """Load every tensor listed in the manifest from the staging file; returns the count loaded."""
+    def fleetrl_load_staged_weights(
+        self, staging_path: str, manifest_bytes: bytes, use_plan: bool = True, stacks_after_s: float = 0.0
+    ) -> int:
+        """Load every tensor listed in the manifest from the staging file; returns the count loaded. A load running
+        past ``stacks_after_s`` prints this worker's stacks (rollout_service.load_watchdog)."""
         import torch
 
         from protos.records import decode_manifest
@@ -38,8 +43,9 @@ class WeightLoaderExtension:
         for nbytes in manifest.bucket_nbytes:
             starts.append(starts[-1] + nbytes)
         buckets = [flat[start:end] for start, end in zip(starts, starts[1:], strict=False)]
-        loaded = self._fleetrl_load(manifest, buckets, use_plan)
-        self._prepack_cpu_moe_experts()
+        with stacks_if_slow(stacks_after_s):
+            loaded = self._fleetrl_load(manifest, buckets, use_plan)
+            self._prepack_cpu_moe_experts()
         return loaded
 
     def fleetrl_ipc_unopenable_reason(self, record_bytes: bytes) -> str:
@@ -49,7 +55,9 @@ class WeightLoaderExtension:
 
         return why_not_openable(decode_ipc_version(record_bytes), self.model_runner.device)
 
-    def fleetrl_load_ipc_weights(self, record_bytes: bytes, manifest_bytes: bytes, use_plan: bool = True) -> int:
+    def fleetrl_load_ipc_weights(
+        self, record_bytes: bytes, manifest_bytes: bytes, use_plan: bool = True, stacks_after_s: float = 0.0
+    ) -> int:
         """Load a version straight from the trainer's device buckets (transport 'ipc'); returns the count loaded,
         or -1 when the buckets cannot be opened (nothing is loaded then: every handle opens before any write)."""
         import torch
@@ -66,8 +74,9 @@ class WeightLoaderExtension:
             logging.getLogger(__name__).warning("weight bus (ipc): %s; the version comes over tcp", error)
             return -1
         try:
-            loaded = self._fleetrl_load(manifest, buckets, use_plan)
-            torch.cuda.synchronize(self.model_runner.device)  # done reading the trainer's memory
+            with stacks_if_slow(stacks_after_s):
+                loaded = self._fleetrl_load(manifest, buckets, use_plan)
+                torch.cuda.synchronize(self.model_runner.device)  # done reading the trainer's memory
         finally:
             buckets.clear()
             torch.cuda.ipc_collect()
@@ -91,7 +100,8 @@ class WeightLoaderExtension:
             if refit_plan.still_served(known, model):
                 # A replay only copies bucket slices into the served parameters: a failure there is a bug, and the
                 # engine would serve half-updated weights; it propagates and the update fails loudly.
-                known.replay(buckets)
+                with profiled_load(manifest.version, "plan"):
+                    known.replay(buckets)
                 self.fleetrl_last_load_path = "plan"
                 return len(manifest.tensors)
             log.warning("refit plan dropped: a parameter it writes moved to new memory; capturing it again")
@@ -118,7 +128,8 @@ class WeightLoaderExtension:
 
         # Some models' loaders write tensors past the weight loaders the layerwise reload counts (gpt-oss).
         routed = route_reload_weights(model, counted())
-        self.model_runner.reload_weights(weights_iterator=routed, is_checkpoint_format=True)
+        with profiled_load(manifest.version, "reload"):
+            self.model_runner.reload_weights(weights_iterator=routed, is_checkpoint_format=True)
         self.fleetrl_last_load_path = "reload"
         if attempt is not None:
             accepted = refit_plan.accept(attempt, model, buckets)

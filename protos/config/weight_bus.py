@@ -55,6 +55,13 @@ class WeightBusConfig(Strict):
         description="Longest the publisher waits on a receiver making no progress (tcp: one socket send; nccl: one "
         "bucket broadcast) before it gives up on that receiver.",
     )
+    load_timeout_s: float = Field(
+        600.0,
+        gt=0,
+        description="Rollout side: longest the load of one version into the engine may take (inside its pause). "
+        "Past half of it the engine's workers print their stacks to the server's log; past all of it the server "
+        "stops (the engine may hold part of the new weights) and its supervisor restarts it on the latest version.",
+    )
     group_timeout_s: float = Field(
         120.0, gt=0, description="nccl: deadline for forming or re-forming the broadcast group."
     )

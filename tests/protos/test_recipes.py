@@ -277,6 +277,16 @@ EXPECTED: dict[str, dict[str, object]] = {
         "weight_bus.bucket_mib": 256.0,
         "weight_bus.transport": "ipc",
     },
+    "gpu-h200-mxfp8.yaml": {
+        "run_id": "gpu-h200-mxfp8",
+        "tiny_model": "qwen3-moe-1b",
+        "num_steps": 50,
+        "rollout.quantization": "mxfp8",
+        "trainer.ckpt_interval": 0,
+        "trainer.geo_mask": [0.99, 1.01],
+        "weight_bus.codec": "bf16",
+        "weight_bus.transport": "ipc",
+    },
 }
 
 

@@ -322,3 +322,29 @@ def test_a_follower_on_the_nccl_transport_commits_each_broadcast_version(engine_
         loop.loop.call_soon_threadsafe(stop.set)
         receiving.result(30)
         publisher.close()
+
+
+# -- last: a load that times out leaves this module's engine unable to serve ----------------------------------
+
+
+def test_a_load_past_its_timeout_stops_the_engine_serving_and_never_resumes_it(engine_on_loop, tmp_path, capfd):
+    from rollout_service.load_watchdog import WeightLoadTimeout
+
+    engine, loop, model, _ = engine_on_loop
+    version = engine.policy_version + 1
+    path, manifest = _staging_file(tmp_path, model, version)
+    request = dataclasses.replace(_request(200, temperature=1.0), request_id="load-times-out", seed=None)
+
+    async def commit_with_a_tiny_timeout():
+        task = asyncio.create_task(_collect(engine, request))
+        await wait_until_async(
+            lambda: _generated_while_running(engine, request, task), "the request generating", 60, poll_s=0.005
+        )
+        with pytest.raises(WeightLoadTimeout, match=f"weights v{version} .*weight_bus.load_timeout_s"):
+            await engine.commit_weights(version, path, manifest, load_timeout_s=1e-4)
+        task.cancel()
+
+    loop.run(commit_with_a_tiny_timeout())
+    assert engine.errored and "weight_bus.load_timeout_s" in engine.failure  # the server's watch stops it
+    assert engine.policy_version == version - 1  # the half-loaded version is never labelled
+    assert "commit_weights" in capfd.readouterr().err  # the server's stacks, at the moment it gave up

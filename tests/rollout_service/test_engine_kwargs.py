@@ -59,3 +59,13 @@ def test_an_fp32_cpu_engine_of_an_mla_checkpoint_asks_for_the_reference_cpu_mla_
     kwargs = RolloutEngine(str(tmp_path), RolloutConfig(dtype=dtype)).engine_kwargs(on_cpu=True)
     assert kwargs.get("attention_backend") == backend
     assert "attention_backend" not in RolloutEngine(str(tmp_path), RolloutConfig(dtype=dtype)).engine_kwargs(False)
+
+
+def test_the_gpu_mxfp8_recipe_serves_online_mxfp8_with_ipc_updates_for_fifty_steps():
+    from rollout_service.engine import RolloutEngine
+
+    config = load_run_config(BEAM.parent / "gpu-h200-mxfp8.yaml")
+    kwargs = RolloutEngine(config.model_path, config.rollout).engine_kwargs(on_cpu=False)
+    assert kwargs["quantization"] == "mxfp8" and kwargs["enable_return_routed_experts"]
+    assert (config.weight_bus.transport, config.weight_bus.codec, config.num_steps) == ("ipc", "bf16", 50)
+    assert list(config.trainer.geo_mask) == [0.99, 1.01]
