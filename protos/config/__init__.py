@@ -27,7 +27,7 @@ from protos.config.loading import (
     read_config_file,
 )
 from protos.config.logger import LoggerConfig
-from protos.config.rollout import RolloutConfig, RolloutLoraConfig, SyntheticEngineConfig
+from protos.config.rollout import DEMO_MAX_MODEL_LEN, RolloutConfig, RolloutLoraConfig, SyntheticEngineConfig
 from protos.config.run import RunConfig
 from protos.config.trainer import LoraConfig, MegatronConfig, TrainerConfig
 from protos.config.weight_bus import WeightBusConfig
@@ -35,6 +35,7 @@ from protos.config.weight_bus import WeightBusConfig
 __all__ = [
     "AgentConfig",
     "CoordinatorConfig",
+    "DEMO_MAX_MODEL_LEN",
     "ENV_ALIASES",
     "EvalConfig",
     "LauncherConfig",

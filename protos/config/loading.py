@@ -196,7 +196,8 @@ def describe_config_error(error: ValueError) -> str:
 
 def _top_level_hint(detail: Any) -> str:
     """For an unknown key inside a section whose name is a top-level key (``trainer.max_staleness``): where it is."""
-    name, inside_a_section = detail["loc"][-1], len(detail["loc"]) > 1
-    if detail["type"] == "extra_forbidden" and inside_a_section and name in RunConfig.model_fields:
+    loc = detail["loc"]  # () for a rule across sections (a RunConfig validator)
+    if detail["type"] == "extra_forbidden" and len(loc) > 1 and loc[-1] in RunConfig.model_fields:
+        name = loc[-1]
         return f" ({name} is a top-level key: write {name}=...)"
     return ""

@@ -8,6 +8,8 @@ from pydantic import Field, model_validator
 
 from protos.config.base import Strict
 
+DEMO_MAX_MODEL_LEN = 256  # rollout.max_model_len of the demo's tiny models (model_path '') and the synthetic engine
+
 
 class SyntheticEngineConfig(Strict):
     """The stand-in engine (``rollout.engine=synthetic``): seeded random tokens at a set rate, weights as no-ops.
@@ -95,7 +97,14 @@ class RolloutConfig(Strict):
     num_servers: int = Field(2, gt=0, description="Rollout servers the launcher starts.")
     host: str = Field("127.0.0.1", description="Interface the gRPC server binds.")
     base_port: int = Field(0, ge=0, description="First gRPC port; 0 picks free ports.")
-    max_model_len: int = Field(256, gt=0, description="Prompt + response token limit of the engine.")
+    max_model_len: int | None = Field(
+        None,
+        gt=0,
+        description="Prompt + response token limit of the engine. Unset (null): the checkpoint's context length, read "
+        "from model_path's config.json when the run's config is loaded (max_position_embeddings or the family's key, "
+        "as vLLM derives it: protos/config/checkpoint.py); 256 for the demo's tiny models (model_path '') and the "
+        "synthetic engine. A value above the checkpoint's is refused before any process starts.",
+    )
     kv_cache_gib: float | None = Field(
         None,
         gt=0,
@@ -188,6 +197,12 @@ class RolloutConfig(Strict):
         default_factory=RolloutLoraConfig,
         description="LoRA slots serving the trainer's adapters (trainer.lora.sync='adapters'); off by default.",
     )
+
+    @model_validator(mode="after")
+    def _synthetic_length(self) -> RolloutConfig:
+        if self.max_model_len is None and self.engine == "synthetic":  # the stand-in serves no checkpoint
+            self.max_model_len = DEMO_MAX_MODEL_LEN
+        return self
 
     @model_validator(mode="after")
     def _prefix_caching_is_exact(self) -> RolloutConfig:

@@ -10,10 +10,11 @@ from pydantic import Field, field_validator, model_validator
 
 from protos.config.agent import AgentConfig
 from protos.config.base import Strict
+from protos.config.checkpoint import resolve_max_model_len
 from protos.config.coordinator import BUILT_IN_TASKS, CoordinatorConfig, SamplingConfig
 from protos.config.launcher import LauncherConfig
 from protos.config.logger import LoggerConfig
-from protos.config.rollout import RolloutConfig
+from protos.config.rollout import DEMO_MAX_MODEL_LEN, RolloutConfig
 from protos.config.trainer import TrainerConfig
 from protos.config.weight_bus import WeightBusConfig
 
@@ -91,10 +92,19 @@ class RunConfig(Strict):
 
     @model_validator(mode="after")
     def _lengths_fit(self) -> RunConfig:
-        if self.coordinator.sampling.max_tokens >= self.rollout.max_model_len:
+        # 1) rollout.max_model_len: unset, from the checkpoint (once: the launcher writes the number for the roles)
+        rollout = self.rollout
+        if not self.model_path or rollout.engine == "synthetic":  # the tiny model is built later; the stand-in has none
+            resolved = DEMO_MAX_MODEL_LEN if rollout.max_model_len is None else rollout.max_model_len
+        else:
+            resolved = resolve_max_model_len(self.model_path, rollout.max_model_len)
+        if resolved != rollout.max_model_len:
+            rollout.max_model_len = resolved
+        # 2) a response must fit after at least one prompt token
+        max_tokens = self.coordinator.sampling.max_tokens
+        if resolved is not None and max_tokens >= resolved:
             raise ValueError(
-                "coordinator.sampling.max_tokens must be below rollout.max_model_len "
-                f"({self.coordinator.sampling.max_tokens} >= {self.rollout.max_model_len})"
+                f"coordinator.sampling.max_tokens must be below rollout.max_model_len ({max_tokens} >= {resolved})"
             )
         return self
 
