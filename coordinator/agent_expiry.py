@@ -2,7 +2,8 @@
 dropped when their last session leaves or their group times out, forgotten once done.
 
 Every second ``expire`` abandons sessions idle past ``agent.session_timeout_s``, drops groups not complete after
-``agent.group_timeout_s`` (their slots go to other groups), forgets done groups' sessions ``DONE_RETENTION_S``
+``agent.group_timeout_s`` and groups waiting for rewards that can no longer be trained within the staleness bound
+(their slots go to other groups), forgets done groups' sessions ``DONE_RETENTION_S``
 after their last call (in Redis too), and records a push whose record could not be written when it happened.
 """
 
@@ -45,10 +46,17 @@ class Endings:
             if now - group.created > self.config.group_timeout_s:
                 async with group.lock:
                     await self.drop_group(group, f"not complete after {self.config.group_timeout_s:.0f}s")
+            elif self.scheduler.waiting_is_stale(group.slot):
+                await self._drop_stale(group)
         for group_id, group in list(self.completing.items()):
             if group.pushed:  # its PUSHED record failed when it was pushed
                 await self.record_pushed(group_id)
         await self._forget(forgotten)
+
+    async def _drop_stale(self, group: AgentGroup) -> None:
+        async with group.lock:
+            if self.scheduler.waiting_is_stale(group.slot):  # still so now the lock is held (no reward came meanwhile)
+                await self.drop_group(group, "stale: it can no longer be trained within max_staleness")
 
     async def _abandon_idle(self, session: Session, idle: float) -> None:
         async with session.group.lock:

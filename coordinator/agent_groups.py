@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from coordinator.rollout_client import RolloutClient
     from coordinator.tasks import TaskPrompt
 
-__all__ = ["AgentGroup", "GroupState", "Session", "SessionState", "Turn", "build_trajectory_group"]
+__all__ = ["AgentGroup", "GroupState", "Session", "SessionState", "Turn", "build_trajectory_group", "oldest_version"]
 
 
 class GroupState(enum.IntEnum):
@@ -193,6 +193,14 @@ def session_sample(session: Session, reward: float) -> Sample:
         server_id=turns[-1].server_id,
         routed_experts=None if routes is None else Array.from_numpy(routes),
         loss_mask=Array.from_numpy(np.asarray(mask, dtype=np.uint8)),
+    )
+
+
+def oldest_version(sessions: list[Session]) -> int:
+    """The oldest token version of these sessions' trajectories, as ``Sample.min_version`` measures it (-1 for a
+    session with none): what the staleness of their group is counted from."""
+    return min(
+        min((v for turn in s.turns if turn.generated for v, _, _ in turn.version_spans), default=-1) for s in sessions
     )
 
 

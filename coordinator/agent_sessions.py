@@ -79,6 +79,7 @@ class SessionBook(Submissions, Endings):
         self._opening: dict[tuple[str, str], asyncio.Future] = {}  # (owner, open_id) of opens in progress
         self.completing: dict[str, AgentGroup] = {}  # group id -> complete group not known to be on the stream
         scheduler.on_external_pushed = self.record_pushed
+        scheduler.on_external_moved = self.moved
 
     # opening --------------------------------------------------------------------------------------
     async def open(
@@ -205,12 +206,19 @@ class SessionBook(Submissions, Endings):
         submitted = group.submitted()
         if not group.complete:
             self.groups[(group.owner, group.key)] = group
+            await self.wait_for_rewards(group)
         elif len(submitted) == group.size and all(s.reward is not None for s in submitted):
             self.completing[group.group_id] = group
             await self.scheduler.complete_external(group.slot, build_trajectory_group(group, submitted))
         else:  # not written this way by any coordinator: refuse to train it rather than guess
             group.complete = False
             await self.drop_group(group, f"its record is complete but {len(submitted)} sessions were submitted")
+
+    def moved(self, old_slot: int, new_slot: int) -> None:
+        """The scheduler pushed a complete group ahead of the group waiting for rewards at ``old_slot``, which takes
+        ``new_slot``: it is completed or dropped there."""
+        group = next(g for g in self.groups.values() if g.slot == old_slot and not g.done)
+        group.slot = new_slot
 
     # turns ------------------------------------------------------------------------------------------
     def get(self, owner: str, session_id: str) -> Session:

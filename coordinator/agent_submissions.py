@@ -2,7 +2,9 @@
 once a group's last reward is in.
 
 A session's submission (state, submission id, reward) and, when it completes its group, the group's new state are
-written in one transaction before the reply. A complete group goes to the scheduler's in-order push, unless its
+written in one transaction before the reply. A group whose sessions are all submitted but some rewards are still to
+come (reward null, set later) tells the scheduler it waits for rewards: complete groups behind it may be pushed first
+(``agent_slots.ExternalSlots``). A complete group goes to the scheduler's in-order push, unless its
 rewards are all equal and the run's dynamic sampling skips it (``agent_groups.UniformGroups``): its slot is then
 released as a dropped group's. Once the scheduler has pushed a group its record says PUSHED, so a restarted
 coordinator never pushes it again (``agent_store.restore_book``).
@@ -14,7 +16,14 @@ import logging
 from dataclasses import dataclass
 
 from coordinator.agent_errors import FailedPrecondition, InvalidArgument, Unavailable
-from coordinator.agent_groups import AgentGroup, GroupState, Session, SessionState, build_trajectory_group
+from coordinator.agent_groups import (
+    AgentGroup,
+    GroupState,
+    Session,
+    SessionState,
+    build_trajectory_group,
+    oldest_version,
+)
 from protos.agent_records import AgentGroupState
 
 logger = logging.getLogger(__name__)
@@ -90,6 +99,7 @@ class Submissions:
         for name, value in changes.items():
             setattr(session, name, value)
         if group_record is None:
+            await self.wait_for_rewards(group)
             return
         self.groups.pop((group.owner, group.key), None)
         group.complete = True
@@ -103,6 +113,13 @@ class Submissions:
             return
         self.completing[group.group_id] = group
         await self.scheduler.complete_external(group.slot, build_trajectory_group(group, group.submitted()))
+
+    async def wait_for_rewards(self, group: AgentGroup) -> None:
+        """A group whose sessions are all submitted, some without a reward, has its tokens final: the scheduler may
+        push complete groups behind it first, as long as it can still be trained within the staleness bound."""
+        submitted = group.submitted()
+        if not group.complete and len(submitted) == group.size:
+            await self.scheduler.wait_rewards(group.slot, oldest_version(submitted))
 
     async def record_pushed(self, group_id: str) -> None:
         """The scheduler pushed agent group ``group_id``: record it (a restart must not push it again).

@@ -5,7 +5,9 @@ trainer's version when this coordinator started, at most (v_t - v_0 + k + 1) * B
 admitted, q being the groups an earlier coordinator of the run left queued (0 on a fresh run). Groups are
 pushed in slot order, so slot i is trained at version v_0 + (q + i) // B; it is dispatched only to a server
 whose version is >= v_0 + (q + i) // B - k. Together these make
-``v_trainer - min token version <= k`` hold for every sample, with nothing thrown away.
+``v_trainer - min token version <= k`` hold for every sample, with nothing thrown away. External agents' groups
+keep this true by moving between slots (coordinator/agent_slots.py): into a dropped group's slot, and ahead of one
+that waits for its rewards, which takes their later slot only where it can still be trained within the bound.
 
 Dynamic sampling: a group whose rewards are all equal carries no GRPO signal. It is skipped (counted)
 and a new prompt is drawn *for the same slot*, so the admission arithmetic above is unchanged: the
@@ -24,16 +26,15 @@ from __future__ import annotations
 
 import asyncio
 import enum
-import heapq
 import logging
 import time
 import uuid
 from dataclasses import dataclass
 
-import msgspec
 import numpy as np
 
 from channels.trajectory_stream import TrajectoryStreamWriter
+from coordinator.agent_slots import ExternalSlots
 from coordinator.fleet import Fleet
 from coordinator.latency import LatencyHistogram
 from coordinator.rewards import RewardResult
@@ -71,7 +72,7 @@ class SchedulerStats:
     agent_turns_lost: int = 0  # agent turns lost to a failed server (nothing recorded; the agent retries)
 
 
-class Scheduler:
+class Scheduler(ExternalSlots):
     """Plain core of the coordinator; the ``run()`` loop in ``__main__`` drives it."""
 
     def __init__(
@@ -105,13 +106,10 @@ class Scheduler:
         self.stats = SchedulerStats()
         self.in_flight: set[int] = set()
         self._done: dict[int, TrajectoryGroup] = {}
-        self._cursor_at_admit: dict[int, dict[str, int]] = {}  # slot -> task position before its first draw
-        self._released: list[int] = []  # slots of dropped agent groups, re-used first (heap: lowest first)
-        self._external_done: set[int] = set()  # slots of complete agent groups buffered in _done
-        self._pushed_external: set[str] = set()  # ids of agent groups pushed
-        # async (group id) -> None, awaited after an agent group's push and before the next push: the agent API
-        # records that its group is on the stream (coordinator/agent_sessions.py), so a restart never pushes it twice
-        self.on_external_pushed = None
+        # slot of one of the coordinator's own groups, not pushed yet -> (its admission order, the task position
+        # before its first draw); agent groups draw no prompt from the stream and have none
+        self._cursor_at_admit: dict[int, tuple[int, dict[str, int]]] = {}
+        self._init_external_slots()
         self._push_lock = asyncio.Lock()
         # Admission -> first request sent, per group (draws of dynamic sampling included); and the part of it that
         # was not spent waiting for a server at the group's version floor (the coordinator's own routing time).
@@ -161,75 +159,39 @@ class Scheduler:
         """How many of this coordinator's slots are trained by versions below ``version``."""
         return (version - self.start_version) * self.run.groups_per_step - self.queued_at_start
 
+    @property
+    def running(self) -> bool:
+        return self.state == RunState.RUNNING
+
     def can_admit(self) -> bool:
-        return self.state == RunState.RUNNING and self.stats.slots_admitted < self.admission_limit()
+        return self.running and self.stats.slots_admitted < self.admission_limit()
 
     def admit(self) -> tuple[int, TaskPrompt]:
         slot = self._new_slot()
         self._admitted_s[slot] = time.monotonic()
+        self._cursor_at_admit[slot] = (slot, self.task.cursor())
         return slot, self.task.next_prompt()
-
-    def admit_external(self) -> int | None:
-        """A slot for a group an external agent generates (coordinator/agent_sessions.py), or None when none is
-        admissible now. A released slot comes first: it was admitted under the bound already and keeps its train
-        version and version floor, so (as a dynamic-sampling re-draw) the admission arithmetic is unchanged."""
-        if self._released and self.state == RunState.RUNNING:
-            slot = heapq.heappop(self._released)
-            self.stats.groups_admitted += 1
-            self.in_flight.add(slot)
-            return slot
-        return self._new_slot() if self.can_admit() else None
-
-    def readmit_external(self) -> int:
-        """A slot for an agent group an earlier coordinator of the run admitted and did not push (restored from
-        Redis at start, before any new admission): taken whatever the bound says, as it was admitted under it."""
-        return self._new_slot()
 
     def _new_slot(self) -> int:
         slot = self.stats.slots_admitted
         self.stats.slots_admitted += 1
         self.stats.groups_admitted += 1
         self.in_flight.add(slot)
-        self._cursor_at_admit[slot] = self.task.cursor()
         return slot
-
-    async def release_slot(self, slot: int) -> None:
-        """An agent group was dropped before it was complete. Its slot goes to a completed agent group buffered behind
-        it (whose slot is released in turn), else to the next group admitted. Moving a group to an earlier slot trains
-        it no later than its admission assumed, so its staleness can only shrink; without the move, every later group
-        would wait for a new admission to fill the hole (groups are pushed in slot order)."""
-        self.in_flight.discard(slot)
-        while behind := [t for t in self._external_done if t > slot]:
-            later = min(behind)
-            self._external_done.discard(later)
-            self.in_flight.discard(later)
-            self._done[slot] = msgspec.structs.replace(self._done.pop(later), admission_index=slot)
-            self._external_done.add(slot)
-            self.in_flight.add(slot)
-            slot = later
-        heapq.heappush(self._released, slot)
-        await self._push_ready()
-
-    async def complete_external(self, slot: int, group: TrajectoryGroup) -> None:
-        """Buffer a complete agent group; it takes the lowest released slot below its own (which is released)."""
-        if self._released and self._released[0] < slot:
-            lower = heapq.heappushpop(self._released, slot)
-            self.in_flight.discard(slot)
-            self.in_flight.add(lower)
-            slot = lower
-        self._external_done.add(slot)
-        await self.complete(slot, msgspec.structs.replace(group, admission_index=slot))
-
-    def pushed(self, group_id: str) -> bool:
-        """Whether the agent group ``group_id`` is on the trajectory stream (not only buffered in slot order)."""
-        return group_id in self._pushed_external
 
     def resume_cursor(self, group: TrajectoryGroup) -> PromptCursor:
         """Where a coordinator restarted after pushing ``group`` resumes the prompts: before the first draw of the
-        next slot. Re-draws of pushed slots (dynamic sampling) made after that point are drawn again after a
-        restart; no prompt of an unpushed slot is lost."""
-        position = self._cursor_at_admit.get(group.admission_index + 1) or self.task.cursor()
+        earliest-admitted group of its own not pushed yet. Re-draws of pushed slots (dynamic sampling), and the
+        prompts of groups pushed ahead of an unpushed one (a group waiting for rewards goes after them), made after
+        that point are drawn again after a restart; no prompt of an unpushed slot is lost."""
+        unpushed = [entry for slot, entry in self._cursor_at_admit.items() if slot != group.admission_index]
+        position = min(unpushed, key=lambda entry: entry[0])[1] if unpushed else self.task.cursor()
         return PromptCursor(self.task.name, group.group_id, position)
+
+    def own_group_id(self, prompt_id: str, slot: int) -> str:
+        """The id of the coordinator's own group at ``slot``: slots number after the groups earlier coordinators of
+        the run pushed, so an id never repeats across restarts (the trainer drops a repeated id as a duplicate)."""
+        return f"{prompt_id}-{self.pushed_before + slot}"
 
     def train_version(self, slot: int) -> int:
         """The trainer version that will train slot ``slot``."""
@@ -340,7 +302,7 @@ class Scheduler:
             self.stats.tokens_generated += len(result.token_ids)
             self.stats.reward_errors += score.error is not None
         return TrajectoryGroup(
-            group_id=f"{prompt.prompt_id}-{self.pushed_before + slot}",
+            group_id=self.own_group_id(prompt.prompt_id, slot),
             prompt_id=prompt.prompt_id,
             prompt_token_ids=Array.from_numpy(np.asarray(prompt.prompt_token_ids, dtype=np.int32)),
             samples=samples,
@@ -353,13 +315,14 @@ class Scheduler:
 
     # in-order push -------------------------------------------------------------------------
     async def complete(self, slot: int, group: TrajectoryGroup) -> None:
-        """Buffer a finished group and push every group that is now next in slot order."""
+        """Buffer a finished group and push every group that is now next in slot order (a group waiting for its
+        rewards lets complete groups behind it go first, within the staleness bound: ``ExternalSlots._overtake``)."""
         self._done[slot] = group
         await self._push_ready()
 
     async def _push_ready(self) -> None:
         async with self._push_lock:
-            while self.stats.groups_pushed in self._done:
+            while self.stats.groups_pushed in self._done or self._overtake(self.stats.groups_pushed):
                 ready = self._done[self.stats.groups_pushed]
                 # Taken out of the buffer only once it is on the queue: a push that fails (Redis gone past the retry
                 # policy) leaves it here for the next call, instead of losing it and stalling every later slot.

@@ -1,5 +1,6 @@
 """Agent groups in the scheduler's slot order: a dropped group's slot is filled by a complete group behind it, so
-groups pushed in slot order never wait on a hole (and a moved group is trained no later than admitted for)."""
+groups pushed in slot order never wait on a hole (and a moved group is trained no later than admitted for); a
+group waiting for its rewards lets complete groups behind it go first while the staleness bound holds for it."""
 
 from __future__ import annotations
 
@@ -14,17 +15,17 @@ from coordinator.fleet import Fleet
 from coordinator.scheduler import Scheduler
 from coordinator.tasks import EchoTask
 from protos.config import load_run_config
-from protos.records import Array, FinishReason, Sample, TrajectoryGroup, VersionSpan
+from protos.records import Array, FinishReason, Sample, TrajectoryGroup, VersionSpan, decode_group
 from protos.redis_keys import RedisKeys
 
 pytestmark = pytest.mark.integration
 
 
-def _group(name: str, slot: int) -> TrajectoryGroup:
+def _group(name: str, slot: int, version: int = 0) -> TrajectoryGroup:
     sample = Sample(
         Array.from_numpy(np.array([5], np.int32)),
         Array.from_numpy(np.array([-0.5], np.float32)),
-        [VersionSpan(0, 0, 1)],
+        [VersionSpan(version, 0, 1)],
         FinishReason.STOP,
         1.0,
     )
@@ -32,8 +33,9 @@ def _group(name: str, slot: int) -> TrajectoryGroup:
     return TrajectoryGroup(name, f"agent:{name}", prompt, [sample], "agent:t", slot, 0, 0.0)
 
 
-async def _scheduler(redis_url: str) -> Scheduler:
-    config = load_run_config(overrides=["groups_per_step=1", "max_staleness=10", "coordinator.group_size=1"])
+async def _scheduler(redis_url: str, max_staleness: int = 10) -> Scheduler:
+    overrides = ["groups_per_step=1", f"max_staleness={max_staleness}", "coordinator.group_size=1"]
+    config = load_run_config(overrides=overrides)
     queue = TrajectoryStreamWriter(aioredis.Redis.from_url(redis_url), RedisKeys("slots"))
     return Scheduler(config, Fleet([]), queue, EchoTask(), 20)
 
@@ -59,5 +61,76 @@ def test_a_group_completing_after_a_drop_takes_the_lower_released_slot(redis_url
         await scheduler.complete_external(later, _group("later", later))
         assert scheduler.pushed("later") and scheduler.stats.groups_pushed == 1
         assert scheduler.in_flight == set() and scheduler.admit_external() == later
+
+    asyncio.run(scenario())
+
+
+def test_a_group_waiting_for_rewards_moves_behind_a_complete_one_and_is_pushed_once_at_its_new_slot(redis_url):
+    async def scenario():
+        scheduler = await _scheduler(redis_url)
+        moves = []
+        scheduler.on_external_moved = lambda old, new: moves.append((old, new))
+        waiting, own = scheduler.admit_external(), scheduler.admit()[0]
+        await scheduler.wait_rewards(waiting, 0)
+        await scheduler.complete(own, _group("own", own))
+        assert scheduler.stats.groups_pushed == 1 and moves == [(0, 1)]  # the waiting group now holds slot 1
+        assert scheduler.in_flight == {1}
+        # a restart resumes the prompts after the pushed group's: the waiting group draws none to draw again
+        assert (await scheduler.queue.prompt_cursor()).position == scheduler.task.cursor()
+        await scheduler.complete_external(1, _group("waiting", 1))
+        assert scheduler.pushed("waiting") and scheduler.stats.groups_pushed == 2 and scheduler.in_flight == set()
+        stream = await scheduler.queue.client.xrange(RedisKeys("slots").trajectories)
+        queued = [decode_group(fields[b"g"]) for _, fields in stream]
+        # each once, in slot order; the coordinator's own group moved to slot 0 and its id numbers that slot
+        assert [(g.group_id, g.admission_index) for g in queued] == [("agent:own-0", 0), ("waiting", 1)]
+
+    asyncio.run(scenario())
+
+
+def test_a_complete_group_waits_where_going_first_would_make_the_waiting_group_stale(redis_url):
+    async def scenario():
+        scheduler = await _scheduler(redis_url, max_staleness=1)  # slot i trains at v_i; 2 slots admissible at v0
+        first, waiting = scheduler.admit_external(), scheduler.admit_external()
+        await scheduler.complete_external(first, _group("first", first))
+        scheduler.set_trainer_version(1)  # the trainer took slot 0: slot 2 (trained at v2, floor v1) is admissible
+        later = scheduler.admit_external()
+        await scheduler.wait_rewards(waiting, 0)  # its tokens are of v0: trained at v2 it would be 2 steps stale
+        await scheduler.complete_external(later, _group("later", later, version=1))
+        assert scheduler.stats.groups_pushed == 1 and not scheduler.pushed("later")
+        assert not scheduler.waiting_is_stale(waiting)  # at its own slot (v1) it still trains within the bound
+        await scheduler.complete_external(waiting, _group("waiting", waiting))
+        assert scheduler.pushed("waiting") and scheduler.pushed("later")
+        assert scheduler.stats.max_staleness_at_push == 1
+
+    asyncio.run(scenario())
+
+
+def test_a_group_waiting_for_rewards_that_is_dropped_after_a_move_releases_its_new_slot(redis_url):
+    async def scenario():
+        scheduler = await _scheduler(redis_url)
+        waiting, behind = scheduler.admit_external(), scheduler.admit_external()
+        await scheduler.wait_rewards(waiting, 0)
+        await scheduler.complete_external(behind, _group("behind", behind))
+        assert scheduler.pushed("behind") and scheduler.in_flight == {behind}  # the waiting group holds slot 1
+        await scheduler.release_slot(behind)  # it timed out at its new slot
+        assert scheduler.in_flight == set() and not scheduler.waiting_is_stale(behind)
+        assert scheduler.admit_external() == behind  # the released slot is the next one admitted
+
+    asyncio.run(scenario())
+
+
+def test_a_restart_after_a_group_went_ahead_still_draws_the_prompts_of_own_groups_not_pushed(redis_url):
+    async def scenario():
+        scheduler = await _scheduler(redis_url)
+        waiting = scheduler.admit_external()
+        before_slow = scheduler.task.cursor()
+        slow, fast = scheduler.admit()[0], scheduler.admit()[0]
+        await scheduler.wait_rewards(waiting, 0)
+        await scheduler.complete(fast, _group("fast", fast))  # takes the waiting group's slot 0 and is pushed
+        assert scheduler.stats.groups_pushed == 1 and scheduler.in_flight == {slow, fast}
+        assert (await scheduler.queue.prompt_cursor()).position == before_slow  # slow's prompt is not lost
+        await scheduler.complete(slow, _group("slow", slow))
+        assert (await scheduler.queue.prompt_cursor()).position == scheduler.task.cursor()
+        assert before_slow != scheduler.task.cursor()
 
     asyncio.run(scenario())
