@@ -79,3 +79,19 @@ def test_a_group_waiting_for_rewards_is_dropped_once_it_cannot_be_trained_within
             assert h.queued() == []
 
     asyncio.run(scenario())
+
+
+def test_a_group_restored_waiting_for_its_rewards_still_lets_complete_groups_go_first(rollout_server, redis_url):
+    async def scenario():
+        async with harness(rollout_server, redis_url) as first:
+            judged, _ = await submitted_group(first.book, "judged-later", [None, None])
+        async with harness(rollout_server, redis_url) as second:  # a restarted coordinator of the run
+            await second.restore()
+            _, state = await submitted_group(second.book, "scored", [0.0, 1.0])
+            assert state is GroupState.QUEUED
+            await second.book.set_reward(OWNER, judged[0].session_id, 0.25)
+            assert await second.book.set_reward(OWNER, judged[1].session_id, 0.75) is GroupState.QUEUED
+            queued = second.queued()
+            assert [g.prompt_id for g in queued] == [f"agent:{OWNER}:scored", f"agent:{OWNER}:judged-later"]
+
+    asyncio.run(scenario())
