@@ -11,6 +11,15 @@ Per transport (ipc, tcp) and engine path, ``--versions`` updates through fleetrl
 - ``plan``: ``rollout.refit_plan`` on: the first update captures and checks the plan (``plan_first_s``), the later ones
   replay it.
 
+``--engines bf16,mxfp8`` adds an engine serving vLLM's online MXFP8 (``rollout.quantization=mxfp8``: every update
+is re-quantized and repacked in the engine, no refit plan) with two paths on the same engine:
+
+- ``loop``: vLLM's MXFP8 MoE processing, a Python loop per expert (rollout_service.mxfp8_batched switched off).
+- ``batched``: the experts quantized and repacked as one matrix per layer; the same bytes are then loaded by both paths
+  and the served MXFP8 parameters must be equal byte for byte (``batched_equals_loop``).
+
+The JSON's ``mxfp8_to_bf16`` divides each MXFP8 path's ``update_s`` by the bf16 plan's, measured in the same run.
+
 Figures (medians over the versions after the first): ``update_s`` (publish + update_to), ``GBps`` (bytes / update_s),
 ``publish_s`` with its parts (export = list the tensors, pack, announce), ``load_s`` (the engine's load alone),
 ``paused_s`` (generation held), the device copy of the same bytes measured in the same run, and ``ratio`` = device copy
@@ -18,6 +27,7 @@ Figures (medians over the versions after the first): ``update_s`` (publish + upd
 update the per-parameter sums must equal those after a reload of the same bytes.
 
     python benchmarks/weight_refit.py --models demo-1b,moe-3b --transports ipc,tcp --out refit.json
+    python benchmarks/weight_refit.py --models demo-1b --transports ipc --engines bf16,mxfp8 --out mxfp8-refit.json
     FLEETRL_GPU_CHECKS_DRY=1 python benchmarks/weight_refit.py --models tiny --transports tcp   # CPU smoke
 
 The last line printed is one JSON object.
@@ -90,7 +100,7 @@ def perturb(weights, step: int) -> None:
 
 
 async def run_path(
-    engine, weights, transport: str, use_plan: bool, versions: range, redis_url: str, keys, vary: bool = True
+    engine, weights, transport: str, path: str, versions: range, redis_url: str, keys, vary: bool = True
 ) -> dict:
     import redis
     import redis.asyncio as aioredis
@@ -100,7 +110,9 @@ async def run_path(
     from trainer_service.publisher import WeightPublisher
 
     bus = WeightBusConfig(transport=transport, bucket_mib=256)
-    engine.config = engine.config.model_copy(update={"refit_plan": use_plan})
+    engine.config = engine.config.model_copy(update={"refit_plan": path == "plan"})
+    if engine.config.quantization == "mxfp8":
+        await engine.llm.collective_rpc("fleetrl_mxfp8_batched", args=(path == "batched",))
     publisher = WeightPublisher(redis.Redis.from_url(redis_url), keys, bus)
     follower = WeightFollower(engine, aioredis.Redis.from_url(redis_url), keys, bus, "bench")
     rows = []
@@ -137,7 +149,10 @@ async def run_path(
     figures.update(bytes=nbytes, first_s=round(rows[0]["update_s"], 3), source=rows[-1]["source"])
     figures["GBps"] = round(nbytes / figures["update_s"] / 1e9, 2)
     figures["plan_state"] = state
-    figures["served_equal_trainer"] = await served_equals(engine, expected_sums(weights, _raw()))
+    if engine.config.quantization == "mxfp8":  # served bytes are MXFP8 in Marlin's layout: compared path to path
+        figures["mxfp8_batched"] = (await engine.llm.collective_rpc("fleetrl_mxfp8_batched"))[0]
+    else:
+        figures["served_equal_trainer"] = await served_equals(engine, expected_sums(weights, _raw()))
     return figures
 
 
@@ -152,16 +167,20 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
-async def plan_equals_reload(engine, weights, redis_url: str, keys, version: int) -> dict:
-    """The same bytes loaded by vLLM's reload and then by the plan: every served parameter's sum must be equal."""
+async def paths_equal(engine, weights, redis_url: str, keys, version: int, paths: tuple[str, str]) -> dict:
+    """The same bytes loaded by one path and then by the other: every served parameter's sum must be equal."""
     results = {}
-    for label, use_plan in (("reload", False), ("plan", True)):
+    for label in paths:
         transport = "tcp" if DRY else "ipc"
-        await run_path(engine, weights, transport, use_plan, range(version, version + 1), redis_url, keys, vary=False)
+        await run_path(engine, weights, transport, label, range(version, version + 1), redis_url, keys, vary=False)
         results[label] = (await engine.llm.collective_rpc("fleetrl_param_sums"))[0]
         version += 1
-    differing = [name for name in results["reload"] if results["reload"][name] != results["plan"].get(name)]
-    return {"parameters": len(results["reload"]), "differing": differing[:8], "equal": not differing}
+    first, second = (results[label] for label in paths)
+    differing = [name for name in first if first[name] != second.get(name)]
+    return {"parameters": len(first), "differing": differing[:8], "equal": not differing}
+
+
+PATHS = {"bf16": ("reload", "plan"), "mxfp8": ("loop", "batched")}
 
 
 async def bench_model(name: str, args, root: Path, redis_url: str) -> dict:
@@ -170,36 +189,46 @@ async def bench_model(name: str, args, root: Path, redis_url: str) -> dict:
     from rollout_service.engine import RolloutEngine
 
     path, weights = model_dir(name, root)
-    config = RolloutConfig(
-        dtype="float32" if DRY else "bfloat16",
-        load_format="dummy",
-        max_model_len=256,
-        gpu_memory_utilization=0.3,
-        kv_cache_gib=1 if DRY else 4,
-        enforce_eager=True,
-        return_routed_experts="off",
-    )
-    engine = RolloutEngine(str(path), config, server_id=f"refit-{name}")
-    started = time.monotonic()
-    await engine.start()
-    result: dict = {"engine_start_s": round(time.monotonic() - started, 1)}
     nbytes = sum(t.numel() * t.element_size() for _, t in weights)
-    result["bytes"] = nbytes
-    result["device_copy_s"] = round(device_copy_s(nbytes), 5)
-    keys = RedisKeys(f"refit-{name}")
+    result: dict = {"bytes": nbytes, "device_copy_s": round(device_copy_s(nbytes), 5)}
     version = 1
-    try:
-        for transport in args.transports:
-            for label, use_plan in (("reload", False), ("plan", True)):
-                versions = range(version, version + args.versions)
-                figures = await run_path(engine, weights, transport, use_plan, versions, redis_url, keys)
-                figures["ratio_to_device_copy"] = round(result["device_copy_s"] / figures["update_s"], 4)
-                result[f"{transport}_{label}"] = figures
-                version += args.versions
-                print(name, transport, label, json.dumps(figures), flush=True)
-        result["plan_equals_reload"] = await plan_equals_reload(engine, weights, redis_url, keys, version)
-    finally:
-        engine.shutdown()
+    for kind in args.engines:
+        config = RolloutConfig(
+            dtype="float32" if DRY else "bfloat16",
+            load_format="dummy",
+            max_model_len=256,
+            gpu_memory_utilization=0.3,
+            kv_cache_gib=1 if DRY else 4,
+            enforce_eager=True,
+            return_routed_experts="off",
+            quantization="none" if kind == "bf16" else kind,
+        )
+        engine = RolloutEngine(str(path), config, server_id=f"refit-{name}-{kind}")
+        started = time.monotonic()
+        await engine.start()
+        prefix = "" if kind == "bf16" else f"{kind}_"  # the bf16 keys keep their names from earlier runs
+        result[f"{prefix}engine_start_s"] = round(time.monotonic() - started, 1)
+        keys = RedisKeys(f"refit-{name}-{kind}")
+        try:
+            for transport in args.transports:
+                for label in PATHS[kind]:
+                    versions = range(version, version + args.versions)
+                    figures = await run_path(engine, weights, transport, label, versions, redis_url, keys)
+                    figures["ratio_to_device_copy"] = round(result["device_copy_s"] / figures["update_s"], 4)
+                    result[f"{prefix}{transport}_{label}"] = figures
+                    version += args.versions
+                    print(name, kind, transport, label, json.dumps(figures), flush=True)
+            check = "plan_equals_reload" if kind == "bf16" else f"{kind}_batched_equals_loop"
+            result[check] = await paths_equal(engine, weights, redis_url, keys, version, PATHS[kind])
+            version += 2
+        finally:
+            engine.shutdown()
+    for transport in args.transports:
+        bf16 = result.get(f"{transport}_plan")
+        for label in PATHS["mxfp8"]:
+            mxfp8 = result.get(f"mxfp8_{transport}_{label}")
+            if bf16 and mxfp8:
+                result[f"mxfp8_to_bf16_{transport}_{label}"] = round(mxfp8["update_s"] / bf16["update_s"], 3)
     return result
 
 
@@ -224,6 +253,9 @@ def main() -> None:
     parser.add_argument("--models", type=lambda s: s.split(","), default=["demo-1b", "moe-3b"])
     parser.add_argument("--transports", type=lambda s: s.split(","), default=["ipc", "tcp"])
     parser.add_argument("--versions", type=int, default=4, help="updates per transport and path")
+    parser.add_argument(
+        "--engines", type=lambda s: s.split(","), default=["bf16"], help="bf16 and/or mxfp8 (online MXFP8, GPU)"
+    )
     parser.add_argument("--out", default="", help="also write the JSON here (after every model)")
     args = parser.parse_args()
     out = asyncio.run(main_async(args))

@@ -15,7 +15,12 @@ from __future__ import annotations
 import mmap
 import os
 
+from rollout_service import mxfp8_batched
 from rollout_service.load_watchdog import profiled_load, stacks_if_slow
+
+# vLLM imports this module in each worker before it loads the model, so the MXFP8 experts' processing is batched from
+# the first load on (each replacement checks itself against vLLM's loop on its first call).
+mxfp8_batched.install()
 
 
 class WeightLoaderExtension:
@@ -209,6 +214,10 @@ class WeightLoaderExtension:
             if experts is not None and is_cpu_kernel and hasattr(module, "w13_weight"):
                 experts.process_weights_after_loading(module)
 
+    def fleetrl_mxfp8_batched(self, enabled: bool | None = None) -> dict[str, str]:
+        """Switch the batched MXFP8 expert processing on or off (None: leave it); returns its verdicts."""
+        return mxfp8_batched.state() if enabled is None else mxfp8_batched.set_enabled(enabled)
+
     def fleetrl_allocate_pipeline_receive_buffer(self) -> bool:
         """Make the buffer a later pipeline stage receives the previous stage's hidden states into.
 
@@ -234,6 +243,17 @@ class WeightLoaderExtension:
 
     def fleetrl_param_sums(self) -> dict[str, float]:
         """fp64 sum of each parameter by vLLM's name (fused ones included): the GPU checks compare them with the
-        trainer's tensors. On CPU vLLM repacks linear weights into kernel buffers, whose parameters then read 0."""
+        trainer's tensors (fp8 ones by their bytes). On CPU vLLM repacks linear weights into kernel buffers, whose
+        parameters then read 0."""
         model = self.model_runner.get_model()
-        return {name: float(param.detach().double().sum().item()) for name, param in model.named_parameters()}
+        return {name: _fingerprint(param.detach()) for name, param in model.named_parameters()}
+
+
+def _fingerprint(tensor) -> float:
+    """fp64 sum of the values; of the bytes for one-byte floats (MXFP8 E4M3 weights, E8M0 scales), whose conversions
+    torch does not offer for every dtype and whose served layout (Marlin's) only compares with itself anyway."""
+    import torch
+
+    if tensor.element_size() == 1 and tensor.dtype.is_floating_point:
+        tensor = tensor.contiguous().view(torch.uint8)
+    return float(tensor.double().sum().item())
