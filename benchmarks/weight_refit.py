@@ -20,6 +20,9 @@ is re-quantized and repacked in the engine, no refit plan) with two paths on the
 
 The JSON's ``mxfp8_to_bf16`` divides each MXFP8 path's ``update_s`` by the bf16 plan's, measured in the same run.
 
+After every update the engine generates 16 tokens (``generate_s``), so an engine that stops serving after a reload
+fails the run; ``--graphs`` serves with CUDA graphs as the recipes do (eager otherwise).
+
 Figures (medians over the versions after the first): ``update_s`` (publish + update_to), ``GBps`` (bytes / update_s),
 ``publish_s`` with its parts (export = list the tensors, pack, announce), ``load_s`` (the engine's load alone),
 ``paused_s`` (generation held), the device copy of the same bytes measured in the same run, and ``ratio`` = device copy
@@ -27,7 +30,7 @@ Figures (medians over the versions after the first): ``update_s`` (publish + upd
 update the per-parameter sums must equal those after a reload of the same bytes.
 
     python benchmarks/weight_refit.py --models demo-1b,moe-3b --transports ipc,tcp --out refit.json
-    python benchmarks/weight_refit.py --models demo-1b --transports ipc --engines bf16,mxfp8 --out mxfp8-refit.json
+    python benchmarks/weight_refit.py --models demo-1b --transports ipc --engines bf16,mxfp8 --graphs --out mx.json
     FLEETRL_GPU_CHECKS_DRY=1 python benchmarks/weight_refit.py --models tiny --transports tcp   # CPU smoke
 
 The last line printed is one JSON object.
@@ -125,6 +128,7 @@ async def run_path(
             publish_s = publisher.publish(version, iter(weights))
             await follower.update_to(version)
             update_s = time.monotonic() - started
+            generate_s = await generate_once(engine, version)
             parts = getattr(publisher.sender, "last_parts", {})
             rows.append(
                 dict(
@@ -132,6 +136,7 @@ async def run_path(
                     publish_s=publish_s,
                     load_s=engine.last_load_s,
                     paused_s=follower.last_paused_s,
+                    generate_s=generate_s,
                     source=follower.last_source,
                     **parts,
                 )
@@ -154,6 +159,27 @@ async def run_path(
     else:
         figures["served_equal_trainer"] = await served_equals(engine, expected_sums(weights, _raw()))
     return figures
+
+
+async def generate_once(engine, version: int, timeout_s: float = 60.0) -> float:
+    """Seconds to generate 16 tokens right after an update: the engine serves the new version (an engine whose
+    kernels hang after a reload fails the benchmark here, naming the version, instead of passing silently)."""
+    from rollout_service.engine import SamplingRequest
+
+    request = SamplingRequest(
+        [5, 6, 7, 8], 1, 16, 1.0, 1.0, -1, 0.0, [], version, 0, True, request_id=f"after-v{version}"
+    )
+
+    async def drain() -> None:
+        async for _ in engine.generate(request):
+            pass
+
+    started = time.monotonic()
+    try:
+        await asyncio.wait_for(drain(), timeout_s)
+    except TimeoutError:
+        raise SystemExit(f"the engine generated nothing within {timeout_s:.0f} s after weights v{version}") from None
+    return time.monotonic() - started
 
 
 def _raw():
@@ -199,7 +225,7 @@ async def bench_model(name: str, args, root: Path, redis_url: str) -> dict:
             max_model_len=256,
             gpu_memory_utilization=0.3,
             kv_cache_gib=1 if DRY else 4,
-            enforce_eager=True,
+            enforce_eager=not args.graphs,
             return_routed_experts="off",
             quantization="none" if kind == "bf16" else kind,
         )
@@ -253,6 +279,7 @@ def main() -> None:
     parser.add_argument("--models", type=lambda s: s.split(","), default=["demo-1b", "moe-3b"])
     parser.add_argument("--transports", type=lambda s: s.split(","), default=["ipc", "tcp"])
     parser.add_argument("--versions", type=int, default=4, help="updates per transport and path")
+    parser.add_argument("--graphs", action="store_true", help="CUDA graphs on (as served), not eager engines")
     parser.add_argument(
         "--engines", type=lambda s: s.split(","), default=["bf16"], help="bf16 and/or mxfp8 (online MXFP8, GPU)"
     )
