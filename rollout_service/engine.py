@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from protos.config import RolloutConfig
 from protos.records import decode_manifest
 from rollout_service import engine_args, metrics, vllm_adapter
-from rollout_service.load_watchdog import WeightLoadTimeout, within_load_timeout
+from rollout_service.load_watchdog import LOAD_STEP, PAUSE_STEP, WeightLoadTimeout, within_load_timeout
 from rollout_service.lora_slot import LoraSlot, adapter_to_load, check_engine_supports, lora_root
 from rollout_service.vllm_adapter import ChunkBuffer, VersionSpanTracker, current_platform_is_cpu, make_load_tracker
 from weight_bus.ipc import IpcUnavailable
@@ -314,7 +314,7 @@ class RolloutEngine:
             paused = self.last_commit_paused = self._generating > 0 or self._prefix_caching
             try:
                 if paused:
-                    await self._pause_engine("keep")
+                    await self._bounded(self._pause_engine("keep"), version, load_timeout_s, PAUSE_STEP)
                 counts = await self._count_tokens_before_commit()
                 load_started = time.monotonic()
                 if adapter_dir is not None:
@@ -343,15 +343,18 @@ class RolloutEngine:
             call = "fleetrl_load_staged_weights", (staging_path, manifest_bytes, self.config.refit_plan, stacks_after_s)
         else:
             call = "fleetrl_load_ipc_weights", (ipc_record, manifest_bytes, self.config.refit_plan, stacks_after_s)
+        loaded = await self._bounded(self.llm.collective_rpc(call[0], args=call[1]), version, timeout_s, LOAD_STEP)
+        if ipc_record is not None and any(count < 0 for count in loaded):
+            raise IpcUnavailable(f"v{version}: a worker could not open the IPC buckets")
+
+    async def _bounded(self, step, version: int, timeout_s: float | None, what: tuple[str, str]):
+        """A step of a weight update within ``weight_bus.load_timeout_s``; past it the engine is failed (never resumed,
+        reported errored: the server's watch stops it)."""
         try:
-            loaded = await within_load_timeout(
-                self.llm.collective_rpc(call[0], args=call[1]), version, timeout_s, self.server_id
-            )
+            return await within_load_timeout(step, version, timeout_s, self.server_id, what)
         except WeightLoadTimeout as error:
             self.failure = str(error)
             raise
-        if ipc_record is not None and any(count < 0 for count in loaded):
-            raise IpcUnavailable(f"v{version}: a worker could not open the IPC buckets")
 
     async def _count_tokens_before_commit(self) -> dict[tuple[str, int], int]:
         """Tokens every live sample holds before new weights load (fleetrl's spans; {} where vLLM keeps them)."""

@@ -35,19 +35,29 @@ class WeightLoadTimeout(RuntimeError):
     """A version's load into the engine did not finish in time; the engine may hold half of it."""
 
 
-async def within_load_timeout(load: Awaitable[T], version: int, timeout_s: float | None, server_id: str) -> T:
-    """Await ``load`` for at most ``timeout_s`` (None: no bound); on expiry dump this process's stacks to stderr and
-    raise WeightLoadTimeout naming the version and the setting."""
+LOAD_STEP = ("the load of weights v{version} into the engine", "the engine may hold part of the new weights")
+# An engine whose kernels never return (Marlin spinning on a freed workspace: rollout_service/kernel_scratch.py) never
+# pauses either: the step before the load is bounded by the same setting.
+PAUSE_STEP = ("the pause of generation before weights v{version}", "the engine no longer answers")
+
+
+async def within_load_timeout(
+    load: Awaitable[T], version: int, timeout_s: float | None, server_id: str, step: tuple[str, str] = LOAD_STEP
+) -> T:
+    """Await ``load`` (a step of a weight update, ``LOAD_STEP`` or ``PAUSE_STEP``) for at most ``timeout_s`` (None: no
+    bound); on expiry dump this process's stacks to stderr and raise WeightLoadTimeout naming the step, the version
+    and the setting."""
     if timeout_s is None:
         return await load
     try:
         return await asyncio.wait_for(load, timeout=timeout_s)
     except TimeoutError:
         faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+        what, state = step
         raise WeightLoadTimeout(
-            f"rollout server {server_id}: the load of weights v{version} into the engine did not finish within "
-            f"weight_bus.load_timeout_s={timeout_s:g}s (the worker's stacks are in this log); the engine may hold "
-            "part of the new weights, so the server stops and is restarted on the latest version"
+            f"rollout server {server_id}: {what.format(version=version)} did not finish within "
+            f"weight_bus.load_timeout_s={timeout_s:g}s (the stacks are in this log); {state}, so the server stops "
+            "and is restarted on the latest version"
         ) from None
 
 

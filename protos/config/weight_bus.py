@@ -58,7 +58,7 @@ class WeightBusConfig(Strict):
     load_timeout_s: float = Field(
         600.0,
         gt=0,
-        description="Rollout side: longest the load of one version into the engine may take (inside its pause). "
+        description="Rollout side: longest the engine's pause before a version, and then its load, may each take. "
         "Past half of it the engine's workers print their stacks to the server's log; past all of it the server "
         "stops (the engine may hold part of the new weights) and its supervisor restarts it on the latest version.",
     )

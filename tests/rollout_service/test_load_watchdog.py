@@ -62,3 +62,13 @@ def test_a_load_profile_is_written_only_when_asked_for(tmp_path, monkeypatch):
         copy_buckets()
     (written,) = (tmp_path / "profiles").iterdir()
     assert written.name.startswith("load-v3-reload-") and "copy_buckets" in written.read_text()
+
+
+def test_a_pause_past_the_timeout_is_named_as_the_pause():
+    from rollout_service.load_watchdog import PAUSE_STEP
+
+    async def engine_that_never_pauses():
+        await asyncio.Event().wait()
+
+    with pytest.raises(WeightLoadTimeout, match=r"the pause of generation before weights v3 .*no longer answers"):
+        asyncio.run(within_load_timeout(engine_that_never_pauses(), 3, 0.05, "rollout-a", PAUSE_STEP))
