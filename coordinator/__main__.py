@@ -245,7 +245,7 @@ async def run(args: argparse.Namespace) -> None:
     import redis.asyncio as aioredis
 
     from coordinator.dashboard import start_dashboard
-    from coordinator.discovery import connect_fleet
+    from coordinator.discovery import connect_fleet, served_max_model_len
     from protos.config import flag_overrides, load_run_config
     from protos.redis_keys import RedisKeys
 
@@ -267,6 +267,8 @@ async def run(args: argparse.Namespace) -> None:
     if cfg.dashboard:  # up before the servers are, so the page shows the fleet starting
         runners.append((await start_dashboard(client, keys, cfg.dashboard_host, cfg.dashboard_port))[0])
     fleet, discovery = await connect_fleet(args.servers, cfg, client, keys)
+    if config.rollout.max_model_len is None:  # this machine cannot read the checkpoint: the servers say what they serve
+        config.rollout.max_model_len = await served_max_model_len(fleet, cfg.sampling.max_tokens)
     # 2) build the pipeline: task (prompts and rewards), eval sets, the scheduler core
     pipeline = await build_pipeline(config, client, keys, fleet)
     scheduler, evals = pipeline.scheduler, pipeline.evals

@@ -131,3 +131,17 @@ async def wait_for_servers(fleet, discovery, board, timeout_s: float) -> None:
                 "with this run's redis_url and run_id, or pass --servers"
             )
         await asyncio.sleep(0.5)
+
+
+async def served_max_model_len(fleet, max_tokens: int) -> int:
+    """The context length the fleet serves, for a coordinator whose machine cannot read the checkpoint (its
+    ``rollout.max_model_len`` then stays unresolved: protos/config/checkpoint.py); every server serves the run's one
+    model, so a healthy one answers. Refused, naming both fields, when a response of ``max_tokens`` cannot fit."""
+    server = next((c for c in fleet.clients if c.healthy), fleet.clients[0])
+    served = (await server.info()).max_model_len
+    if max_tokens >= served:
+        raise ValueError(
+            f"coordinator.sampling.max_tokens must be below rollout.max_model_len ({max_tokens} >= {served}, the "
+            f"context length server {server.address} serves)"
+        )
+    return served

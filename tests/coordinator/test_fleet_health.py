@@ -141,3 +141,31 @@ def test_the_fleet_reports_are_read_only_when_they_can_have_changed(redis_url):
         return counts
 
     assert asyncio.run(scenario()) == [1, 3, 4, [2, 2, 2]]
+
+
+def test_a_coordinator_that_cannot_read_the_checkpoint_takes_the_context_length_its_servers_serve(tmp_path):
+    from coordinator.discovery import served_max_model_len
+    from protos.config import RunConfig
+
+    # the coordinator's machine has no files at model_path: its max_model_len stays unresolved
+    config = RunConfig(model_path=str(tmp_path / "mounted-only-on-the-rollout-hosts"))
+    assert config.rollout.max_model_len is None
+    spawned = standin_fleet.spawn(1, tmp_path / "fleet.log")
+    addresses = spawned.wait_serving(timeout_s=120)
+
+    async def scenario():
+        fleet = Fleet([RolloutClient(address) for address in addresses])
+        try:
+            served = await served_max_model_len(fleet, config.coordinator.sampling.max_tokens)
+            with pytest.raises(
+                ValueError, match=r"sampling.max_tokens must be below rollout.max_model_len \(256 >= 256"
+            ):
+                await served_max_model_len(fleet, 256)
+            return served
+        finally:
+            await fleet.close()
+
+    try:
+        assert asyncio.run(scenario()) == 256  # the stand-in serves the demo's 256
+    finally:
+        assert spawned.stop() == 0
