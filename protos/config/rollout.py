@@ -9,6 +9,9 @@ from pydantic import Field, model_validator
 from protos.config.base import Strict
 
 DEMO_MAX_MODEL_LEN = 256  # rollout.max_model_len of the demo's tiny models (model_path '') and the synthetic engine
+# The context length each demo model is built with (modeling/ builds them from these): a rollout.max_model_len above it
+# is refused when the config loads, as for a checkpoint, not by vLLM in the rollout process once Redis is up.
+TINY_CONTEXT_LENGTH = {"qwen3-moe": 256, "qwen3-moe-1b": 256, "beam": 1024}
 
 
 class SyntheticEngineConfig(Strict):

@@ -14,7 +14,7 @@ from protos.config.checkpoint import resolve_max_model_len
 from protos.config.coordinator import BUILT_IN_TASKS, CoordinatorConfig, SamplingConfig
 from protos.config.launcher import LauncherConfig
 from protos.config.logger import LoggerConfig
-from protos.config.rollout import DEMO_MAX_MODEL_LEN, RolloutConfig
+from protos.config.rollout import DEMO_MAX_MODEL_LEN, TINY_CONTEXT_LENGTH, RolloutConfig
 from protos.config.trainer import TrainerConfig
 from protos.config.weight_bus import WeightBusConfig
 
@@ -96,6 +96,12 @@ class RunConfig(Strict):
         rollout = self.rollout
         if not self.model_path or rollout.engine == "synthetic":  # the tiny model is built later; the stand-in has none
             resolved = DEMO_MAX_MODEL_LEN if rollout.max_model_len is None else rollout.max_model_len
+            context = TINY_CONTEXT_LENGTH[self.tiny_model]
+            if not self.model_path and rollout.engine != "synthetic" and resolved > context:
+                raise ValueError(
+                    f"rollout.max_model_len={resolved} is above the context length of the demo's tiny model "
+                    f"{self.tiny_model!r} ({context}): lower it, or give a model_path"
+                )
         else:
             resolved = resolve_max_model_len(self.model_path, rollout.max_model_len)
         if resolved != rollout.max_model_len:

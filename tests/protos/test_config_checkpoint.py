@@ -82,6 +82,29 @@ def test_the_demos_tiny_models_and_the_synthetic_engine_keep_their_256_tokens(tm
     assert synthetic.rollout.max_model_len == 256  # the stand-in engine serves no checkpoint
 
 
+def test_a_max_model_len_above_the_demo_models_context_is_refused_when_the_config_loads():
+    with pytest.raises(
+        pydantic.ValidationError, match=r"rollout.max_model_len=512 is above .* tiny model 'qwen3-moe' \(256\)"
+    ):
+        load_run_config(overrides=["rollout.max_model_len=512"])
+    assert load_run_config(overrides=["tiny_model=beam", "rollout.max_model_len=1024"]).rollout.max_model_len == 1024
+    synthetic = load_run_config(overrides=["rollout.engine=synthetic", "rollout.max_model_len=4096"])
+    assert synthetic.rollout.max_model_len == 4096  # the stand-in serves no model
+
+
+def test_the_demo_models_are_built_with_the_context_lengths_the_config_checks():
+    from modeling.beam.tiny import tiny_beam_config
+    from modeling.tiny_model import GPU_DEMO_CONFIG, tiny_config
+    from protos.config.rollout import TINY_CONTEXT_LENGTH
+
+    built = {
+        "qwen3-moe": tiny_config().max_position_embeddings,
+        "qwen3-moe-1b": tiny_config(**GPU_DEMO_CONFIG).max_position_embeddings,
+        "beam": tiny_beam_config().max_position_embeddings,
+    }
+    assert built == TINY_CONTEXT_LENGTH
+
+
 def test_the_launcher_hands_the_roles_the_resolved_length(tmp_path):
     from coordinator.launcher import DemoLauncher
 
