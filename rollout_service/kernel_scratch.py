@@ -10,9 +10,9 @@ engine serving online MXFP8 hung this way on its first or a later update (issue 
 committed"; 2026-12-07 on an H100: committed v1, then no request of the next step ever finished).
 
 ``kept_across_reload`` holds every layer's workspace through the reload and puts it back on the layer afterwards,
-zeroed, when the new one has the same shape, dtype and device: the graphs, the layer and the kernels then use one
-memory again. A workspace that changed shape is left as vLLM made it, with a warning (the captured graphs would need
-capturing again).
+zeroed, when the new one is a fresh lock array (int32, all zero) of its shape and device: the graphs, the layer and
+the kernels then use one memory again. A workspace that changed shape is left as vLLM made it, with a warning (the
+captured graphs would need capturing again); one that is not a fresh lock array (another kernel's state) too.
 """
 
 from __future__ import annotations
@@ -53,6 +53,8 @@ def restore_scratch(kept: dict[tuple[torch.nn.Module, str], torch.Tensor]) -> tu
             old.device,
         ):
             differing.append(f"{type(module).__name__}.{name}")
+            continue
+        if new.dtype != torch.int32 or bool(new.any()):  # not a fresh lock array (another kernel's state): leave it
             continue
         with torch.no_grad():
             old.zero_()  # what a fresh workspace holds; no kernel runs while the engine is paused for the load

@@ -51,3 +51,11 @@ def test_models_without_scratch_and_unchanged_scratch_are_untouched():
     with kept_across_reload(layer):
         pass
     assert layer.workspace is same
+
+
+def test_a_workspace_that_is_not_a_fresh_lock_array_is_left_alone():
+    layer = MarlinLayer()
+    captured = layer.workspace
+    with kept_across_reload(layer):
+        layer.workspace = torch.arange(8, dtype=torch.int32)  # another kernel's state (a comm buffer), not locks
+    assert layer.workspace is not captured and int(layer.workspace[7]) == 7
