@@ -15,10 +15,10 @@ Both steps work row by row, so the experts can be processed as one matrix:
   outputs each, stacked into one "expert" of E*N outputs, repack to the experts' tiles side by side; a transpose puts
   them back in ``[E, ...]``. Only when the intermediate size needs no Marlin padding (the padding is per expert).
 
-Nothing is assumed: the first call of each replacement in a process also runs vLLM's own function and compares the
-results bit for bit (values and dtypes); the replacement is kept only if they are equal, else vLLM's function serves
-from then on and a warning says why. ``set_enabled(False)`` restores vLLM's functions (the refit benchmark measures
-both in one run).
+Nothing is assumed: the first call of each replacement in a process (and the first on arguments of new shapes) also
+runs vLLM's own function and compares the results bit for bit (values and dtypes); the replacement is kept only if
+they are equal, else vLLM's function serves from then on and a warning says why. ``set_enabled(False)`` restores
+vLLM's functions (the refit benchmark measures both in one run).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-_STATE: dict = {"enabled": True, "installed": False, "originals": {}, "verdicts": {}}
+_STATE: dict = {"enabled": True, "installed": False, "originals": {}, "verdicts": {}, "checked": set()}
 
 
 def quantize_experts(quantize, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -114,8 +114,9 @@ def same_bytes(ours, theirs) -> str:
 
 
 def checked(name: str, batched, original):
-    """Call ``batched`` in place of ``original`` once a first call of both gave equal bytes; ``batched`` may return
-    None to hand a call to ``original`` (a case it does not cover)."""
+    """Call ``batched`` in place of ``original`` once a call of both on arguments of the same shapes gave equal bytes
+    (each new set of shapes is checked once); ``batched`` may return None to hand a call to ``original`` (a case it
+    does not cover). One difference or failure hands every later call to ``original``."""
 
     def call(*args, **kwargs):
         verdict = _STATE["verdicts"].get(name)
@@ -129,14 +130,18 @@ def checked(name: str, batched, original):
             return original(*args, **kwargs)
         if ours is None:
             return original(*args, **kwargs)
-        if verdict is None:
+        shapes = (name, *(tuple(a.shape) for a in args if isinstance(a, torch.Tensor)))
+        if shapes not in _STATE["checked"]:
             theirs = original(*args, **kwargs)
             difference = same_bytes(ours, theirs)
             _STATE["verdicts"][name] = difference or "equal"
             if difference:
                 log.warning("MXFP8 %s keeps vLLM's per-expert loop: the batched result differs (%s)", name, difference)
                 return theirs
-            log.info("MXFP8 %s: batched over experts (checked equal to vLLM's per-expert loop)", name)
+            _STATE["checked"].add(shapes)
+            log.info(
+                "MXFP8 %s: batched over experts (checked equal to vLLM's per-expert loop for %s)", name, shapes[1:]
+            )
         return ours
 
     return call

@@ -15,6 +15,7 @@ pytestmark = pytest.mark.unit
 @pytest.fixture
 def fresh_state(monkeypatch):
     monkeypatch.setitem(mxfp8_batched._STATE, "verdicts", {})
+    monkeypatch.setitem(mxfp8_batched._STATE, "checked", set())
     monkeypatch.setitem(mxfp8_batched._STATE, "enabled", True)
 
 
@@ -88,6 +89,9 @@ def test_a_batched_replacement_equal_on_its_first_call_serves_alone_after_it(fre
     call(torch.ones(3))
     assert (batched.calls, original.calls) == (2, 1)
     assert mxfp8_batched._STATE["verdicts"]["demo"] == "equal"
+    call(torch.ones(5))  # arguments of new shapes: checked once more
+    call(torch.ones(5))
+    assert (batched.calls, original.calls) == (4, 2)
 
 
 def test_a_replacement_that_differs_or_fails_hands_every_call_to_vllms_function(fresh_state):
