@@ -66,6 +66,8 @@ class SampleChunk:
     version_spans: list[tuple[int, int, int]] = field(default_factory=list)
     routed_experts: object | None = None  # numpy [tokens, layers, top_k] when the engine returns it
     engine_version_spans: list[tuple[int, int, int]] | None = None  # vLLM's own, when cross-checking (tests)
+    top_token_ids: list[int] = field(default_factory=list)  # [tokens, request.logprobs] row-major, by rank
+    top_logprobs: list[float] = field(default_factory=list)
 
 
 def _version_label(label: str, initial_version: int) -> int:
@@ -222,12 +224,9 @@ class RolloutEngine:
                 output = await anext(stream)
                 while output is not None:
                     for completion in output.outputs:
-                        chunk = self._chunk(request_id, completion, received, own_spans)
-                        if buffer is not None:
-                            held = buffer.push(chunk.sample_index, chunk.token_ids, chunk.logprobs, chunk.finished)
-                            if held is None:
-                                continue
-                            chunk.token_ids, chunk.logprobs = held
+                        chunk = self._chunk(request_id, completion, received, own_spans, request.logprobs)
+                        if buffer is not None and not buffer.push(chunk):
+                            continue
                         finished += chunk.finished
                         yield chunk
                     output = await anext(stream, None)
@@ -244,11 +243,14 @@ class RolloutEngine:
             finally:
                 self._generating -= 1
 
-    def _chunk(self, request_id: str, completion, received: list[int], own_spans: bool) -> SampleChunk:
-        logprobs = []
+    def _chunk(self, request_id: str, completion, received: list[int], own_spans: bool, top: int) -> SampleChunk:
+        logprobs, top_ids, top_logprobs = [], [], []
         for token_id, entry in zip(completion.token_ids, completion.logprobs or [], strict=False):
             logprobs.append(float(entry[token_id].logprob))
+            if top:
+                vllm_adapter.top_by_rank(entry, top, top_ids, top_logprobs)
         chunk = SampleChunk(request_id, completion.index, list(completion.token_ids), logprobs)
+        chunk.top_token_ids, chunk.top_logprobs = top_ids, top_logprobs
         received[completion.index] += len(chunk.token_ids)
         if completion.finish_reason is not None:
             chunk.finished = True

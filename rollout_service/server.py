@@ -56,6 +56,8 @@ def chunk_to_proto(chunk: SampleChunk) -> pb.GenerateResponse:
         token_ids=chunk.token_ids,
         logprobs=chunk.logprobs,
         finished=chunk.finished,
+        top_token_ids=chunk.top_token_ids,
+        top_logprobs=chunk.top_logprobs,
     )
     if chunk.finished:
         message.finish_reason = FinishReason.from_engine(chunk.finish_reason)  # values = the proto enum's

@@ -115,6 +115,8 @@ class SyntheticEngine:
     async def generate(self, request: SamplingRequest) -> AsyncIterator[SampleChunk]:
         """Stream every sample's chunks at the configured pace; aborted samples end with finish reason ``abort``."""
         request_id = request.request_id or uuid.uuid4().hex
+        if request.logprobs:  # its tokens are drawn, not sampled from a distribution: it has no alternatives to rank
+            raise RequestRejected("sampling.logprobs: the synthetic engine has no top logprobs (ask for 0)")
         await self._wait_admitted()
         if request_id in self._live:
             raise RequestRejected(f"request_id {request_id!r} is already running on {self.server_id}")

@@ -264,21 +264,39 @@ class ChunkBuffer:
     have gathered. With ``interval`` <= 1 every chunk passes through.
     """
 
+    PER_TOKEN = ("token_ids", "logprobs", "top_token_ids", "top_logprobs")  # the chunk's lists that grow per token
+
     def __init__(self, interval: int):
         self.interval = interval
-        self._held: dict[int, tuple[list[int], list[float]]] = {}
+        self._held: dict[int, dict[str, list]] = {}
         self._sent: set[int] = set()
 
-    def push(self, index: int, token_ids: list[int], logprobs: list[float], finished: bool):
-        """(token ids, logprobs) to send now for sample ``index``, or None to hold them."""
+    def push(self, chunk) -> bool:
+        """Whether ``chunk`` (a SampleChunk) goes out now; if so its per-token lists are filled with what was held for
+        its sample before it, else they are held."""
         if self.interval <= 1:
-            return token_ids, logprobs
-        held_ids, held_logprobs = self._held.setdefault(index, ([], []))
-        held_ids.extend(token_ids)
-        held_logprobs.extend(logprobs)
-        first = index not in self._sent
-        if not (finished or first or len(held_ids) >= self.interval):
-            return None
-        self._sent.add(index)
-        del self._held[index]
-        return held_ids, held_logprobs
+            return True
+        held = self._held.setdefault(chunk.sample_index, {name: [] for name in self.PER_TOKEN})
+        for name in self.PER_TOKEN:
+            held[name].extend(getattr(chunk, name))
+        first = chunk.sample_index not in self._sent
+        if not (chunk.finished or first or len(held["token_ids"]) >= self.interval):
+            return False
+        self._sent.add(chunk.sample_index)
+        del self._held[chunk.sample_index]
+        for name in self.PER_TOKEN:
+            setattr(chunk, name, held[name])
+        return True
+
+
+def top_by_rank(entry, top: int, ids: list[int], logprobs: list[float]) -> None:
+    """Append a token's ``top`` most likely tokens (vLLM's rank 1..top; the sampled token also appears, with its own
+    rank, when it is not among them) to ``ids`` / ``logprobs``; a vocabulary smaller than ``top`` pads with id -1 and
+    logprob -inf, so the rows stay ``top`` wide."""
+    ranked = sorted((lp.rank, token_id, lp.logprob) for token_id, lp in entry.items() if lp.rank and lp.rank <= top)
+    for _, token_id, logprob in ranked[:top]:
+        ids.append(int(token_id))
+        logprobs.append(float(logprob))
+    for _ in range(top - min(len(ranked), top)):
+        ids.append(-1)
+        logprobs.append(float("-inf"))

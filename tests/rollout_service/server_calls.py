@@ -84,9 +84,13 @@ def generate(stub, prompt=PROMPT, **sampling):
     )
     samples: dict[int, dict] = {}
     for chunk in chunks:
-        sample = samples.setdefault(chunk.sample_index, {"tokens": [], "logprobs": [], "final": None})
+        sample = samples.setdefault(
+            chunk.sample_index, {"tokens": [], "logprobs": [], "top_ids": [], "top_logprobs": [], "final": None}
+        )
         sample["tokens"] += list(chunk.token_ids)
         sample["logprobs"] += list(chunk.logprobs)
+        sample["top_ids"] += list(chunk.top_token_ids)
+        sample["top_logprobs"] += list(chunk.top_logprobs)
         if chunk.finished:
             sample["final"] = chunk
     return chunks, samples

@@ -22,7 +22,7 @@ from modeling.tiny_model import init_tiny
 from protos.config import RolloutConfig, TrainerConfig
 from protos.records import encode
 from rollout_service import metrics, vllm_adapter
-from rollout_service.engine import RolloutEngine, SamplingRequest
+from rollout_service.engine import RolloutEngine, SampleChunk, SamplingRequest
 from rollout_service.vllm_adapter import ChunkBuffer, UnsupportedVllm, VersionSpanTracker
 from tests.waiting import wait_until, wait_until_async
 from trainer_service.torch_backend import TorchBackend
@@ -60,11 +60,34 @@ def test_span_tracker_splits_at_each_commit_and_drops_empty_spans():
 
 def test_chunk_buffer_sends_the_first_token_at_once_then_full_chunks_then_the_rest():
     buffer = ChunkBuffer(4)
-    sent = [buffer.push(0, [t], [-0.1 * t], finished=t == 11) for t in range(12)]
-    sizes = [len(chunk[0]) for chunk in sent if chunk is not None]
-    assert sizes == [1, 4, 4, 3]
-    assert [t for chunk in sent if chunk for t in chunk[0]] == list(range(12))
-    assert ChunkBuffer(1).push(0, [1, 2], [0.0, 0.0], finished=False) == ([1, 2], [0.0, 0.0])
+    chunks = [
+        SampleChunk("r", 0, [t], [-0.1 * t], finished=t == 11, top_token_ids=[t, t + 1], top_logprobs=[-0.1, -0.2])
+        for t in range(12)
+    ]
+    sent = [chunk for chunk in chunks if buffer.push(chunk)]
+    assert [len(chunk.token_ids) for chunk in sent] == [1, 4, 4, 3]
+    assert [t for chunk in sent for t in chunk.token_ids] == list(range(12))
+    assert [len(chunk.top_token_ids) for chunk in sent] == [2, 8, 8, 6]  # the top lists travel with their tokens
+    assert [t for chunk in sent for t in chunk.top_token_ids[::2]] == list(range(12))
+    passing = SampleChunk("r", 0, [1, 2], [0.0, 0.0])
+    assert ChunkBuffer(1).push(passing) and passing.token_ids == [1, 2]
+
+
+def test_top_logprobs_are_listed_by_rank_and_padded_to_the_width_asked():
+    from types import SimpleNamespace
+
+    from rollout_service.vllm_adapter import top_by_rank
+
+    entry = {  # vLLM's dict for one token: the top 2 by rank and the sampled token (rank 7) beside them
+        9: SimpleNamespace(logprob=-3.0, rank=7),
+        4: SimpleNamespace(logprob=-0.5, rank=2),
+        5: SimpleNamespace(logprob=-0.2, rank=1),
+    }
+    ids, logprobs = [], []
+    top_by_rank(entry, 2, ids, logprobs)
+    assert (ids, logprobs) == ([5, 4], [-0.2, -0.5])
+    top_by_rank(entry, 3, ids, logprobs)  # only two ranked within 3: padded
+    assert ids[2:] == [5, 4, -1] and logprobs[4] == float("-inf")
 
 
 # -- integration: one CPU engine, both paths -----------------------------------------------------------------

@@ -57,6 +57,29 @@ def test_generate_streams_tokens_logprobs_and_version_spans(server):
         assert not final.HasField("routed_experts")  # vLLM on CPU cannot return routes
 
 
+def test_top_logprobs_asked_for_are_each_tokens_most_likely_tokens_by_rank(server, model_dir):
+    """sampling.logprobs = k: every new token comes with the k most likely tokens of the distribution it was sampled
+    from (at the request's temperature), by rank, as the reference model computes them."""
+    from transformers import AutoModelForCausalLM
+
+    reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    chunks, samples = generate(server.stub, n=1, temperature=0.5, max_tokens=5, logprobs=3)
+    sample = samples[0]
+    assert len(sample["top_ids"]) == len(sample["top_logprobs"]) == 3 * 5  # [tokens, k], row-major
+    assert all(len(c.top_token_ids) == 3 * len(c.token_ids) for c in chunks)  # each chunk carries its tokens' rows
+    ids = torch.tensor([PROMPT + sample["tokens"]])
+    with torch.no_grad():
+        logits = reference(input_ids=ids).logits[0, len(PROMPT) - 1 : -1].float()
+    expected = torch.log_softmax(logits / 0.5, dim=-1).topk(3, dim=-1)
+    served_ids = torch.tensor(sample["top_ids"]).view(5, 3)
+    served = torch.tensor(sample["top_logprobs"]).view(5, 3)
+    assert torch.equal(served_ids, expected.indices), (served_ids, expected.indices)
+    assert (served - expected.values).abs().max() < 1e-3
+    assert (served[:, :-1] >= served[:, 1:]).all()  # by rank
+    _, plain = generate(server.stub, n=1, max_tokens=2)
+    assert plain[0]["top_ids"] == [] and plain[0]["top_logprobs"] == []  # none asked, none sent
+
+
 def test_logprobs_are_of_the_distribution_the_tokens_were_sampled_from(server, model_dir):
     """At temperature T the sampler draws from softmax(logits / T): the logprobs must be of that distribution
     (vLLM's default returns those of the raw logits), or every off-policy ratio at T != 1 is off."""

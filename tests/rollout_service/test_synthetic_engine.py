@@ -207,3 +207,10 @@ def test_the_synthetic_path_imports_no_vllm():
         "assert not loaded, loaded\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_top_logprobs_are_refused_naming_the_field_the_synthetic_engine_has_none():
+    from rollout_service.engine import RequestRejected
+
+    with pytest.raises(RequestRejected, match=r"sampling.logprobs: the synthetic engine has no top logprobs"):
+        asyncio.run(collect(engine(), request(logprobs=2)))
