@@ -23,6 +23,7 @@ vLLM's functions (the refit benchmark measures both in one run).
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import torch
@@ -55,7 +56,9 @@ def repack_experts(weight: torch.Tensor) -> torch.Tensor:
     return out.view(out.shape[0], experts, -1).transpose(0, 1).contiguous()
 
 
+@functools.cache
 def _repack_takes_perm(ops) -> bool:
+    """Read once per process: the repack runs twice per MoE layer on every update."""
     import inspect
 
     return "perm" in inspect.signature(ops.gptq_marlin_repack).parameters
