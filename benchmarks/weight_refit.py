@@ -80,6 +80,7 @@ def model_dir(name: str, root: Path) -> tuple[Path, list[tuple[str, torch.Tensor
 
     overrides = MODELS[name]
     config = tiny_config(**overrides)
+    config.architectures = ["Qwen3MoeForCausalLM"]  # a config without it serves no generation in vLLM
     path = root / name
     config.save_pretrained(path)
     build_tokenizer().save_pretrained(path)
