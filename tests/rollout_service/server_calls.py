@@ -20,7 +20,7 @@ from protos import rollout_pb2 as pb
 from protos import rollout_pb2_grpc as pb_grpc
 from protos.config import WeightBusConfig
 from protos.redis_keys import RedisKeys
-from tests.rollout_service.server_process import spawn_rollout_server
+from tests.rollout_service.server_process import ServerProcess, spawn_rollout_server
 from trainer_service.publisher import WeightPublisher
 from trainer_service.torch_backend import TorchBackend
 
@@ -39,42 +39,65 @@ class ServerHandle:
     log_path: str
 
 
+@dataclass(frozen=True)
+class ServerSpec:
+    """One rollout server of :func:`running_servers`: its log folder, more config overrides and its run."""
+
+    logs: Path
+    overrides: tuple[str, ...] = ()
+    run_id: str = RUN_ID
+
+
 @contextlib.contextmanager
 def running_server(
     model_dir: str, redis_url: str, logs: Path, *overrides: str, run_id: str = RUN_ID
 ) -> Iterator[ServerHandle]:
     """One rollout server process (weight_updates=manual) for a test module; stopped on exit unless a test did.
     ``overrides``: more dotted config overrides (``rollout.lora.enabled=true``)."""
-    metrics_port = free_port()
-    log_path = logs / "rollout.log"
-    # manual: weights change only through the gRPC calls the tests make, never on an announcement
-    spawned = spawn_rollout_server(
-        model_dir,
-        log_path,
-        "--server-id",
-        "test-0",
-        "--redis-url",
-        redis_url,
-        "--run-id",
-        run_id,
-        "--metrics-port",
-        str(metrics_port),
-        "--grace-s",
-        str(GRACE_S),
-        f"rollout.max_inflight_requests={MAX_INFLIGHT}",
-        "rollout.weight_updates=manual",
-        *overrides,
-    )
-    process = spawned.process
-    channel = grpc.insecure_channel(spawned.wait_serving(timeout_s=240).address)
-    server_handle = ServerHandle(channel, pb_grpc.RolloutServiceStub(channel), process, metrics_port, str(log_path))
+    with running_servers(model_dir, redis_url, ServerSpec(logs, overrides, run_id)) as (handle,):
+        yield handle
+
+
+@contextlib.contextmanager
+def running_servers(model_dir: str, redis_url: str, *specs: ServerSpec) -> Iterator[list[ServerHandle]]:
+    """Rollout server processes as :func:`running_server` starts one, all spawned before any is waited for (their
+    engines start side by side instead of one after the other); every one is stopped on exit."""
+    started: list[tuple[ServerProcess, int]] = []
+    handles: list[ServerHandle] = []
     try:
-        yield server_handle
+        for spec in specs:
+            metrics_port = free_port()
+            # manual: weights change only through the gRPC calls the tests make, never on an announcement
+            spawned = spawn_rollout_server(
+                model_dir,
+                spec.logs / "rollout.log",
+                "--server-id",
+                "test-0",
+                "--redis-url",
+                redis_url,
+                "--run-id",
+                spec.run_id,
+                "--metrics-port",
+                str(metrics_port),
+                "--grace-s",
+                str(GRACE_S),
+                f"rollout.max_inflight_requests={MAX_INFLIGHT}",
+                "rollout.weight_updates=manual",
+                *spec.overrides,
+            )
+            started.append((spawned, metrics_port))
+        for spawned, metrics_port in started:
+            channel = grpc.insecure_channel(spawned.wait_serving(timeout_s=240).address)
+            stub = pb_grpc.RolloutServiceStub(channel)
+            handles.append(ServerHandle(channel, stub, spawned.process, metrics_port, str(spawned.log_path)))
+        yield handles
     finally:
-        channel.close()
-        if process.poll() is None:  # the shutdown test normally stops it
-            os.killpg(process.pid, 15)
-            process.wait(timeout=60)
+        for handle in handles:
+            handle.channel.close()
+        for spawned, _ in started:
+            if spawned.process.poll() is None:  # the shutdown test normally stops it
+                os.killpg(spawned.process.pid, 15)
+                spawned.process.wait(timeout=60)
 
 
 def generate(stub, prompt=PROMPT, **sampling):

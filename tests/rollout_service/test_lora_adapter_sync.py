@@ -28,10 +28,11 @@ from tests.rollout_service.lora_models import (
 )
 from tests.rollout_service.server_calls import (
     PROMPT,
+    ServerSpec,
     generate,
     hf_greedy,
     rpc_error,
-    running_server,
+    running_servers,
     server_info,
 )
 from tests.waiting import wait_until
@@ -53,10 +54,10 @@ def model_dir(request, tmp_path_factory):
 @pytest.fixture(scope="module")
 def servers(model_dir, redis_server, tmp_path_factory):
     """(adapter server, merged-weights server), both from the same base checkpoint."""
-    lora_logs, merged_logs = tmp_path_factory.mktemp("lora-logs"), tmp_path_factory.mktemp("merged-logs")
-    with running_server(model_dir, redis_server.url, lora_logs, *server_overrides(), run_id=ADAPTER_RUN) as lora:
-        with running_server(model_dir, redis_server.url, merged_logs, run_id=MERGED_RUN) as merged:
-            yield lora, merged
+    lora = ServerSpec(tmp_path_factory.mktemp("lora-logs"), tuple(server_overrides()), ADAPTER_RUN)
+    merged = ServerSpec(tmp_path_factory.mktemp("merged-logs"), (), MERGED_RUN)
+    with running_servers(model_dir, redis_server.url, lora, merged) as (lora_server, merged_server):
+        yield lora_server, merged_server
 
 
 @pytest.fixture(scope="module")
