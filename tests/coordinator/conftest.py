@@ -1,5 +1,5 @@
 """Fixtures of the coordinator's tests: a self-signed TLS pair (auth and the agent API over TLS), and one rollout
-server process per module (vLLM CPU, the tiny model) for the agent API's tests."""
+server process (vLLM CPU, the tiny model) shared by the modules of the agent API's and the door's tests."""
 
 from __future__ import annotations
 
@@ -45,14 +45,18 @@ def tls_pair(tmp_path) -> tuple[str, str]:
     return str(cert_file), str(key_file)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> str:
+    """The tiny model (seed 0: the same weights wherever it is built), written once and only read."""
     return str(init_tiny(tmp_path_factory.mktemp("tiny")))
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def rollout_server(tiny_model, tmp_path_factory):
-    """One rollout server process (``server-id r0``) for the module; stopped (killed if it must) after it."""
+    """One rollout server process (``server-id r0``) shared by every module that asks for it; stopped (killed if it
+    must) at the end of the session. Shared, not one per module (each start is ~25 s on 2 cores): it is given no
+    Redis, so it follows no weight announcements and serves the tiny model's v0 weights from start to end, and no test
+    stops, pauses or updates it; the tests only send it requests."""
     server = spawn_rollout_server(tiny_model, tmp_path_factory.mktemp("logs") / "rollout.log", "--server-id", "r0")
     try:
         yield server.wait_serving(timeout_s=300)
