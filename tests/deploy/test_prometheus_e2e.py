@@ -127,7 +127,8 @@ def _run_config(tmp_path: Path, ports: dict[str, int]) -> Path:
                 "reward_fn": "tests.coordinator.reward_plugins:always_one",
             },
         },
-        "trainer": {"metrics_port": ports["trainer"], "geo_mask": None, "batch_timeout_s": 120, "resume": "none"},
+        # batch_timeout_s: the first batch waits for the rollout engine's start too (the trainer starts beside it)
+        "trainer": {"metrics_port": ports["trainer"], "geo_mask": None, "batch_timeout_s": 300, "resume": "none"},
     }
     path = tmp_path / "run.yaml"
     path.write_text(yaml.safe_dump(config))
@@ -152,13 +153,14 @@ def test_prometheus_scrapes_a_run_and_holds_every_series_the_grafana_dashboard_q
     )
     processes = [server.process]
     try:
-        prometheus.wait_until_up()
-        server.wait_serving(timeout_s=300)
         config = _run_config(tmp_path, ports)
         common = ["--model", model_dir, "--redis-url", redis_server.url, "--config", str(config)]
         started = time.time()
+        # the trainer starts while the server's engine does (as the launcher starts them); it waits for its batches
         trainer = _spawn(tmp_path / "trainer.log", "trainer_service", "train", *common, "--linger-s", "5")
         processes.append(trainer)
+        prometheus.wait_until_up()
+        server.wait_serving(timeout_s=300)
 
         def first_version() -> bool:  # the coordinator starts on the trainer's first version
             assert trainer.poll() is None, (tmp_path / "trainer.log").read_text()[-3000:]
