@@ -18,6 +18,7 @@ import os
 from rollout_service import mxfp8_batched
 from rollout_service.kernel_scratch import kept_across_reload
 from rollout_service.load_watchdog import profiled_load, stacks_if_slow
+from rollout_service.reload_notices import quiet_derived_buffer_warnings
 
 # vLLM imports this module in each worker before it loads the model, so the MXFP8 experts' processing is batched from
 # the first load on (each replacement checks itself against vLLM's loop on its first call).
@@ -134,8 +135,13 @@ class WeightLoaderExtension:
 
         # Some models' loaders write tensors past the weight loaders the layerwise reload counts (gpt-oss).
         routed = route_reload_weights(model, counted())
-        # Marlin's lock arrays stay where the CUDA graphs captured them (rollout_service/kernel_scratch.py).
-        with profiled_load(manifest.version, "reload"), kept_across_reload(model):
+        # Marlin's lock arrays stay where the CUDA graphs captured them (rollout_service/kernel_scratch.py); vLLM's
+        # false "RotaryEmbedding: Failed to load weights" is dropped (rollout_service/reload_notices.py).
+        with (
+            profiled_load(manifest.version, "reload"),
+            kept_across_reload(model),
+            quiet_derived_buffer_warnings(model),
+        ):
             self.model_runner.reload_weights(weights_iterator=routed, is_checkpoint_format=True)
         self.fleetrl_last_load_path = "reload"
         if attempt is not None:
