@@ -61,11 +61,13 @@ def running_server(
 @contextlib.contextmanager
 def running_servers(model_dir: str, redis_url: str, *specs: ServerSpec) -> Iterator[list[ServerHandle]]:
     """Rollout server processes as :func:`running_server` starts one, all spawned before any is waited for (their
-    engines start side by side instead of one after the other); every one is stopped on exit."""
+    engines start side by side instead of one after the other; with several, each engine on its own core as the
+    launcher places its servers); every one is stopped on exit."""
     started: list[tuple[ServerProcess, int]] = []
     handles: list[ServerHandle] = []
     try:
-        for spec in specs:
+        for index, spec in enumerate(specs):
+            cores = {"VLLM_CPU_OMP_THREADS_BIND": str(index % (os.cpu_count() or 1))} if len(specs) > 1 else {}
             metrics_port = free_port()
             # manual: weights change only through the gRPC calls the tests make, never on an announcement
             spawned = spawn_rollout_server(
@@ -84,6 +86,7 @@ def running_servers(model_dir: str, redis_url: str, *specs: ServerSpec) -> Itera
                 f"rollout.max_inflight_requests={MAX_INFLIGHT}",
                 "rollout.weight_updates=manual",
                 *spec.overrides,
+                env=cores,
             )
             started.append((spawned, metrics_port))
         for spawned, metrics_port in started:
