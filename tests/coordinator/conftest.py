@@ -51,17 +51,32 @@ def tiny_model(tmp_path_factory) -> str:
     return str(init_tiny(tmp_path_factory.mktemp("tiny")))
 
 
+_shared_servers: list = []  # the session's rollout server process, while it runs
+
+
 @pytest.fixture(scope="session")
 def rollout_server(tiny_model, tmp_path_factory):
     """One rollout server process (``server-id r0``) shared by every module that asks for it; stopped (killed if it
-    must) at the end of the session. Shared, not one per module (each start is ~25 s on 2 cores): it is given no
-    Redis, so it follows no weight announcements and serves the tiny model's v0 weights from start to end, and no test
-    stops, pauses or updates it; the tests only send it requests."""
+    must) after the last test that uses it (``pytest_runtest_teardown``), not left idle for the rest of the session.
+    Shared, not one per module (each start is ~25 s on 2 cores): it is given no Redis, so it follows no weight
+    announcements and serves the tiny model's v0 weights from start to end, and no test stops, pauses or updates it;
+    the tests only send it requests."""
     server = spawn_rollout_server(tiny_model, tmp_path_factory.mktemp("logs") / "rollout.log", "--server-id", "r0")
+    _shared_servers.append(server.process)
     try:
         yield server.wait_serving(timeout_s=300)
     finally:
         stop_process(server.process)
+        _shared_servers.clear()
+
+
+def pytest_runtest_teardown(item, nextitem):
+    """Stops the shared rollout server once no test after ``item`` in this session uses it."""
+    if not _shared_servers or "rollout_server" not in item.fixturenames:
+        return
+    later = item.session.items[item.session.items.index(item) + 1 :]
+    if not any("rollout_server" in getattr(other, "fixturenames", ()) for other in later):
+        stop_process(_shared_servers.pop())
 
 
 @pytest.fixture
