@@ -47,6 +47,8 @@ class Turn:
     version_spans: list[tuple[int, int, int]] = field(default_factory=list)  # over this turn's tokens
     routes: np.ndarray | None = None  # [tokens before this turn's last, layers, top_k]; last generated turn only
     server_id: str = ""
+    top_token_ids: np.ndarray | None = None  # int32 [T, k]: the engine's top k per token, when the turn asked for k
+    top_logprobs: np.ndarray | None = None  # float32 [T, k], the same tokens' logprobs (answers only, not trained)
 
 
 @dataclass

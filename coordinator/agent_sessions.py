@@ -45,7 +45,7 @@ from coordinator.agent_groups import (
 from coordinator.agent_store import BookRecords
 from coordinator.agent_submissions import Submissions, SubmitResult
 from coordinator.agent_tasks import AgentTasks
-from coordinator.agent_turns import TurnChunk, stream_turn
+from coordinator.agent_turns import MAX_TOP_LOGPROBS, TurnChunk, stream_turn
 from coordinator.fleet import NoServerAvailable
 from protos.config import AgentConfig
 
@@ -251,18 +251,23 @@ class SessionBook(Submissions, Endings):
         stop_token_ids: list[int],
         expected_length: int = 0,
         stream_interval: int = 0,
+        top_logprobs: int = 0,
     ) -> AsyncIterator[TurnChunk]:
-        """One model turn after everything the session holds; recorded (in Redis too) before its last chunk."""
+        """One model turn after everything the session holds; recorded (in Redis too) before its last chunk.
+        ``top_logprobs`` k > 0: every chunk and the recorded turn carry the engine's k most likely tokens per token."""
         session = self._open_session(owner, session_id, expected_length)
         if max_tokens <= 0:
             raise InvalidArgument(f"max_tokens: {max_tokens}, must be > 0")
+        if not 0 <= top_logprobs <= MAX_TOP_LOGPROBS:
+            raise InvalidArgument(f"top_logprobs: {top_logprobs}, must be in [0, {MAX_TOP_LOGPROBS}]")
         self._check_tokens("stop_token_ids", stop_token_ids)
         room = self.max_model_len - session.length
         if room <= 0:
             raise InvalidArgument(f"session_id: the session holds {session.length} tokens = max_model_len")
         session.busy = True
         try:
-            async for chunk in stream_turn(self, session, min(max_tokens, room), stop_token_ids, stream_interval):
+            turn = stream_turn(self, session, min(max_tokens, room), stop_token_ids, stream_interval, top_logprobs)
+            async for chunk in turn:
                 yield chunk
         finally:
             session.busy = False

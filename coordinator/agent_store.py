@@ -98,6 +98,8 @@ class BookRecords:
             finish_reason=turn.finish_reason,
             version_spans=[VersionSpan(*span) for span in turn.version_spans],
             server_id=turn.server_id,
+            top_token_ids=_optional_array(turn.top_token_ids),
+            top_logprobs=_optional_array(turn.top_logprobs),
         )
         await self.write(
             session.group,
@@ -119,7 +121,13 @@ def _turn(record: AgentTurn) -> Turn:
         finish_reason=record.finish_reason,
         version_spans=[(s.version, s.start, s.end) for s in record.version_spans],
         server_id=record.server_id,
+        top_token_ids=None if record.top_token_ids is None else record.top_token_ids.to_numpy(),
+        top_logprobs=None if record.top_logprobs is None else record.top_logprobs.to_numpy(),
     )
+
+
+def _optional_array(values: np.ndarray | None) -> Array | None:
+    return None if values is None else Array.from_numpy(values)
 
 
 def _group(record: AgentGroupRecord, owner: str, size: int) -> AgentGroup:

@@ -24,6 +24,7 @@ from protos.records import FinishReason
 logger = logging.getLogger(__name__)
 
 DEFAULT_STREAM_INTERVAL = 16  # tokens per chunk when the agent asks 0 (agent.proto GenerateRequest.stream_interval)
+MAX_TOP_LOGPROBS = 20  # OpenAI's bound on top_logprobs, and rollout.proto's on sampling.logprobs
 
 
 @dataclass
@@ -34,15 +35,29 @@ class TurnChunk:
     session_length: int
     finished: bool = False
     turn: Turn | None = None  # the recorded turn, on the finished chunk
+    top_token_ids: list[list[int]] | None = None  # per token, its k most likely tokens (when the turn asked k > 0)
+    top_logprobs: list[list[float]] | None = None
 
 
-async def stream_turn(book, session: Session, max_tokens: int, stop_token_ids: list[int], stream_interval: int):
-    """The chunks of one turn of ``session`` (checked and marked busy by ``SessionBook.generate``)."""
+def top_rows(values, tokens: int, k: int) -> list[list]:
+    """A chunk's row-major [tokens, k] top-logprob field as one row per token (GenerateResponse fields 9, 10)."""
+    if len(values) != tokens * k:
+        raise RolloutFailed(f"the server sent {len(values)} top logprob entries for {tokens} tokens x {k}")
+    return [list(values[i * k : (i + 1) * k]) for i in range(tokens)]
+
+
+async def stream_turn(
+    book, session: Session, max_tokens: int, stop_token_ids: list[int], stream_interval: int, top_logprobs: int = 0
+):
+    """The chunks of one turn of ``session`` (checked and marked busy by ``SessionBook.generate``); with
+    ``top_logprobs`` k > 0 each chunk and the recorded turn carry the engine's k most likely tokens per token."""
     await _ensure_server(book, session)
     index, start = len(session.turns), session.length
     turn = Turn(True, [], [], server_id=session.server.server_id or session.server.address)
     request_id = f"agent-{session.session_id[:12]}-t{index}-{uuid.uuid4().hex[:6]}"
     final = None
+    top_ids: list[list[int]] = []
+    top_lps: list[list[float]] = []
     try:
         stream = session.server.stream_one(
             session.tokens(),
@@ -52,14 +67,26 @@ async def stream_turn(book, session: Session, max_tokens: int, stop_token_ids: l
             book.scheduler.config.request_timeout_s,
             request_id,
             stream_interval or DEFAULT_STREAM_INTERVAL,
+            top_logprobs,
         )
         async for chunk in stream:
             turn.token_ids += chunk.token_ids
             turn.logprobs += chunk.logprobs
+            chunk_ids, chunk_lps = tops = _tops(chunk, top_logprobs)
+            if chunk_ids is not None:
+                top_ids += chunk_ids
+                top_lps += chunk_lps
             if chunk.finished:
-                final = chunk
+                final, final_tops = chunk, tops
                 break
-            yield TurnChunk(list(chunk.token_ids), list(chunk.logprobs), index, start + len(turn.token_ids))
+            yield TurnChunk(
+                list(chunk.token_ids),
+                list(chunk.logprobs),
+                index,
+                start + len(turn.token_ids),
+                top_token_ids=chunk_ids,
+                top_logprobs=chunk_lps,
+            )
         if final is None:
             raise RolloutFailed(f"{session.server.address}: the stream ended before the turn finished")
     except RolloutFailed as error:
@@ -69,13 +96,23 @@ async def stream_turn(book, session: Session, max_tokens: int, stop_token_ids: l
     turn.finish_reason = FinishReason(final.finish_reason)
     turn.version_spans = [(s.version, s.start, s.end) for s in final.version_spans]
     turn.routes = _routes(final)
+    if top_logprobs > 0:
+        turn.top_token_ids = np.asarray(top_ids, dtype=np.int32).reshape(len(top_ids), top_logprobs)
+        turn.top_logprobs = np.asarray(top_lps, dtype=np.float32).reshape(len(top_lps), top_logprobs)
     await book.records.write_turn(session, index, turn)  # UNAVAILABLE when it cannot be: nothing recorded
     previous = session.last_generated()
     if previous is not None:
         previous.routes = None  # superseded: the trainer replays the last generated turn's only
     session.turns.append(turn)
     book.scheduler.stats.tokens_generated += len(turn.token_ids)  # the coordinator's rollout tok/s counts agents
-    yield TurnChunk(list(final.token_ids), list(final.logprobs), index, session.length, True, turn)
+    yield TurnChunk(list(final.token_ids), list(final.logprobs), index, session.length, True, turn, *final_tops)
+
+
+def _tops(chunk, k: int) -> tuple[list | None, list | None]:
+    if k <= 0:
+        return None, None
+    tokens = len(chunk.token_ids)
+    return top_rows(chunk.top_token_ids, tokens, k), top_rows(chunk.top_logprobs, tokens, k)
 
 
 async def _ensure_server(book, session: Session) -> None:

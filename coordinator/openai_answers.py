@@ -7,14 +7,16 @@ detokenized turn, tool calls are parsed out of it when the request gave tools (`
 
 from __future__ import annotations
 
+import math
 import time
 
+from coordinator.agent_groups import Turn
 from coordinator.agent_sessions import Session
 from coordinator.openai_requests import ChatRequest
 from coordinator.openai_tools import parse_tool_calls
 from protos.records import FinishReason
 
-__all__ = ["answer_choice", "chat_answer", "context_tokens", "token_logprobs"]
+__all__ = ["answer_choice", "chat_answer", "context_tokens", "token_logprobs", "turn_tops"]
 
 
 def chat_answer(tokenizer, turns: list[tuple[Session, int]], chat: ChatRequest) -> dict:
@@ -44,15 +46,32 @@ def context_tokens(session: Session, index: int) -> int:
     return len(session.prompt) + sum(len(t.token_ids) for t in session.turns[:index])
 
 
-def token_logprobs(tokenizer, token_ids: list[int], logprobs: list[float]) -> list[dict]:
+def token_logprobs(tokenizer, token_ids: list[int], logprobs: list[float], tops=None) -> list[dict]:
     """OpenAI's logprob entries of tokens (chat ``logprobs.content``, a Responses ``output_text``'s ``logprobs``):
-    each token's vocabulary piece, its logprob, the piece's UTF-8 ``bytes`` and no alternatives (``top_logprobs``
-    is refused unless 0: the engine returns the sampled token's logprob only)."""
+    each token's vocabulary piece, its logprob, the piece's UTF-8 ``bytes`` and its ``top_logprobs``: the engine's
+    most likely tokens at that position when ``tops`` = (ids per token, logprobs per token) is given (else [])."""
     pieces = tokenizer.convert_ids_to_tokens(list(token_ids))
-    return [
-        {"token": p, "logprob": lp, "bytes": list(p.encode()), "top_logprobs": []}
-        for p, lp in zip(pieces, logprobs, strict=True)
-    ]
+    entries = [_entry(p, lp) | {"top_logprobs": []} for p, lp in zip(pieces, logprobs, strict=True)]
+    if tops is not None:
+        for entry, ids, lps in zip(entries, *tops, strict=True):
+            known = [(int(i), lp) for i, lp in zip(ids, lps, strict=True) if i >= 0]  # -1: past a small vocabulary
+            names = tokenizer.convert_ids_to_tokens([i for i, _ in known])
+            entry["top_logprobs"] = [_entry(p, lp) for p, (_, lp) in zip(names, known, strict=True)]
+    return entries
+
+
+def _entry(piece: str, logprob: float) -> dict:
+    # JSON has no -inf: OpenAI reports -9999.0 for a token too unlikely to have a finite logprob.
+    value = float(logprob) if math.isfinite(logprob) else -9999.0
+    return {"token": piece, "logprob": value, "bytes": list(piece.encode())}
+
+
+def turn_tops(turn: Turn, k: int, start: int = 0):
+    """The first ``k`` top tokens per token of ``turn`` from token ``start`` on, as ``token_logprobs`` takes them;
+    None when the request asked for none or the turn was generated without them."""
+    if k <= 0 or turn.top_token_ids is None:
+        return None
+    return turn.top_token_ids[start:, :k].tolist(), turn.top_logprobs[start:, :k].tolist()
 
 
 def answer_choice(tokenizer, session: Session, index: int, chat: ChatRequest, choice_index: int) -> dict:
@@ -73,7 +92,8 @@ def answer_choice(tokenizer, session: Session, index: int, chat: ChatRequest, ch
             finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason
     choice = {"index": choice_index, "message": message, "finish_reason": finish_reason, "logprobs": None}
     if chat.logprobs:
-        choice["logprobs"] = {"content": token_logprobs(tokenizer, turn.token_ids, turn.logprobs)}
+        tops = turn_tops(turn, chat.top_logprobs)
+        choice["logprobs"] = {"content": token_logprobs(tokenizer, turn.token_ids, turn.logprobs, tops)}
     versions = [v for v, _, _ in turn.version_spans]
     choice["fleetrl"] = {
         "session_id": session.session_id,

@@ -201,7 +201,9 @@ class OpenAIDoor:
         ``on_chunk`` (a stream) every token comes as the engine sends it; the finished chunk is the record's."""
         index = None
         interval = 1 if on_chunk is not None else 0  # 0: the core's default chunking
-        turns = self.book.generate(owner, session.session_id, chat.max_tokens, chat.stop_token_ids, length, interval)
+        turns = self.book.generate(
+            owner, session.session_id, chat.max_tokens, chat.stop_token_ids, length, interval, chat.top_logprobs
+        )
         async for chunk in turns:
             if chunk.finished:
                 index = chunk.turn_index

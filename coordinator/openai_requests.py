@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass
 
+from coordinator.agent_turns import MAX_TOP_LOGPROBS
 from coordinator.openai_tools import template_message
 
 # Fields that would change the sampling distribution: accepted only at their neutral values (the trainer needs
@@ -24,7 +25,6 @@ NEUTRAL = {
     "frequency_penalty": (0,),
     "repetition_penalty": (1,),
     "logit_bias": ({},),
-    "top_logprobs": (0,),
     "tool_choice": ("auto", "none"),
     "response_format": ({"type": "text"},),
 }
@@ -51,6 +51,7 @@ class ChatRequest:
     include_usage: bool = False  # stream_options.include_usage: a last chunk with the usage
     n: int = 1  # samples of this turn: one session each, members of one group (opening requests only)
     parse_tools: bool = False  # tools were given and tool_choice is not "none": read tool calls out of turns
+    top_logprobs: int = 0  # the engine's k most likely tokens per token, in the logprobs entries (needs logprobs)
 
 
 def parse_chat(body: dict, tokenizer, max_model_len: int) -> ChatRequest:
@@ -92,6 +93,7 @@ def parse_chat(body: dict, tokenizer, max_model_len: int) -> ChatRequest:
     model = body.get("model") if isinstance(body.get("model"), str) else "fleetrl"
     stop = stop_tokens(tokenizer, body.get("stop"))
     logprobs = bool(body.get("logprobs"))
+    top_logprobs = _top_logprobs(body.get("top_logprobs"), logprobs)
     return ChatRequest(
         [_template_message(i, _flat_message(i, m)) for i, m in enumerate(messages)],
         max_tokens,
@@ -104,7 +106,21 @@ def parse_chat(body: dict, tokenizer, max_model_len: int) -> ChatRequest:
         include_usage,
         n,
         bool(tools) and body.get("tool_choice") != "none",
+        top_logprobs,
     )
+
+
+def _top_logprobs(value, logprobs: bool) -> int:
+    """OpenAI's ``top_logprobs``: an integer in [0, 20], and only with ``logprobs: true``."""
+    if value is None:
+        return 0
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= MAX_TOP_LOGPROBS:
+        raise DoorRefused(
+            400, f"top_logprobs: {value!r}, must be an integer in [0, {MAX_TOP_LOGPROBS}]", "top_logprobs"
+        )
+    if value and not logprobs:
+        raise DoorRefused(400, "top_logprobs: needs logprobs: true", "top_logprobs")
+    return value
 
 
 def _template_message(index: int, message: dict) -> dict:

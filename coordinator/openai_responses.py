@@ -51,6 +51,9 @@ def parse_responses(body: dict, tokenizer, max_model_len: int) -> tuple[ChatRequ
     chat_body |= {"messages": messages, "model": body.get("model"), "stream": body.get("stream")}
     chat_body |= {"temperature": body.get("temperature"), "max_completion_tokens": body.get("max_output_tokens")}
     chat_body["logprobs"] = LOGPROBS in _include(body.get("include"))
+    if body.get("top_logprobs") is not None:  # the Responses API asks for alternatives without the include as well
+        chat_body["top_logprobs"] = body["top_logprobs"]
+        chat_body["logprobs"] = chat_body["logprobs"] or bool(body["top_logprobs"])
     if body.get("tools") is not None:
         chat_body["tools"] = _chat_tools(body["tools"])
     chat = parse_chat(chat_body, tokenizer, max_model_len)

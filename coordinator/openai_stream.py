@@ -20,7 +20,7 @@ import time
 from aiohttp import web
 
 from coordinator.agent_sessions import TurnChunk
-from coordinator.openai_answers import answer_choice, chat_answer, token_logprobs
+from coordinator.openai_answers import answer_choice, chat_answer, token_logprobs, turn_tops
 from coordinator.openai_errors import refusal_of
 
 __all__ = ["ChatEvents", "TextDeltas", "error_event", "sse", "stream_turns"]
@@ -194,7 +194,9 @@ class ChatEvents:
         delta = self.deltas[i].push(chunk.token_ids)
         if not delta and not self.chat.logprobs:
             return head
-        return head + sse(self._chunk(i, {"content": delta}, logprobs=self._logprobs(chunk.token_ids, chunk.logprobs)))
+        tops = None if chunk.top_token_ids is None else (chunk.top_token_ids, chunk.top_logprobs)
+        logprobs = self._logprobs(chunk.token_ids, chunk.logprobs, tops)
+        return head + sse(self._chunk(i, {"content": delta}, logprobs=logprobs))
 
     def done(self, i: int, session, index: int) -> bytes:
         head = self._start(i, session, index)
@@ -203,14 +205,15 @@ class ChatEvents:
         deltas, turn = self.deltas[i], session.turns[index]
         rest = deltas.finish(choice["message"]["content"])
         left = deltas.num_tokens
-        logprobs = self._logprobs(turn.token_ids[left:], turn.logprobs[left:])
+        tops = turn_tops(turn, self.chat.top_logprobs, left)
+        logprobs = self._logprobs(turn.token_ids[left:], turn.logprobs[left:], tops)
         body = b"".join(sse(c) for c in _choice_chunks(self.base, choice, content=rest, role=False, logprobs=logprobs))
         return head + body
 
-    def _logprobs(self, token_ids: list[int], logprobs: list[float]) -> dict | None:
+    def _logprobs(self, token_ids: list[int], logprobs: list[float], tops=None) -> dict | None:
         if not self.chat.logprobs:
             return None
-        return {"content": token_logprobs(self.tokenizer, token_ids, logprobs)}
+        return {"content": token_logprobs(self.tokenizer, token_ids, logprobs, tops)}
 
     def end(self) -> bytes:
         usage = b""

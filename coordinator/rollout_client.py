@@ -141,11 +141,13 @@ class RolloutClient:
         timeout_s: float,
         request_id: str,
         stream_interval: int = 1,
+        top_logprobs: int = 0,
     ):
         """One sample, streamed as the server sends it (an agent's turn): yields ``GenerateResponse`` chunks.
 
         Full-vocabulary sampling (top_p 1, top_k off): the trainer's logprobs are of the whole distribution.
         A broken stream raises ``RolloutFailed`` (or ``RolloutRejected`` for INVALID_ARGUMENT), as ``generate``.
+        ``top_logprobs`` k > 0: each chunk also carries the k most likely tokens per new token (``top_token_ids``).
         """
         request = pb.GenerateRequest(
             request_id=request_id,
@@ -158,6 +160,7 @@ class RolloutClient:
                 top_k=-1,
                 stop_token_ids=stop_token_ids,
                 stream_interval=stream_interval,
+                logprobs=top_logprobs,
             ),
         )
         self._open_call()

@@ -35,6 +35,10 @@ class AgentTurn(msgspec.Struct, array_like=True, gc=False, frozen=True):
     finish_reason: FinishReason
     version_spans: list[VersionSpan]  # over this turn's tokens
     server_id: str
+    # added in v2: the engine's most likely tokens at each position when the agent asked for top_logprobs k > 0
+    # (int32 / float32 [T, k], vLLM's rank order); None when it did not. Answers only: never trained on.
+    top_token_ids: Array | None = None
+    top_logprobs: Array | None = None
 
 
 class AgentSessionRecord(msgspec.Struct, array_like=True, gc=False, frozen=True):

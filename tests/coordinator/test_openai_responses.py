@@ -119,7 +119,7 @@ def test_malformed_responses_requests_are_400_naming_the_field_and_open_nothing(
                 ({"input": "1", "tool_choice": "required"}, "tool_choice", "tool_choice"),
                 ({"input": "1", "stream": "yes"}, "stream", "stream"),
                 ({"input": "1", "include": "message.output_text.logprobs"}, "include", "include"),
-                ({"input": "1", "top_logprobs": 3}, "top_logprobs", "top_logprobs"),
+                ({"input": "1", "top_logprobs": 21}, "top_logprobs", "top_logprobs"),
             ]
             for body, param, named in cases:
                 status, error, _ = await h.post("/responses", body, **{"X-Fleetrl-Group-Key": "bad"})

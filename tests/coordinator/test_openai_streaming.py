@@ -6,6 +6,7 @@ the real door, a real rollout server (vLLM CPU, tiny model) and real Redis.
 from __future__ import annotations
 
 import asyncio
+import math
 import random
 
 import pytest
@@ -177,3 +178,63 @@ def test_a_long_streamed_turn_of_multibyte_text_is_the_plain_answer_of_that_turn
 
     with spawned_standin(tmp_path / "standin.log", *overrides) as standin:
         asyncio.run(scenario(standin.addresses[0]))
+
+
+def test_top_logprobs_answer_the_engines_most_likely_tokens_plainly_streamed_and_from_the_record(
+    rollout_server, redis_url, shared_tokenizer
+):
+    async def scenario():
+        async with door_with_client(rollout_server, redis_url, shared_tokenizer) as (h, client):
+            reply = await client.chat.completions.with_raw_response.create(
+                model="m",
+                messages=[USER],
+                max_tokens=8,
+                logprobs=True,
+                top_logprobs=3,
+                extra_headers={"X-Fleetrl-Group-Key": "top"},
+            )
+            session_id = reply.headers["X-Fleetrl-Session"]
+            turn = h.book.sessions[session_id].turns[0]
+            assert turn.top_token_ids.shape == turn.top_logprobs.shape == (len(turn.token_ids), 3)
+            entries = reply.parse().choices[0].logprobs.content
+            for entry, ids, lps, sampled in zip(
+                entries, turn.top_token_ids.tolist(), turn.top_logprobs.tolist(), turn.token_ids, strict=True
+            ):
+                assert [t.token for t in entry.top_logprobs] == shared_tokenizer.convert_ids_to_tokens(ids)
+                values = [t.logprob for t in entry.top_logprobs]
+                assert values == lps and values == sorted(values, reverse=True)  # vLLM's rank order
+                assert sum(math.exp(v) for v in values) <= 1 + 1e-4
+                assert entry.logprob <= values[0] + 1e-5  # the sampled token is never likelier than the likeliest
+                if sampled in ids:  # then it is the same number, from the same distribution
+                    assert entry.logprob == pytest.approx(values[ids.index(sampled)], abs=1e-5)
+
+            stored = {s.record.session_id: s for s in (await h.book.records.store.load()).sessions}
+            record = stored[session_id].turns[0]  # what a restarted coordinator answers a repeated request from
+            assert record.top_token_ids.to_numpy().tolist() == turn.top_token_ids.tolist()
+            assert record.top_logprobs.to_numpy().tolist() == turn.top_logprobs.tolist()
+
+            stream = await client.chat.completions.create(
+                model="m",
+                messages=[USER],
+                max_tokens=8,
+                stream=True,
+                logprobs=True,
+                top_logprobs=2,
+                extra_headers={"X-Fleetrl-Group-Key": "top"},  # its group's second member
+            )
+            chunks = [chunk async for chunk in stream]
+            [other] = [s for s in h.book.sessions.values() if s.session_id != session_id]
+            streamed = [e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+            assert [[t.logprob for t in e.top_logprobs] for e in streamed] == other.turns[0].top_logprobs.tolist()
+
+            for body, named in (
+                ({"logprobs": False, "top_logprobs": 2}, "needs logprobs"),
+                ({"logprobs": True, "top_logprobs": 21}, "[0, 20]"),
+                ({"logprobs": True, "top_logprobs": "2"}, "[0, 20]"),
+            ):
+                request = {"model": "m", "messages": [USER], "max_tokens": 4, **body}
+                status, error, _ = await h.post("/chat/completions", request, **{"X-Fleetrl-Group-Key": "bad"})
+                assert status == 400 and error["error"]["param"] == "top_logprobs", error
+                assert named in error["error"]["message"], error
+
+    asyncio.run(scenario())

@@ -29,9 +29,14 @@ from protos.records import (
 pytestmark = pytest.mark.unit
 
 GENERATED_TURN_HEX = (
+    "98c393c4080500000006000000a5696e743332910293c408000000bf000080bfa7666c6f617433329102019193030002a2723093c41005"
+    "000000090000000600000001000000a5696e74333292020293c410000000bf000000c0000080bf0000c0bfa7666c6f61743332920202"
+)
+APPENDED_TURN_HEX = "98c293c40407000000a5696e743332910193c40400000000a7666c6f6174333291010090a0c0c0"
+# v1 (before the top logprobs): six fields; still decoded, with no top logprobs
+GENERATED_TURN_V1_HEX = (
     "96c393c4080500000006000000a5696e743332910293c408000000bf000080bfa7666c6f617433329102019193030002a27230"
 )
-APPENDED_TURN_HEX = "96c293c40407000000a5696e743332910193c40400000000a7666c6f6174333291010090a0"
 SUBMITTED_SESSION_HEX = (
     "9aa27331a67465616d2d61a26731ae3132372e302e302e313a353030300381a47461736ba13703cb3fe0000000000000a57375622d31"
     "a66f70656e2d31"
@@ -51,6 +56,8 @@ def _records():
         FinishReason.STOP,
         [VersionSpan(3, 0, 2)],
         "r0",
+        Array.from_numpy(np.array([[5, 9], [6, 1]], np.int32)),
+        Array.from_numpy(np.array([[-0.5, -2.0], [-1.0, -1.5]], np.float32)),
     )
     appended = AgentTurn(
         False,
@@ -79,6 +86,12 @@ def test_agent_records_encode_to_golden_bytes_and_back():
     for golden, record in _records().items():
         assert encode(record).hex() == golden, type(record).__name__
         assert msgspec.msgpack.decode(bytes.fromhex(golden), type=type(record)) == record
+
+
+def test_a_turn_written_before_top_logprobs_reads_back_without_them():
+    older = msgspec.msgpack.decode(bytes.fromhex(GENERATED_TURN_V1_HEX), type=AgentTurn)
+    generated = _records()[GENERATED_TURN_HEX]
+    assert older == msgspec.structs.replace(generated, top_token_ids=None, top_logprobs=None)
 
 
 def test_a_session_without_a_reward_keeps_none_apart_from_zero():
