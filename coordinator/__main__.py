@@ -192,8 +192,7 @@ async def start_agent_door(config, pipeline: Pipeline, fleet, stop: asyncio.Even
     from coordinator.kept_port import start_agent_server_of_run
 
     scheduler = pipeline.scheduler
-    server = next((c for c in fleet.clients if c.healthy), fleet.clients[0])
-    info = await server.info()  # every server serves the run's one model
+    _, info = await fleet.served_info()
     book = SessionBook(
         config.agent,
         scheduler,

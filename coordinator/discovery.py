@@ -137,8 +137,8 @@ async def served_max_model_len(fleet, max_tokens: int) -> int:
     """The context length the fleet serves, for a coordinator whose machine cannot read the checkpoint (its
     ``rollout.max_model_len`` then stays unresolved: protos/config/checkpoint.py); every server serves the run's one
     model, so a healthy one answers. Refused, naming both fields, when a response of ``max_tokens`` cannot fit."""
-    server = next((c for c in fleet.clients if c.healthy), fleet.clients[0])
-    served = (await server.info()).max_model_len
+    server, info = await fleet.served_info()
+    served = info.max_model_len
     if max_tokens >= served:
         raise ValueError(
             f"coordinator.sampling.max_tokens must be below rollout.max_model_len ({max_tokens} >= {served}, the "

@@ -42,6 +42,11 @@ class Fleet:
     def notify_changed(self) -> None:
         self._changed.set()
 
+    async def served_info(self):
+        """``ServerInfo`` of a healthy server (else the first): every server serves the run's one model."""
+        server = next((c for c in self.clients if c.healthy), self.clients[0])
+        return server, await server.info()
+
     def find(self, address: str) -> RolloutClient | None:
         return next((c for c in self.clients if c.address == address), None)
 
