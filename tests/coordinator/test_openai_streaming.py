@@ -83,10 +83,15 @@ def test_a_streamed_chat_sends_one_content_delta_per_token_and_the_recorded_turn
             )  # the same request again: the recorded turn, answered plainly
             deltas = [c.choices[0].delta.content for c in chunks if c.choices and c.choices[0].delta.content]
             assert "".join(deltas) == plain.choices[0].message.content
-            content_ids = turn.token_ids  # all but an ending special token (a special one inside is text too)
-            if turn.finish_reason == FinishReason.STOP and content_ids[-1] in shared_tokenizer.all_special_ids:
+            special = set(shared_tokenizer.all_special_ids)
+            content_ids = turn.token_ids  # all but an ending special token (openai_answers.py)
+            if turn.finish_reason == FinishReason.STOP and content_ids[-1] in special:
                 content_ids = content_ids[:-1]
-            assert len(deltas) == len(content_ids)  # one delta per token: each of this vocabulary's decodes alone
+            # One delta per token (this vocabulary's tokens decode alone), but a special token waits (it may be the
+            # end of turn) and goes out with the next token's text, or with the answer's rest at the end.
+            ordinary = sum(1 for t in content_ids if t not in special)
+            held_at_end = bool(content_ids) and content_ids[-1] in special
+            assert len(deltas) == ordinary + held_at_end, (turn.token_ids, deltas)
             entries = [e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
             assert [e.logprob for e in entries] == turn.logprobs  # every token's, the end of turn included
             assert [e.token for e in entries] == shared_tokenizer.convert_ids_to_tokens(turn.token_ids)
