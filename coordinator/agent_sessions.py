@@ -266,8 +266,8 @@ class SessionBook(Submissions, Endings):
             raise InvalidArgument(f"session_id: the session holds {session.length} tokens = max_model_len")
         session.busy = True
         try:
-            turn = stream_turn(self, session, min(max_tokens, room), stop_token_ids, stream_interval, top_logprobs)
-            async for chunk in turn:
+            chunks = stream_turn(self, session, min(max_tokens, room), stop_token_ids, stream_interval, top_logprobs)
+            async for chunk in chunks:
                 yield chunk
         finally:
             session.busy = False

@@ -16,7 +16,7 @@ from coordinator.openai_requests import ChatRequest
 from coordinator.openai_tools import parse_tool_calls
 from protos.records import FinishReason
 
-__all__ = ["answer_choice", "chat_answer", "context_tokens", "token_logprobs", "turn_tops"]
+__all__ = ["answer_choice", "chat_answer", "content_token_ids", "context_tokens", "token_logprobs", "turn_tops"]
 
 
 def chat_answer(tokenizer, turns: list[tuple[Session, int]], chat: ChatRequest) -> dict:
@@ -74,12 +74,19 @@ def turn_tops(turn: Turn, k: int, start: int = 0):
     return turn.top_token_ids[start:, :k].tolist(), turn.top_logprobs[start:, :k].tolist()
 
 
+def content_token_ids(tokenizer, turn: Turn) -> list[int]:
+    """The tokens of ``turn`` its answer's content shows: all but an ending special token of a stopped turn (the end
+    of turn is the template's to render; OpenAI leaves it out)."""
+    tokens = turn.token_ids
+    if turn.finish_reason == FinishReason.STOP and tokens and tokens[-1] in tokenizer.all_special_ids:
+        return tokens[:-1]
+    return tokens
+
+
 def answer_choice(tokenizer, session: Session, index: int, chat: ChatRequest, choice_index: int) -> dict:
     """Choice ``choice_index`` of an answer: turn ``index`` of ``session`` as a ``chat.completion`` choice."""
     turn = session.turns[index]
-    tokens = turn.token_ids
-    if turn.finish_reason == FinishReason.STOP and tokens and tokens[-1] in tokenizer.all_special_ids:
-        tokens = tokens[:-1]  # the end-of-turn token is the template's to render (OpenAI leaves it out)
+    tokens = content_token_ids(tokenizer, turn)
     # A ``stop`` token that is not special stays in the content (unlike OpenAI): the record holds it, so the
     # next request's rendering must too.
     content = tokenizer.decode(tokens, skip_special_tokens=False, clean_up_tokenization_spaces=False)

@@ -13,8 +13,8 @@ import openai
 import pytest
 
 from coordinator.kept_port import start_openai_door_of_run
+from coordinator.openai_answers import content_token_ids
 from coordinator.tasks import load_tokenizer
-from protos.records import FinishReason
 from tests.coordinator.test_openai_door import USER, DoorHarness, authorize
 
 pytestmark = pytest.mark.integration
@@ -151,9 +151,7 @@ def test_n_samples_stream_as_one_choice_index_each_with_its_session(rollout_serv
             assert sorted(finished) == [0, 1] and set(finished.values()) == set(h.book.sessions)
             for index, sid in finished.items():
                 turn = h.book.sessions[sid].turns[0]
-                tokens = turn.token_ids  # the answer's content: all but an ending special token (openai_answers.py)
-                if turn.finish_reason == FinishReason.STOP and tokens[-1] in tokenizer.all_special_ids:
-                    tokens = tokens[:-1]
+                tokens = content_token_ids(tokenizer, turn)
                 assert texts[index] == tokenizer.decode(tokens, skip_special_tokens=False)
 
     asyncio.run(scenario())

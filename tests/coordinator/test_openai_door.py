@@ -14,6 +14,7 @@ import aiohttp
 import openai
 import pytest
 
+from coordinator.openai_answers import content_token_ids
 from coordinator.openai_door import MAX_BODY_BYTES, DoorRefused, start_openai_door
 from coordinator.tasks import load_tokenizer
 from protos.redis_keys import RedisKeys
@@ -358,9 +359,7 @@ def test_the_official_openai_client_lists_the_model_and_chats_through_the_door(r
                 finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
                 turn = session.turns[-1]  # the engine's tokens, recorded before the stream was sent
                 assert len(session.turns) == 3 and turn.generated and finish in (["stop"], ["length"])
-                tokens = turn.token_ids  # the answer's content: all but an ending special token (openai_answers.py)
-                if finish == ["stop"] and tokens[-1] in tokenizer.all_special_ids:
-                    tokens = tokens[:-1]
+                tokens = content_token_ids(tokenizer, turn)
                 assert text == tokenizer.decode(tokens, skip_special_tokens=False)
                 assert chunks[-1].usage.completion_tokens == len(turn.token_ids)
             finally:

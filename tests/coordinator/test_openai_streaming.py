@@ -13,8 +13,8 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
+from coordinator.openai_answers import content_token_ids
 from coordinator.openai_stream import TextDeltas
-from protos.records import FinishReason
 from tests.coordinator import test_openai_door
 from tests.coordinator.test_openai_agent_surface import sdk
 from tests.coordinator.test_openai_door import TEMPLATE, USER, DoorHarness
@@ -84,9 +84,7 @@ def test_a_streamed_chat_sends_one_content_delta_per_token_and_the_recorded_turn
             deltas = [c.choices[0].delta.content for c in chunks if c.choices and c.choices[0].delta.content]
             assert "".join(deltas) == plain.choices[0].message.content
             special = set(shared_tokenizer.all_special_ids)
-            content_ids = turn.token_ids  # all but an ending special token (openai_answers.py)
-            if turn.finish_reason == FinishReason.STOP and content_ids[-1] in special:
-                content_ids = content_ids[:-1]
+            content_ids = content_token_ids(shared_tokenizer, turn)
             # One delta per token (this vocabulary's tokens decode alone), but a special token waits (it may be the
             # end of turn) and goes out with the next token's text, or with the answer's rest at the end.
             ordinary = sum(1 for t in content_ids if t not in special)
