@@ -105,7 +105,7 @@ async def agent_round(client, args: argparse.Namespace, round_index: int) -> tup
 
 
 def start_coordinator(server_address: str, redis_url: str, workdir: Path) -> tuple[subprocess.Popen, int, str]:
-    from coordinator.redis_server import free_port
+    from launcher.redis_server import free_port
 
     token, port = secrets.token_urlsafe(16), free_port()
     tokens_file = workdir / "tokens.yaml"
@@ -157,8 +157,8 @@ async def wait_listening(port: int, process: subprocess.Popen, log: Path, timeou
 async def main_async(args: argparse.Namespace) -> dict:
     from rollout_overhead import start_server
 
-    from coordinator.redis_server import EmbeddedRedis
     from fleetrl.agent import AsyncAgentClient
+    from launcher.redis_server import EmbeddedRedis
     from modeling.tiny_model import init_tiny
 
     workdir = Path(tempfile.mkdtemp(prefix="fleetrl-agent-bench-"))

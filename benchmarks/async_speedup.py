@@ -5,7 +5,7 @@ Run from the repository root (CPU; the tiny model is built and cached on first u
 
     .venv/bin/python benchmarks/async_speedup.py [--staleness 0,1,2,4] [--target 0.5] [dotted.key=value ...]
 
-Each k runs the whole system as ``fleetrl demo`` does (``coordinator.launcher.run_demo``: every role its own
+Each k runs the whole system as ``fleetrl demo`` does (``launcher.demo.run_demo``: every role its own
 process, vLLM CPU engine, torch trainer, tcp weight bus) on ``recipes/bench-async.yaml`` (the demo's echo task at a
 size where one step's rollout and training cost about the same here), with the same seeds, model and batch; only
 ``max_staleness`` differs. The runs go one after another. Each gets its own embedded valkey, which outlives the run
@@ -129,8 +129,8 @@ def run_once(k: int, args: argparse.Namespace, round_index: int = 0) -> tuple[Ru
     Returns its figures and the machine's 1-minute load average before and after it."""
     import redis
 
-    from coordinator.launcher import run_demo
-    from coordinator.redis_server import EmbeddedRedis
+    from launcher.demo import run_demo
+    from launcher.redis_server import EmbeddedRedis
     from protos.config import load_run_config
 
     out_dir = Path(args.out) / (f"k{k}" if args.rounds == 1 else f"round{round_index}-k{k}")

@@ -55,7 +55,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from channels.trajectory_stream import TrajectoryStreamReader  # noqa: E402
 from channels.version_board import VersionBoard  # noqa: E402
 from coordinator.latency import quantile  # noqa: E402
-from coordinator.redis_server import EmbeddedRedis, free_port  # noqa: E402
+from launcher.redis_server import EmbeddedRedis, free_port  # noqa: E402
 from protos.records import WeightManifest  # noqa: E402
 from protos.redis_keys import RedisKeys  # noqa: E402
 from rollout_service import standin_fleet  # noqa: E402

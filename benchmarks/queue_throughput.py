@@ -41,7 +41,7 @@ import redis.asyncio as aioredis
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from channels.trajectory_stream import TrajectoryStreamReader, TrajectoryStreamWriter  # noqa: E402
-from coordinator.redis_server import EmbeddedRedis  # noqa: E402
+from launcher.redis_server import EmbeddedRedis  # noqa: E402
 from protos.records import Array, PromptCursor, Sample, TrajectoryGroup, VersionSpan, encode  # noqa: E402
 from protos.redis_keys import RedisKeys  # noqa: E402
 

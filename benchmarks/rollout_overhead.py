@@ -108,7 +108,7 @@ async def start_server(model: str, args: argparse.Namespace, log_path: Path):
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    from coordinator.redis_server import free_port
+    from launcher.redis_server import free_port
     from protos import rollout_pb2_grpc as pb_grpc
 
     port = free_port()

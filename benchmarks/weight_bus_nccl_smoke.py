@@ -133,7 +133,7 @@ def step_init_timeout(results: dict) -> None:
 def step_publisher(results: dict) -> None:
     import redis
 
-    from coordinator.redis_server import EmbeddedRedis
+    from launcher.redis_server import EmbeddedRedis
     from protos.records import decode_manifest
     from protos.redis_keys import RedisKeys
     from weight_bus.nccl import NcclWeightPublisher
@@ -197,7 +197,7 @@ def step_subscriber_path(results: dict) -> None:
     """
     import redis
 
-    from coordinator.redis_server import EmbeddedRedis
+    from launcher.redis_server import EmbeddedRedis
     from protos.redis_keys import RedisKeys
     from weight_bus.nccl import NcclWeightSubscriber
     from weight_bus.nccl_comm import NcclCommunicator, new_unique_id

@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import redis  # noqa: E402
 import torch  # noqa: E402
 
-from coordinator.redis_server import EmbeddedRedis  # noqa: E402
+from launcher.redis_server import EmbeddedRedis  # noqa: E402
 from protos.config import WeightBusConfig  # noqa: E402
 from protos.records import decode_manifest  # noqa: E402
 from protos.redis_keys import RedisKeys  # noqa: E402

@@ -260,7 +260,7 @@ async def bench_model(name: str, args, root: Path, redis_url: str) -> dict:
 
 
 async def main_async(args) -> dict:
-    from coordinator.redis_server import EmbeddedRedis
+    from launcher.redis_server import EmbeddedRedis
 
     out = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", "dry": DRY}
     redis_server = EmbeddedRedis(appendonly=False).start()

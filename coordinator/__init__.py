@@ -1,1 +1,1 @@
-"""Coordinator: prompts, rewards, admission and scheduling, the queue producer, the CLI and launcher."""
+"""Coordinator: prompts, rewards, admission and scheduling, the queue producer, the admin API and dashboard, the agent API."""

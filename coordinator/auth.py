@@ -9,7 +9,8 @@ The token file (``agent.tokens_file``, else ``$FLEETRL_TOKENS_FILE``; never in t
 A call carries ``authorization: Bearer <token>``. Refusals (protos/agent.proto's header): UNAUTHENTICATED (no,
 malformed or unknown token; the token is never echoed), PERMISSION_DENIED (scope missing), RESOURCE_EXHAUSTED
 (rate limit, with ``retry-after-ms`` trailing metadata). ``Authenticator.check`` is for handlers that check
-themselves; ``ScopeInterceptor`` guards every method of a server with one scope. See docs/auth.md.
+themselves; ``ScopeInterceptor`` guards every method of a server with one scope. The client side (the header and
+the CA a client trusts) is ``launcher/auth_client.py``. See docs/auth.md.
 """
 
 from __future__ import annotations
@@ -313,13 +314,3 @@ def add_port(server: grpc.aio.Server, address: str, agent: AgentConfig) -> int:
     if agent.tls_cert_file:
         return server.add_secure_port(address, server_credentials(agent.tls_cert_file, agent.tls_key_file))
     return server.add_insecure_port(address)
-
-
-def call_metadata(token: str) -> tuple[tuple[str, str], ...]:
-    """Client side: the metadata that carries ``token`` (none for an empty token)."""
-    return (("authorization", f"Bearer {token}"),) if token else ()
-
-
-def channel_credentials(ca_file: str) -> grpc.ChannelCredentials:
-    """Client side: TLS trusting the PEM certificate(s) in ``ca_file`` (the server's CA, or a self-signed cert)."""
-    return grpc.ssl_channel_credentials(root_certificates=Path(ca_file).read_bytes())

@@ -1,7 +1,7 @@
 """What each role's pod runs: the container argv of the rollout servers, the trainer and the coordinator.
 
 Every role runs the image's ``python -m <role>`` with ``--config CONFIG_PATH`` from the run's ConfigMap and
-``--model model_path`` from the read-only model volume, as ``coordinator/launcher.py`` starts the roles on one
+``--model model_path`` from the read-only model volume, as ``launcher/demo.py`` starts the roles on one
 machine; the trainer's argv comes from the builder both share (``protos.trainer_command``).
 """
 

@@ -1,6 +1,6 @@
 """The trainer's command line: the contract between what starts the trainer and ``trainer_service.__main__``.
 
-One builder for every starter: ``coordinator.launcher`` (``fleetrl demo``, one machine) and ``deploy.manifests``
+One builder for every starter: ``launcher.demo`` (``fleetrl demo``, one machine) and ``deploy.manifests``
 (the Kubernetes trainer pods). The argv starts after the interpreter (``sys.executable`` or the image's
 ``python``): ``-m trainer_service train ROLE_ARGS`` for one process, the same under ``-m trainer_service.torchrun``
 (torchrun, keeping a rank's exit code 78) for ``trainer.num_processes`` ranks (``--standalone`` on one node, a c10d

@@ -39,7 +39,7 @@ _GROUPS = (
 
 def check_model() -> str:
     os.environ.setdefault("FLEETRL_CACHE", "/tmp/fleetrl-cache")
-    from coordinator.tiny_models import tiny_model_dir
+    from launcher.tiny_models import tiny_model_dir
 
     return str(tiny_model_dir("qwen3-moe" if DRY else CHECK_MODEL))
 

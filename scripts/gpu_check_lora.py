@@ -55,7 +55,7 @@ def lora_check_models() -> dict[str, str]:
 async def section_lora_adapter_sync(result: Result) -> None:
     from gpu_check_sections import register_beam_plugin
 
-    from coordinator.redis_server import EmbeddedRedis
+    from launcher.redis_server import EmbeddedRedis
 
     register_beam_plugin()
     redis_server = EmbeddedRedis().start()

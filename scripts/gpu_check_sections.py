@@ -74,7 +74,7 @@ UPDATE_TRANSPORTS = (
 async def _updates_over_each_transport(engine, backend, groups, result: Result) -> None:
     import redis
 
-    from coordinator.redis_server import EmbeddedRedis
+    from launcher.redis_server import EmbeddedRedis
     from protos.config import WeightBusConfig
     from protos.redis_keys import RedisKeys
     from trainer_service.batch import build_batch
@@ -97,7 +97,7 @@ async def _updates_over_each_transport(engine, backend, groups, result: Result) 
 async def section_mxfp8(result: Result) -> None:
     import redis
 
-    from coordinator.redis_server import EmbeddedRedis
+    from launcher.redis_server import EmbeddedRedis
     from protos.config import WeightBusConfig
     from protos.redis_keys import RedisKeys
     from rollout_service.engine import RolloutEngine
@@ -274,7 +274,7 @@ def section_loop(result: Result, out: Path) -> None:
     env = {**os.environ, "FLEETRL_CACHE": os.environ.get("FLEETRL_CACHE", "/tmp/fleetrl-cache")}
     run_dir = Path("/tmp/fleetrl-gpu-loop")  # outside OUT: only the summary and log tails come back
     code = subprocess.run(
-        [sys.executable, "-m", "coordinator.cli", "demo", "--config", "recipes/gpu-h200.yaml", "--out", str(run_dir)],
+        [sys.executable, "-m", "launcher.cli", "demo", "--config", "recipes/gpu-h200.yaml", "--out", str(run_dir)],
         cwd=ROOT,
         env=env,
         check=False,

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from coordinator.redis_server import EmbeddedRedis
+from launcher.redis_server import EmbeddedRedis
 
 
 @pytest.fixture(scope="session")

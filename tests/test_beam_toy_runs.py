@@ -38,7 +38,7 @@ def test_beam_run_at_toy_scale_trains_evaluates_checkpoints_and_exports(tmp_path
         [
             sys.executable,
             "-m",
-            "coordinator.cli",
+            "launcher.cli",
             "demo",
             "--config",
             str(BEAM / recipe),

@@ -37,7 +37,7 @@ def test_short_demo_trains_publishes_and_stays_within_staleness_bound(tmp_path):
         [
             sys.executable,
             "-m",
-            "coordinator.cli",
+            "launcher.cli",
             "demo",
             "--steps",
             "3",
@@ -84,7 +84,7 @@ def test_short_beam_demo_with_a_two_rank_megatron_lora_trainer_keeps_vllm_equal_
         [
             sys.executable,
             "-m",
-            "coordinator.cli",
+            "launcher.cli",
             "demo",
             "--steps",
             "3",
@@ -125,7 +125,7 @@ def test_short_agent_demo_trains_every_group_its_agents_submit_once_and_logs_the
         [
             sys.executable,
             "-m",
-            "coordinator.cli",
+            "launcher.cli",
             "demo",
             "--config",
             "recipes/demo-agent.yaml",

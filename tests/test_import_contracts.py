@@ -1,10 +1,12 @@
 """The layering contracts of pyproject.toml [tool.importlinter] hold (protos/modeling import no role, channels
-imports only protos, weight_bus only protos and channels, the three roles never import each other)."""
+imports only protos, weight_bus only protos and channels, the three roles never import each other, the launcher
+imports only protos, channels and modeling and no role imports it)."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -22,3 +24,17 @@ def test_import_contracts_are_kept():
     )
     assert result.returncode == 0, f"lint-imports failed:\n{result.stdout}\n{result.stderr}"
     assert " 0 broken" in result.stdout, result.stdout
+
+
+def test_the_launcher_is_kept_apart_from_the_roles():
+    """The launcher starts the roles as processes: it imports none of them, and none of them imports it."""
+    config = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]
+    forbidden = {
+        (tuple(contract["source_modules"]), tuple(contract["forbidden_modules"]))
+        for contract in config["contracts"]
+        if contract["type"] == "forbidden"
+    }
+    roles = ("rollout_service", "trainer_service", "coordinator")
+    assert "launcher" in config["root_packages"]
+    assert any(source == ("launcher",) and set(roles) <= set(banned) for source, banned in forbidden)
+    assert any(set(source) == set(roles) and banned == ("launcher",) for source, banned in forbidden)

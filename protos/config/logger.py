@@ -10,7 +10,7 @@ from protos.config.base import Strict
 
 
 class LoggerConfig(Strict):
-    """The run logger (``coordinator/run_logger.py``): it tails the trainer's and the coordinator's metrics reports
+    """The run logger (``launcher/run_logger.py``): it tails the trainer's and the coordinator's metrics reports
     and writes each step's figures to the console or to a Weights & Biases run."""
 
     backend: Literal["console", "wandb"] = Field(

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import redis
 
-from coordinator.redis_server import EmbeddedRedis
+from launcher.redis_server import EmbeddedRedis
 
 
 @pytest.fixture

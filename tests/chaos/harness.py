@@ -24,7 +24,7 @@ from pathlib import Path
 import psutil
 import redis
 
-from coordinator.redis_server import EmbeddedRedis, free_port
+from launcher.redis_server import EmbeddedRedis, free_port
 from protos.records import decode_metrics
 from protos.redis_keys import RedisKeys
 from tests.chaos.schedule import CONNECTION_CUT, KILL_ROLLOUT, REDIS_RESTART, Fault, SoakSize
@@ -144,7 +144,7 @@ class ChaosRun:
         self.proxy_url, self.proxy = self.stack.enter_context(redis_proxy(self.redis.url))
         self.direct = redis.Redis.from_url(self.redis.url, socket_timeout=5)
         self.started_s = time.time()
-        command = [sys.executable, "-m", "coordinator.cli", "demo", "--steps", str(self.size.num_steps)]
+        command = [sys.executable, "-m", "launcher.cli", "demo", "--steps", str(self.size.num_steps)]
         command += ["--out", str(self.out), *self.run_overrides()]
         self.process = subprocess.Popen(command, stdout=open(self.output, "wb"), stderr=subprocess.STDOUT)
         self._watcher = threading.Thread(target=self._watch, name="chaos-process-watch", daemon=True)

@@ -18,7 +18,7 @@ import redis
 import yaml
 
 from channels.metrics_stream import MetricsStreamReader
-from coordinator.redis_server import free_port
+from launcher.redis_server import free_port
 from protos.records import decode_group
 from protos.redis_keys import RedisKeys
 from tests.rollout_service.server_process import ServerProcess, spawn_rollout_server
@@ -207,7 +207,7 @@ def _wait_for_trainer_start(client: redis.Redis, before: bytes | None, trainer, 
 
 def fleetrl(run: Run, *argv: str, check: bool = True) -> subprocess.CompletedProcess:
     result = subprocess.run(
-        [sys.executable, "-m", "coordinator.cli", *argv, "--admin", run.admin],
+        [sys.executable, "-m", "launcher.cli", *argv, "--admin", run.admin],
         capture_output=True,
         text=True,
         timeout=60,

@@ -18,8 +18,8 @@ import pytest
 import redis
 import yaml
 
-from coordinator.redis_server import free_port
 from fleetrl.agent import AgentClient, InvalidArgument, Unauthenticated
+from launcher.redis_server import free_port
 from protos import agent_pb2 as pb
 from protos import agent_pb2_grpc as pb_grpc
 from protos.records import decode_metrics

@@ -15,8 +15,8 @@ import threading
 import pytest
 import yaml
 
-from coordinator.redis_server import free_port
 from fleetrl.agent import AdmissionTimeout, AgentClient, GroupState, RetryPolicy
+from launcher.redis_server import free_port
 from modeling.tiny_model import BOS_ID, DIGIT_IDS
 from protos.redis_keys import RedisKeys
 from tests.coordinator.agent_processes import agents_only_config, queued, start_coordinator

@@ -19,15 +19,14 @@ from coordinator.auth import (
     ScopeInterceptor,
     TokenBook,
     add_port,
-    call_metadata,
-    channel_credentials,
 )
-from coordinator.cli import main as fleetrl
 from coordinator.control import ControlChannel
 from coordinator.fleet import Fleet
 from coordinator.metrics import MetricsReporter
 from coordinator.scheduler import Scheduler
 from coordinator.tasks import EchoTask
+from launcher.auth_client import call_metadata, channel_credentials
+from launcher.cli import main as fleetrl
 from protos.config import load_run_config
 from protos.config.agent import AgentConfig
 from protos.redis_keys import RedisKeys

@@ -14,9 +14,9 @@ from coordinator.auth import (
     TokenBook,
     TokenFileError,
     bearer_token,
-    call_metadata,
     configured_token_book,
 )
+from launcher.auth_client import call_metadata
 from protos.config.agent import AgentConfig
 
 pytestmark = pytest.mark.unit

@@ -11,8 +11,8 @@ import redis
 import redis.asyncio as aioredis
 
 from coordinator.fleet import Fleet, FleetWatcher
-from coordinator.redis_server import free_port
 from coordinator.rollout_client import RolloutClient
+from launcher.redis_server import free_port
 from protos.records import ReportStatus, VersionReport, encode
 from protos.redis_keys import RedisKeys
 from rollout_service import standin_fleet

@@ -53,7 +53,7 @@ def test_math_prompts_are_rendered_with_the_checkpoints_chat_template(shared_dat
 @pytest.mark.timeout(600)
 def test_demo_math_runs_to_the_end_on_a_checkpoint_with_the_bpe_tokenizer(shared_data, tmp_path):
     model, out = tmp_path / "model", tmp_path / "run"
-    init = [sys.executable, "-m", "coordinator.cli", "model", "init-tiny", str(model), "--tokenizer", "bpe"]
+    init = [sys.executable, "-m", "launcher.cli", "model", "init-tiny", str(model), "--tokenizer", "bpe"]
     subprocess.run(init, cwd=REPO_ROOT, check=True, capture_output=True, timeout=300)
     assert CHECKPOINT_FILES <= {p.name for p in model.iterdir()}
     # The recipe as a user runs it, made cheap for CI: one server, few and short samples, a two-problem eval.
@@ -69,7 +69,7 @@ def test_demo_math_runs_to_the_end_on_a_checkpoint_with_the_bpe_tokenizer(shared
         "coordinator.admin_port=0",  # a free port: another demo on this machine may hold the default
         "rollout.num_servers=1",
     ]
-    command = [sys.executable, "-m", "coordinator.cli", "demo", "--config", str(RECIPE), "--steps", "2"]
+    command = [sys.executable, "-m", "launcher.cli", "demo", "--config", str(RECIPE), "--steps", "2"]
     result = subprocess.run(
         [*command, "--out", str(out), *overrides], cwd=REPO_ROOT, capture_output=True, text=True, timeout=580
     )
@@ -86,7 +86,7 @@ def test_demo_math_runs_to_the_end_on_a_checkpoint_with_the_bpe_tokenizer(shared
 @pytest.mark.unit
 @pytest.mark.parametrize("option", [["--family", "beam"], ["--warmup-steps", "10"]])
 def test_init_tiny_with_bpe_refuses_what_it_does_not_build(option, tmp_path, capsys):
-    from coordinator.cli import main
+    from launcher.cli import main
 
     with pytest.raises(SystemExit) as exited:
         main(["model", "init-tiny", str(tmp_path / "model"), "--tokenizer", "bpe", *option])

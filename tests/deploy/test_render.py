@@ -192,7 +192,7 @@ def test_rollout_replica_larger_than_a_node_is_refused_without_the_flag(tmp_path
 
 def test_deploy_imports_only_protos():
     allowed_project = {"deploy", "protos"}
-    project = {"protos", "weight_bus", "rollout_service", "trainer_service", "coordinator", "modeling", "deploy"}
+    project = set("protos weight_bus rollout_service trainer_service coordinator modeling deploy launcher".split())
     for path in (REPO_ROOT / "deploy").glob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
             names = [a.name for a in node.names] if isinstance(node, ast.Import) else []

@@ -49,7 +49,7 @@ def test_max_model_len_above_the_checkpoint_is_an_error_naming_the_field_and_bot
 
 
 def test_fleetrl_demo_refuses_a_max_model_len_above_the_checkpoint_before_any_process_starts(tmp_path, capsys):
-    from coordinator.cli import main
+    from launcher.cli import main
 
     model = checkpoint(tmp_path / "model", {"max_position_embeddings": 4096})
     out = tmp_path / "run"
@@ -106,7 +106,7 @@ def test_the_demo_models_are_built_with_the_context_lengths_the_config_checks():
 
 
 def test_the_launcher_hands_the_roles_the_resolved_length(tmp_path):
-    from coordinator.launcher import DemoLauncher
+    from launcher.demo import DemoLauncher
 
     model = checkpoint(tmp_path / "model", {"max_position_embeddings": 2048})
     config = load_run_config(overrides=[f"model_path={model}"])

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from coordinator import launcher
 from deploy import commands
+from launcher import demo
 from protos.config import RunConfig
 from protos.trainer_command import Rendezvous, trainer_argv
 from trainer_service.__main__ import parse_args
@@ -28,7 +28,7 @@ ONE_NODE_LAYOUTS = [{}, {"backend": "megatron", "num_processes": 2}, {"backend":
 def test_the_launcher_and_deploy_start_the_same_trainer_argv_for_the_same_config(trainer):
     config = _config(**trainer)
     role_args = commands.trainer_role_args(config)
-    assert commands.trainer_command(config) == ["python", *launcher.trainer_command(config, role_args)]
+    assert commands.trainer_command(config) == ["python", *demo.trainer_command(config, role_args)]
 
 
 def test_one_process_runs_the_module_and_its_flags_parse_as_the_trainers():
@@ -63,4 +63,4 @@ def test_several_nodes_meet_at_the_rendezvous_and_need_one():
     with pytest.raises(ValueError, match="trainer.num_nodes=2"):
         trainer_argv(config)
     with pytest.raises(ValueError, match="trainer.num_nodes=2"):
-        launcher.trainer_command(config)  # the launcher starts one node
+        demo.trainer_command(config)  # the launcher starts one node

@@ -15,7 +15,7 @@ import pytest
 import redis
 import torch
 
-from coordinator.redis_server import free_port
+from launcher.redis_server import free_port
 from protos import rollout_pb2 as pb
 from protos import rollout_pb2_grpc as pb_grpc
 from protos.config import WeightBusConfig

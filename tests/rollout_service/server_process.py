@@ -69,7 +69,7 @@ def spawn_rollout_server(model: str, log_path: Path, *args: str, env: dict[str, 
         [
             sys.executable,
             "-m",
-            "coordinator.cli",
+            "launcher.cli",
             "rollout",
             "serve",
             "--model",

@@ -17,7 +17,7 @@ import pytest
 import redis
 
 from channels.version_board import VersionBoard
-from coordinator.redis_server import free_port
+from launcher.redis_server import free_port
 from modeling.tiny_model import init_tiny
 from protos import rollout_pb2 as pb
 from protos import rollout_pb2_grpc as pb_grpc

@@ -237,7 +237,7 @@ def test_two_rank_trainer_trains_publishes_checkpoints_and_resumes(redis_server,
 
 
 def test_launcher_starts_a_multi_rank_trainer_under_torchrun_and_refuses_several_nodes():
-    from coordinator.launcher import trainer_command
+    from launcher.demo import trainer_command
     from protos.config import RunConfig
 
     assert trainer_command(RunConfig()) == ["-m", "trainer_service", "train"]

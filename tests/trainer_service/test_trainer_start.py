@@ -1,5 +1,5 @@
 """A trainer that cannot start, and would fail the same way at every start, exits EXIT_CANNOT_RESTART (78), which
-the launcher does not restart (coordinator/supervision.py)."""
+the launcher does not restart (launcher/supervision.py)."""
 
 from __future__ import annotations
 

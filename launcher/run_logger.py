@@ -165,7 +165,7 @@ def _log_final_eval(config: RunConfig, reader, cursor: str, final_version: int, 
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m coordinator.run_logger --config run.json [--redis-url URL]``: the run logger on its own, for runs
+    """``python -m launcher.run_logger --config run.json [--redis-url URL]``: the run logger on its own, for runs
     that no ``fleetrl demo`` launcher watches (a cluster's pods), e.g. beside the coordinator."""
     import argparse
 
@@ -173,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from protos.config import flag_overrides, load_run_config
 
-    parser = argparse.ArgumentParser(prog="python -m coordinator.run_logger", description=main.__doc__)
+    parser = argparse.ArgumentParser(prog="python -m launcher.run_logger", description=main.__doc__)
     parser.add_argument("--config", required=True)
     parser.add_argument("--redis-url", default=None, help="alias of the config key redis_url")
     parser.add_argument("--idle-timeout-s", type=float, default=7200.0, help="give up after this long without reports")

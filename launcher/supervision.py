@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from coordinator.roles import RoleSpec
+from launcher.roles import RoleSpec
 from protos.config import RestartPolicy
 from protos.exit_codes import EXIT_CANNOT_RESTART
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from coordinator.launcher import check_gpu_layout
-from coordinator.run_figures import speed_figures
+from launcher.demo import check_gpu_layout
+from launcher.run_figures import speed_figures
 from protos.config import load_run_config
 from protos.records import ReportStatus, VersionReport
 
@@ -56,7 +56,7 @@ def test_demo_user_errors_print_one_line_and_exit_2(args, needle):
     import subprocess
     import sys
 
-    done = subprocess.run([sys.executable, "-m", "coordinator.cli", "demo", *args], capture_output=True, text=True)
+    done = subprocess.run([sys.executable, "-m", "launcher.cli", "demo", *args], capture_output=True, text=True)
     assert done.returncode == 2
     assert needle in done.stderr and "Traceback" not in done.stderr and len(done.stderr.strip().splitlines()) == 1
 
@@ -78,7 +78,7 @@ def test_rollout_serve_user_errors_print_one_line_and_exit_2(args, needle):
     import subprocess
     import sys
 
-    done = subprocess.run([sys.executable, "-m", "coordinator.cli", *args], capture_output=True, text=True)
+    done = subprocess.run([sys.executable, "-m", "launcher.cli", *args], capture_output=True, text=True)
     assert done.returncode == 2
     assert needle in done.stderr and "Traceback" not in done.stderr and len(done.stderr.strip().splitlines()) == 1
 
@@ -100,6 +100,6 @@ def test_up_scale_and_down_user_errors_print_one_line_and_exit_2(args, needle):
     import subprocess
     import sys
 
-    done = subprocess.run([sys.executable, "-m", "coordinator.cli", *args], capture_output=True, text=True)
+    done = subprocess.run([sys.executable, "-m", "launcher.cli", *args], capture_output=True, text=True)
     assert done.returncode == 2, done.stderr
     assert needle in done.stderr and "Traceback" not in done.stderr and len(done.stderr.strip().splitlines()) == 1

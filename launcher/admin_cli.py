@@ -34,7 +34,7 @@ _AUTH_HINTS = {
 
 
 def _channel(args: argparse.Namespace) -> grpc.Channel:
-    from coordinator.auth import channel_credentials
+    from launcher.auth_client import channel_credentials
 
     if args.tls_ca:
         try:
@@ -45,7 +45,7 @@ def _channel(args: argparse.Namespace) -> grpc.Channel:
 
 
 def _call(args: argparse.Namespace, method: str, request, timeout_s: float | None = None):
-    from coordinator.auth import call_metadata
+    from launcher.auth_client import call_metadata
     from protos import admin_pb2_grpc as pb_grpc
 
     with _channel(args) as channel:

@@ -16,9 +16,9 @@ import ray
 from ray.util.placement_group import PlacementGroup, placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from coordinator import roles
-from coordinator.ray_actors import RoleActor
-from coordinator.supervision import RestartBackoff, RoleFailed, log_tail
+from launcher import roles
+from launcher.ray_actors import RoleActor
+from launcher.supervision import RestartBackoff, RoleFailed, log_tail
 from protos.config import RunConfig
 
 RANK_STOP_GRACE_S = 10.0

@@ -73,7 +73,7 @@ def control_actor(location: RunLocation):
     """The run's RunControl actor; raises RunNotFound."""
     import ray
 
-    from coordinator.ray_actors import control_actor_name
+    from launcher.ray_actors import control_actor_name
 
     _check_reachable(location)
     connect(location.ray_address, location.namespace)

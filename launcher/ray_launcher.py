@@ -1,19 +1,19 @@
 """``fleetrl up``: the roles of ``fleetrl demo`` on a Ray cluster, each role process owned by a Ray actor.
 
 The driver is the ``fleetrl up`` process. It is a ``DemoLauncher`` whose processes live in actors: the same role
-specs (coordinator/roles.py), the same step lines and summary. Placement (docs/deploy.md, Ray launcher):
+specs (launcher/roles.py), the same step lines and summary. Placement (docs/deploy.md, Ray launcher):
 
-* a rollout replica (coordinator/ray_replicas.py): its own placement group, one STRICT_PACK bundle of
+* a rollout replica (launcher/ray_replicas.py): its own placement group, one STRICT_PACK bundle of
   ``launcher.ray.rollout_cpus`` CPUs and, with GPUs, TP x PP of them; the replica's ``RoleActor`` takes the bundle;
 * the trainer: one placement group for its gang, a bundle per node of ``trainer.num_processes`` ranks (STRICT_PACK on
   one node, STRICT_SPREAD over ``trainer.num_nodes``), one ``RoleActor`` per rank with torchrun's environment;
 * the coordinator: an actor of ``coordinator_cpus``; Redis: the run's ``redis_url``, or the embedded valkey as a role
   like the others (a ``RoleActor`` of ``redis_cpus``: restarted on the same address, its AOF in <run dir>/valkey);
-* on a KubeRay cluster (coordinator/ray_placement.py) each also asks for its group's custom resource.
+* on a KubeRay cluster (launcher/ray_placement.py) each also asks for its group's custom resource.
 
 Healing: a rollout server's, the coordinator's or valkey's actor restarts its process by ``launcher.restart``; the trainer's
 ranks restart together (``TrainerGang``) under the same policy. ``fleetrl scale`` and ``fleetrl down`` reach the driver
-through the run's named ``RunControl`` actor (coordinator/ray_control.py).
+through the run's named ``RunControl`` actor (launcher/ray_control.py).
 """
 
 from __future__ import annotations
@@ -28,20 +28,20 @@ import ray
 from ray.util.placement_group import PlacementGroup, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from coordinator import roles
-from coordinator.launcher import DemoLauncher
-from coordinator.ray_actors import RoleActor, RunControl, control_actor_name
-from coordinator.ray_control import AUTH_MODE_ENV, RunLocation, write_state
-from coordinator.ray_placement import (
+from launcher import roles
+from launcher.demo import DemoLauncher
+from launcher.ray_actors import RoleActor, RunControl, control_actor_name
+from launcher.ray_control import AUTH_MODE_ENV, RunLocation, write_state
+from launcher.ray_placement import (
     TrainerGang,
     actor_options,
     check_placeable,
     coordinator_resources,
     resolve_cluster_choices,
 )
-from coordinator.ray_replicas import STOP_GRACE_S, RolloutReplicas
-from coordinator.redis_server import REDIS_ROLE, redis_spec, wait_accepting
-from coordinator.supervision import RoleFailed, write_roles
+from launcher.ray_replicas import STOP_GRACE_S, RolloutReplicas
+from launcher.redis_server import REDIS_ROLE, redis_spec, wait_accepting
+from launcher.supervision import RoleFailed, write_roles
 from protos.config import RunConfig
 
 
@@ -105,7 +105,7 @@ class RayLauncher(DemoLauncher):
         return redis_url
 
     def start_redis_role(self, timeout_s: float = 60.0) -> str:
-        """valkey in a RoleActor of its own, as ``fleetrl demo`` runs it (coordinator/redis_server.py): a crash is
+        """valkey in a RoleActor of its own, as ``fleetrl demo`` runs it (launcher/redis_server.py): a crash is
         restarted by ``launcher.restart`` on the same host:port and data directory, whose AOF (fsynced at every write)
         brings back every acknowledged write; the roles ride out the gap with their outage retry."""
         self.redis_actor = self._role_actor({"CPU": self.ray_config.redis_cpus}, None)
@@ -237,7 +237,7 @@ class RayLauncher(DemoLauncher):
 def run_up(config: RunConfig, out_dir: Path) -> dict:
     """``fleetrl up``: join or start the cluster, run to the end (or ``fleetrl down``), stop everything; returns and
     writes the summary."""
-    from coordinator.ray_control import connect
+    from launcher.ray_control import connect
 
     out_dir.mkdir(parents=True, exist_ok=True)
     out_dir = out_dir.resolve()

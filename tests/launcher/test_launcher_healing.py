@@ -10,7 +10,7 @@ import pytest
 
 from modeling.tiny_model import init_tiny
 from protos import admin_pb2
-from tests.coordinator.healing_runs import GROUPS_PER_STEP, assert_every_group_trained_once, launch
+from tests.launcher.healing_runs import GROUPS_PER_STEP, assert_every_group_trained_once, launch
 
 pytestmark = pytest.mark.e2e
 

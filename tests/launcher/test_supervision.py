@@ -9,8 +9,8 @@ import time
 import psutil
 import pytest
 
-from coordinator.roles import ROLLOUT, TRAINER, RoleSpec
-from coordinator.supervision import RoleFailed, SupervisedProcess
+from launcher.roles import ROLLOUT, TRAINER, RoleSpec
+from launcher.supervision import RoleFailed, SupervisedProcess
 from protos.config import RestartPolicy, load_run_config
 from tests.waiting import wait_until
 

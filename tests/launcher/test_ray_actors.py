@@ -14,12 +14,12 @@ from pathlib import Path
 import pytest
 import ray
 
-from coordinator.ray_actors import RoleActor, RunControl, control_actor_name
-from coordinator.ray_control import AUTH_MODE_ENV, FLEETRL_ROOT, RunLocation, connect, write_state
-from coordinator.ray_launcher import RayLauncher, RunStopped
-from coordinator.ray_placement import actor_options
-from coordinator.ray_replicas import RolloutReplicas
-from coordinator.roles import ROLLOUT, RoleSpec
+from launcher.ray_actors import RoleActor, RunControl, control_actor_name
+from launcher.ray_control import AUTH_MODE_ENV, FLEETRL_ROOT, RunLocation, connect, write_state
+from launcher.ray_launcher import RayLauncher, RunStopped
+from launcher.ray_placement import actor_options
+from launcher.ray_replicas import RolloutReplicas
+from launcher.roles import ROLLOUT, RoleSpec
 from protos.config import RestartPolicy, load_run_config
 from tests.waiting import wait_until
 
@@ -129,7 +129,7 @@ def test_the_run_control_actor_is_found_by_its_run_id(cluster):
 
 
 def _fleetrl(*argv: str) -> subprocess.CompletedProcess:
-    command = [sys.executable, "-m", "coordinator.cli", *argv]
+    command = [sys.executable, "-m", "launcher.cli", *argv]
     return subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=FLEETRL_ROOT)
 
 
@@ -152,8 +152,8 @@ def test_fleetrl_down_reaches_the_driver_through_the_run_control_actor(cluster, 
 def test_a_trainer_rank_that_refuses_to_start_ends_the_run_instead_of_restarting_the_gang(cluster, tmp_path):
     """A rank exiting EXIT_CANNOT_RESTART (here: its config file refused) would fail the same way at every gang
     restart: the gang's supervision ends the run with the rank's own message at the first failure."""
-    from coordinator.ray_placement import TrainerGang
-    from coordinator.supervision import RoleFailed
+    from launcher.ray_placement import TrainerGang
+    from launcher.supervision import RoleFailed
 
     config = load_run_config(overrides=["launcher.restart.max_restarts=3"])
     config_path = tmp_path / "config.json"

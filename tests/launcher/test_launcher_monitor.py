@@ -12,8 +12,8 @@ import pytest
 import redis
 
 from channels.metrics_stream import MetricsStreamWriter
-from coordinator.launcher import DemoLauncher
-from coordinator.roles import COORDINATOR, RoleSpec
+from launcher.demo import DemoLauncher
+from launcher.roles import COORDINATOR, RoleSpec
 from protos.config import load_run_config
 from protos.records import MetricsReport, ReportStatus, RoleDone, VersionReport, encode
 from protos.redis_keys import RedisKeys

@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 
-from coordinator import roles
-from coordinator.ray_placement import rollout_bundle, wait_placed
+from launcher import roles
+from launcher.ray_placement import rollout_bundle, wait_placed
 from protos.config import RunConfig
 
 STOP_GRACE_S = 30.0  # a rollout server drains its calls (--grace-s) and shuts its engine down within this

@@ -20,13 +20,13 @@ import redis.asyncio as aioredis
 from channels.trajectory_stream import TrajectoryStreamWriter
 from channels.version_board import VersionBoard
 from coordinator.admin import AdminCore, start_admin_server
-from coordinator.cli import main as fleetrl
 from coordinator.control import ControlChannel
 from coordinator.fleet import Fleet
 from coordinator.metrics import MetricsReporter
-from coordinator.redis_server import free_port
 from coordinator.scheduler import Scheduler
 from coordinator.tasks import EchoTask
+from launcher.cli import main as fleetrl
+from launcher.redis_server import free_port
 from protos.config import load_run_config
 from protos.records import ControlKind, WeightManifest, decode_control
 from protos.redis_keys import RedisKeys
@@ -159,7 +159,7 @@ def test_server_verbs_name_an_unknown_or_unreachable_server(admin, capsys):
 def test_an_unreachable_coordinator_is_a_clear_error_with_a_nonzero_exit():
     address = f"127.0.0.1:{free_port()}"
     result = subprocess.run(
-        [sys.executable, "-m", "coordinator.cli", "status", "--admin", address, "--timeout-s", "2"],
+        [sys.executable, "-m", "launcher.cli", "status", "--admin", address, "--timeout-s", "2"],
         capture_output=True,
         text=True,
         timeout=60,

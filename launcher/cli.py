@@ -12,14 +12,14 @@ import sys
 import time
 from pathlib import Path
 
-from coordinator.admin_cli import add_admin_commands, run_admin_command
+from launcher.admin_cli import add_admin_commands, run_admin_command
 
 ADMIN_COMMANDS = ("status", "pause", "resume", "drain", "set", "sync", "servers")
 DEFAULT_RECIPE = Path(__file__).resolve().parent.parent / "recipes" / "demo-echo.yaml"
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    from coordinator.launcher import RoleFailed, run_demo
+    from launcher.demo import RoleFailed, run_demo
     from protos.config import describe_config_error, load_run_config
 
     overrides = list(args.overrides)
@@ -49,8 +49,8 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 
 def _cmd_up(args: argparse.Namespace) -> int:
-    from coordinator.ray_launcher import RunStopped, run_up
-    from coordinator.supervision import RoleFailed
+    from launcher.ray_launcher import RunStopped, run_up
+    from launcher.supervision import RoleFailed
     from protos.config import describe_config_error, load_run_config
 
     overrides = list(args.overrides)
@@ -99,7 +99,7 @@ def _interrupt(signum, frame) -> None:
 
 
 def _run_location(args: argparse.Namespace, verb: str):
-    from coordinator.ray_control import RunLocation, read_state
+    from launcher.ray_control import RunLocation, read_state
 
     if args.run_dir:
         return read_state(Path(args.run_dir))
@@ -109,7 +109,7 @@ def _run_location(args: argparse.Namespace, verb: str):
 
 
 def _cmd_down(args: argparse.Namespace) -> int:
-    from coordinator.ray_control import RunNotFound, request_down
+    from launcher.ray_control import RunNotFound, request_down
 
     try:
         location = _run_location(args, "down")
@@ -125,7 +125,7 @@ def _cmd_down(args: argparse.Namespace) -> int:
 
 
 def _cmd_scale(args: argparse.Namespace) -> int:
-    from coordinator.ray_control import RunNotFound, request_scale, serving_replicas
+    from launcher.ray_control import RunNotFound, request_scale, serving_replicas
 
     role, sep, raw = args.assignment.partition("=")
     try:

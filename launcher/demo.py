@@ -1,12 +1,12 @@
 """DemoLauncher: starts every role of a run as its own OS process, shows progress, writes summary.json.
 
 It only starts and supervises: the roles talk through Redis, gRPC and the weight bus. The processes come from the
-specs both launchers build (coordinator/roles.py) and run under ``SupervisedProcess`` (coordinator/supervision.py):
+specs both launchers build (launcher/roles.py) and run under ``SupervisedProcess`` (launcher/supervision.py):
 each in its own process group, so that a stop (or Ctrl-C) takes down the vLLM engine processes too (and a multi-rank
 trainer's ranks: ``trainer.num_processes`` > 1 starts it under torchrun, see ``trainer_command``), and each restarted
 after a failure by ``launcher.restart``. A restarted rollout server registers at its new address and the coordinator
 discovers it; the trainer resumes from its checkpoint, the coordinator from its prompt cursor. The summary counts the
-restarts per role. ``fleetrl up`` (coordinator/ray_launcher.py) runs the same roles on Ray.
+restarts per role. ``fleetrl up`` (launcher/ray_launcher.py) runs the same roles on Ray.
 """
 
 from __future__ import annotations
@@ -25,14 +25,14 @@ import redis
 from channels.metrics_stream import MetricsStreamReader
 from channels.retry import UNREACHABLE, retry_sync
 from channels.version_board import VersionBoard
-from coordinator import roles
-from coordinator.demo_agents import demo_agent_commands, prepare_agents
-from coordinator.redis_server import free_port, redis_spec, wait_accepting
-from coordinator.roles import RoleSpec
-from coordinator.run_figures import replay_figures, speed_figures
-from coordinator.run_logger import RunLogger, append_step, read_reports
-from coordinator.supervision import RoleFailed, SupervisedProcess, log_tail, write_roles
-from coordinator.tiny_models import tiny_model_dir
+from launcher import roles
+from launcher.demo_agents import demo_agent_commands, prepare_agents
+from launcher.redis_server import free_port, redis_spec, wait_accepting
+from launcher.roles import RoleSpec
+from launcher.run_figures import replay_figures, speed_figures
+from launcher.run_logger import RunLogger, append_step, read_reports
+from launcher.supervision import RoleFailed, SupervisedProcess, log_tail, write_roles
+from launcher.tiny_models import tiny_model_dir
 from protos.config import RunConfig
 from protos.records import RoleDone
 from protos.redis_keys import RedisKeys
@@ -154,7 +154,7 @@ class DemoLauncher:
         return redis_url
 
     def start_redis(self, timeout_s: float = 30.0) -> str:
-        """The embedded valkey as a supervised role with its AOF in <run dir>/valkey (coordinator/redis_server.py):
+        """The embedded valkey as a supervised role with its AOF in <run dir>/valkey (launcher/redis_server.py):
         restarted on the same address after a crash, it comes back with the run's queue. Returns its URL."""
         host = "127.0.0.1"
         port = free_port(host)

@@ -9,7 +9,7 @@ import time
 import pytest
 import redis
 
-from coordinator.run_logger import RunLogger, follow_run, step_metrics
+from launcher.run_logger import RunLogger, follow_run, step_metrics
 from protos.config import load_run_config
 from protos.records import MetricsReport, RoleDone, encode
 from protos.redis_keys import RedisKeys
@@ -100,7 +100,7 @@ def test_wandb_logger_writes_the_guides_metrics_from_the_metrics_streams(redis_u
     client = redis.Redis.from_url(redis_url)
     keys = RedisKeys(config.run_id)
     write_run(client, keys, num_steps=3)
-    assert follow_run(config, client, timeout_s=30) == 3  # what `python -m coordinator.run_logger` runs
+    assert follow_run(config, client, timeout_s=30) == 3  # what `python -m launcher.run_logger` runs
 
     run, rows = offline_history(log_dir)
     assert run == {"project": "fleetrl-test", "name": "beam-toy"}

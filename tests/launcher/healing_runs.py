@@ -16,7 +16,7 @@ import grpc
 import psutil
 import pytest
 
-from coordinator.redis_server import free_port
+from launcher.redis_server import free_port
 from protos import admin_pb2, admin_pb2_grpc
 from tests.waiting import WaitTimeout, wait_until
 
@@ -124,7 +124,7 @@ def launch(verb: list[str], out: Path, model: str, steps: int, *overrides: str) 
     command = [
         sys.executable,
         "-m",
-        "coordinator.cli",
+        "launcher.cli",
         *verb,
         "--steps",
         str(steps),

@@ -21,7 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from coordinator.roles import REDIS, RoleSpec
+from launcher.roles import REDIS, RoleSpec
 
 REDIS_ROLE = "valkey"
 

@@ -9,7 +9,7 @@ import psutil
 import pytest
 
 from modeling.tiny_model import init_tiny
-from tests.coordinator.healing_runs import launch
+from tests.launcher.healing_runs import launch
 
 pytestmark = pytest.mark.e2e
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import yaml
 
-from coordinator.redis_server import free_port
+from launcher.redis_server import free_port
 from protos.config import RunConfig
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"

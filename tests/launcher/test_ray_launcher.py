@@ -16,7 +16,7 @@ import pytest
 
 from modeling.tiny_model import init_tiny
 from protos import admin_pb2
-from tests.coordinator.healing_runs import GROUPS_PER_STEP, LaunchedRun, assert_every_group_trained_once, launch
+from tests.launcher.healing_runs import GROUPS_PER_STEP, LaunchedRun, assert_every_group_trained_once, launch
 
 pytestmark = pytest.mark.e2e
 
@@ -25,7 +25,7 @@ STEPS = 8
 
 def _scale(run: LaunchedRun, count: int) -> str:
     done = subprocess.run(
-        [sys.executable, "-m", "coordinator.cli", "scale", f"rollout={count}", "--run-dir", str(run.out)],
+        [sys.executable, "-m", "launcher.cli", "scale", f"rollout={count}", "--run-dir", str(run.out)],
         capture_output=True,
         text=True,
         timeout=700,

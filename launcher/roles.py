@@ -1,7 +1,7 @@
 """The role processes of a run, built from its resolved config: one builder for both launchers.
 
-``fleetrl demo`` (coordinator/launcher.py) runs each ``RoleSpec`` as a process on this machine; ``fleetrl up``
-(coordinator/ray_launcher.py) hands each one to a Ray actor that runs it as a process on its node. Every role reads
+``fleetrl demo`` (launcher/demo.py) runs each ``RoleSpec`` as a process on this machine; ``fleetrl up``
+(launcher/ray_launcher.py) hands each one to a Ray actor that runs it as a process on its node. Every role reads
 the same resolved config file (``--config``); a spec adds only what differs per instance (ports, server ids, the
 torchrun-equivalent environment of a trainer rank). The trainer's argv comes from ``protos.trainer_command``, which
 the Kubernetes renderer (deploy/) shares.

@@ -16,8 +16,8 @@ import socket
 import threading
 from pathlib import Path
 
-from coordinator.roles import ROLLOUT, RoleSpec, read_address
-from coordinator.supervision import RoleFailed, SupervisedProcess
+from launcher.roles import ROLLOUT, RoleSpec, read_address
+from launcher.supervision import RoleFailed, SupervisedProcess
 from protos.config import RestartPolicy
 
 logger = logging.getLogger(__name__)

@@ -9,8 +9,8 @@ import signal
 import pytest
 import redis
 
-from coordinator.redis_server import free_port, redis_spec, wait_accepting
-from coordinator.supervision import SupervisedProcess
+from launcher.redis_server import free_port, redis_spec, wait_accepting
+from launcher.supervision import SupervisedProcess
 from protos.config import RestartPolicy
 from tests.waiting import wait_until
 
@@ -46,9 +46,9 @@ def test_a_killed_valkey_role_comes_back_on_its_address_with_every_acknowledged_
 def test_an_embedded_redis_that_cannot_start_ends_the_demo_with_its_log(tmp_path, monkeypatch):
     import socket
 
-    from coordinator import launcher as launcher_module
-    from coordinator.launcher import DemoLauncher
-    from coordinator.supervision import RoleFailed
+    from launcher import demo as launcher_module
+    from launcher.demo import DemoLauncher
+    from launcher.supervision import RoleFailed
     from protos.config import load_run_config
 
     with socket.socket() as taken:  # another server holds the port the launcher picked
@@ -67,7 +67,7 @@ def test_an_embedded_redis_that_cannot_start_ends_the_demo_with_its_log(tmp_path
 def test_the_ray_role_actor_runs_valkey_in_a_directory_it_makes_and_restarts_it_with_its_data(tmp_path):
     """``fleetrl up``'s valkey: a RoleActor (plain class here, a Ray actor in a run) on a node where the run
     directory may not exist; a crash is restarted on the same address with every acknowledged write."""
-    from coordinator.ray_actors import RoleActor
+    from launcher.ray_actors import RoleActor
 
     port = free_port()
     data_dir = tmp_path / "node" / "run" / "valkey"  # not made by the driver that built the spec

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from coordinator import roles
-from coordinator.ray_actors import RunControl
-from coordinator.ray_control import serving_replicas
-from coordinator.ray_placement import (
+from launcher import roles
+from launcher.ray_actors import RunControl
+from launcher.ray_control import serving_replicas
+from launcher.ray_placement import (
     actor_options,
     check_placeable,
     coordinator_resources,
@@ -19,7 +19,7 @@ from coordinator.ray_placement import (
     trainer_bundles,
     trainer_rank_resources,
 )
-from coordinator.supervision import RoleFailed
+from launcher.supervision import RoleFailed
 from protos.config import load_run_config
 
 pytestmark = pytest.mark.unit
