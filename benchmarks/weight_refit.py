@@ -12,11 +12,15 @@ Per transport (ipc, tcp) and engine path, ``--versions`` updates through fleetrl
   replay it.
 
 ``--engines bf16,mxfp8`` adds an engine serving vLLM's online MXFP8 (``rollout.quantization=mxfp8``: every update
-is re-quantized and repacked in the engine, no refit plan) with two paths on the same engine:
+is re-quantized and repacked in the engine) with three paths on the same engine:
 
-- ``loop``: vLLM's MXFP8 MoE processing, a Python loop per expert (rollout_service.mxfp8_batched switched off).
-- ``batched``: the experts quantized and repacked as one matrix per layer; the same bytes are then loaded by both paths
-  and the served MXFP8 parameters must be equal byte for byte (``batched_equals_loop``).
+- ``loop``: vLLM's reload with its MXFP8 MoE processing, a Python loop per expert (rollout_service.mxfp8_batched off).
+- ``batched``: vLLM's reload with the experts quantized and repacked as one matrix per layer.
+- ``plan``: batched, and ``rollout.refit_plan`` on: the layer plan (rollout_service.layer_plan) replays the loaders'
+  copies and each layer's processing without vLLM's reload.
+
+The same bytes are then loaded by each path and the served MXFP8 parameters must equal the loop's
+(``mxfp8_paths_equal_loop``).
 
 The JSON's ``mxfp8_to_bf16`` divides each MXFP8 path's ``update_s`` by the bf16 plan's, measured in the same run.
 
@@ -116,7 +120,7 @@ async def run_path(
     bus = WeightBusConfig(transport=transport, bucket_mib=256)
     engine.config = engine.config.model_copy(update={"refit_plan": path == "plan"})
     if engine.config.quantization == "mxfp8":
-        await engine.llm.collective_rpc("fleetrl_mxfp8_batched", args=(path == "batched",))
+        await engine.llm.collective_rpc("fleetrl_mxfp8_batched", args=(path in ("batched", "plan"),))
     publisher = WeightPublisher(redis.Redis.from_url(redis_url), keys, bus)
     follower = WeightFollower(engine, aioredis.Redis.from_url(redis_url), keys, bus, "bench")
     rows = []
@@ -194,20 +198,20 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
-async def paths_equal(engine, weights, redis_url: str, keys, version: int, paths: tuple[str, str]) -> dict:
-    """The same bytes loaded by one path and then by the other: every served parameter's sum must be equal."""
+async def paths_equal(engine, weights, redis_url: str, keys, version: int, paths: tuple[str, ...]) -> dict:
+    """The same bytes loaded by each path in turn: every served parameter's sum must equal the first path's."""
     results = {}
     for label in paths:
         transport = "tcp" if DRY else "ipc"
         await run_path(engine, weights, transport, label, range(version, version + 1), redis_url, keys, vary=False)
         results[label] = (await engine.llm.collective_rpc("fleetrl_param_sums"))[0]
         version += 1
-    first, second = (results[label] for label in paths)
-    differing = [name for name in first if first[name] != second.get(name)]
-    return {"parameters": len(first), "differing": differing[:8], "equal": not differing}
+    first = results[paths[0]]
+    differing = {label: [name for name in first if first[name] != results[label].get(name)][:8] for label in paths[1:]}
+    return {"parameters": len(first), "differing": differing, "equal": not any(differing.values())}
 
 
-PATHS = {"bf16": ("reload", "plan"), "mxfp8": ("loop", "batched")}
+PATHS = {"bf16": ("reload", "plan"), "mxfp8": ("loop", "batched", "plan")}
 
 
 async def bench_model(name: str, args, root: Path, redis_url: str) -> dict:
@@ -245,9 +249,9 @@ async def bench_model(name: str, args, root: Path, redis_url: str) -> dict:
                     result[f"{prefix}{transport}_{label}"] = figures
                     version += args.versions
                     print(name, kind, transport, label, json.dumps(figures), flush=True)
-            check = "plan_equals_reload" if kind == "bf16" else f"{kind}_batched_equals_loop"
+            check = "plan_equals_reload" if kind == "bf16" else f"{kind}_paths_equal_loop"
             result[check] = await paths_equal(engine, weights, redis_url, keys, version, PATHS[kind])
-            version += 2
+            version += len(PATHS[kind])
         finally:
             engine.shutdown()
     for transport in args.transports:

@@ -64,14 +64,7 @@ class RefitPlan:
     def sources(self, buckets: list[torch.Tensor]) -> list[torch.Tensor]:
         """The copies' sources as views of ``buckets`` (uint8, one per manifest bucket). Bound anew per version:
         each comes in fresh memory (a new staging map, new IPC allocations), and a kept view would keep it mapped."""
-        typed: dict[tuple[int, torch.dtype], torch.Tensor] = {}
-        views = []
-        for copy in self.copies:
-            base = typed.get((copy.bucket, copy.dtype))
-            if base is None:
-                base = typed[(copy.bucket, copy.dtype)] = _typed(buckets[copy.bucket], copy.dtype)
-            views.append(base.as_strided(copy.shape, copy.stride, base.storage_offset() + copy.element_offset))
-        return views
+        return bucket_views(self.copies, buckets)
 
     def replay(self, buckets: list[torch.Tensor]) -> None:
         with torch.no_grad():
@@ -90,6 +83,45 @@ def layout_key(manifest) -> str:
         digest.update(f"{entry.name}|{entry.dtype}|{entry.shape}|{entry.codec}|{entry.bucket}|{entry.offset};".encode())
     digest.update(str(manifest.bucket_nbytes).encode())
     return digest.hexdigest()
+
+
+@dataclass(frozen=True)
+class BucketSlice:
+    """Where a copy's source lies: a strided view of bucket ``bucket`` read as ``dtype``."""
+
+    bucket: int
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    element_offset: int  # from the bucket's first byte, in elements of ``dtype``
+
+
+def bucket_views(slices, buckets: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Views of ``buckets`` for ``slices`` (anything with BucketSlice's fields: SliceCopy too), in order."""
+    typed: dict[tuple[int, torch.dtype], torch.Tensor] = {}
+    views = []
+    for piece in slices:
+        base = typed.get((piece.bucket, piece.dtype))
+        if base is None:
+            base = typed[(piece.bucket, piece.dtype)] = _typed(buckets[piece.bucket], piece.dtype)
+        views.append(base.as_strided(piece.shape, piece.stride, base.storage_offset() + piece.element_offset))
+    return views
+
+
+def locate(source: torch.Tensor, buckets: list[torch.Tensor], what: str) -> BucketSlice | None:
+    """``source`` as a slice of one of ``buckets``, or None when it lies in none of them."""
+    pointer = source.data_ptr()
+    for index, bucket in enumerate(buckets):
+        start = bucket.data_ptr()
+        if start <= pointer < start + bucket.numel() and source.untyped_storage().data_ptr() == (
+            bucket.untyped_storage().data_ptr()
+        ):
+            offset_bytes = pointer - start
+            if offset_bytes % source.element_size():
+                raise PlanRefused(f"a copy into {what} from a misaligned slice")
+            shape, stride = tuple(source.shape), tuple(source.stride())
+            return BucketSlice(index, source.dtype, shape, stride, offset_bytes // source.element_size())
+    return None
 
 
 def _typed(bucket: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -179,7 +211,7 @@ def _slice_copy(target: torch.Tensor, source, parameter: str, buckets: list[torc
         # A loader that hands over a computed tensor whose values are the loaded entry's own (vLLM's GPU loaders
         # make contiguous or dtype-converted copies): copy from the entry's slice instead; copy_ converts alike,
         # and the check against vLLM's reload proves the replay gives the same bytes.
-        view = _same_values_as(source, loading[1])
+        view = same_values_as(source, loading[1])
         found = None if view is None else _bucket_slice(target, view, parameter, buckets)
     if found is None:
         entry = f"while loading {loading[0]} {tuple(loading[1].shape)} {loading[1].dtype}" if loading else ""
@@ -191,28 +223,13 @@ def _slice_copy(target: torch.Tensor, source, parameter: str, buckets: list[torc
 
 
 def _bucket_slice(target: torch.Tensor, source: torch.Tensor, parameter: str, buckets) -> SliceCopy | None:
-    pointer = source.data_ptr()
-    for index, bucket in enumerate(buckets):
-        start = bucket.data_ptr()
-        if start <= pointer < start + bucket.numel() and source.untyped_storage().data_ptr() == (
-            bucket.untyped_storage().data_ptr()
-        ):
-            offset_bytes = pointer - start
-            if offset_bytes % source.element_size():
-                raise PlanRefused(f"a copy into {parameter} from a misaligned slice")
-            return SliceCopy(
-                target,
-                parameter,
-                index,
-                source.dtype,
-                tuple(source.shape),
-                tuple(source.stride()),
-                offset_bytes // source.element_size(),
-            )
-    return None
+    found = locate(source, buckets, parameter)
+    if found is None:
+        return None
+    return SliceCopy(target, parameter, found.bucket, found.dtype, found.shape, found.stride, found.element_offset)
 
 
-def _same_values_as(source: torch.Tensor, view) -> torch.Tensor | None:
+def same_values_as(source: torch.Tensor, view) -> torch.Tensor | None:
     """``view`` (or its leading rows, as a vocabulary shard narrows) when ``source`` holds exactly its values, maybe
     converted to ``source``'s dtype; None otherwise. A constant view proves nothing (any reshuffle of it looks the
     same), so it never matches."""
@@ -228,7 +245,7 @@ def _same_values_as(source: torch.Tensor, view) -> torch.Tensor | None:
     if not bool((flat != flat[0]).any()):
         return None
     converted = view if view.dtype == source.dtype else view.to(source.dtype)
-    return view if torch.equal(_bits(converted), _bits(source)) else None
+    return view if torch.equal(bits(converted), bits(source)) else None
 
 
 def _extent(tensor: torch.Tensor) -> tuple[int, int]:
@@ -324,12 +341,12 @@ def check(plan: RefitPlan, model: torch.nn.Module, buckets, before: dict[str, fl
             reloaded = parameter.clone()
             try:
                 for write in [*(plan.copies[i] for i in indices), *fills_of.get(name, ())]:
-                    _scribble(write.target)
+                    scribble(write.target)
                 if indices:
                     torch._foreach_copy_([plan.copies[i].target for i in indices], [sources[i] for i in indices])
                 for fill in fills_of.get(name, ()):
                     fill.target.fill_(fill.value)
-                same = torch.equal(_bits(parameter), _bits(reloaded))
+                same = torch.equal(bits(parameter), bits(reloaded))
             finally:
                 parameter.copy_(reloaded)
             if not same:
@@ -347,11 +364,11 @@ def still_served(plan: RefitPlan, model: torch.nn.Module) -> bool:
     return all(copy.target.untyped_storage().data_ptr() == _storage(parameters, copy) for copy in plan.writes())
 
 
-def _scribble(target: torch.Tensor) -> None:
+def scribble(target: torch.Tensor) -> None:
     target.fill_(float("nan") if target.is_floating_point() else -1)
 
 
-def _bits(tensor: torch.Tensor) -> torch.Tensor:
+def bits(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.contiguous().view(-1).view(torch.uint8)
 
 

@@ -12,6 +12,7 @@ checkpoint gets the pairs as they are, in vLLM's checkpoint names ``x.weight`` +
 
 from __future__ import annotations
 
+import logging
 import mmap
 import os
 
@@ -23,6 +24,8 @@ from rollout_service.reload_notices import quiet_derived_buffer_warnings
 # vLLM imports this module in each worker before it loads the model, so the MXFP8 experts' processing is batched from
 # the first load on (each replacement checks itself against vLLM's loop on its first call).
 mxfp8_batched.install()
+
+log = logging.getLogger(__name__)
 
 
 class WeightLoaderExtension:
@@ -76,9 +79,7 @@ class WeightLoaderExtension:
         try:
             buckets = open_version(decode_ipc_version(record_bytes), self.model_runner.device)
         except IpcUnavailable as error:
-            import logging
-
-            logging.getLogger(__name__).warning("weight bus (ipc): %s; the version comes over tcp", error)
+            log.warning("weight bus (ipc): %s; the version comes over tcp", error)
             return -1
         try:
             with stacks_if_slow(stacks_after_s):
@@ -91,40 +92,61 @@ class WeightLoaderExtension:
 
     def _fleetrl_load(self, manifest, buckets, use_plan: bool) -> int:
         """Load one version from ``buckets`` (uint8 tensors, one per manifest bucket): through the layout's accepted
-        refit plan, else vLLM's reload (capturing and checking a plan on the way when one may be tried)."""
-        import logging
-
+        plan, else vLLM's reload (recording and checking a plan on the way when one may be tried)."""
         from rollout_service import refit_plan
+
+        plans = self.__dict__.setdefault("_fleetrl_plans", {})  # layout -> an accepted plan, or why it was refused
+        layout = refit_plan.layout_key(manifest)
+        if use_plan and self._fleetrl_replayed(plans, layout, buckets, manifest.version):
+            return len(manifest.tensors)
+        dequantize_to = self._fleetrl_dequantize_target(manifest)
+        kind = self._fleetrl_plan_kind(manifest, dequantize_to) if use_plan and layout not in plans else "-"
+        if kind not in ("copies", "layers", "-"):
+            plans[layout] = f"refused: {kind}"
+            log.info("weight updates keep vLLM's reload (no refit plan): %s", kind)
+        return self._fleetrl_reload(manifest, buckets, dequantize_to, plans, layout, kind)
+
+    def _fleetrl_replayed(self, plans: dict, layout: str, buckets, version: int) -> bool:
+        """Load through the layout's accepted plan; False when there is none (or it no longer fits the served
+        memory: dropped, to be recorded again). A replay only copies and processes: a failure there is a bug and
+        propagates (the update fails loudly rather than serving half-updated weights)."""
+        from rollout_service import layer_plan, refit_plan
+
+        known = plans.get(layout)
+        model = self.model_runner.get_model()
+        if isinstance(known, refit_plan.RefitPlan) and refit_plan.still_served(known, model):
+            with profiled_load(version, "plan"):
+                known.replay(buckets)
+            self.fleetrl_last_load_path = "plan"
+            return True
+        changed = known.changed() if isinstance(known, layer_plan.LayeredPlan) else "-"
+        if not changed:
+            with profiled_load(version, "layer plan"), kept_across_reload(model):
+                known.replay(buckets)
+            self.fleetrl_last_load_path = "layer plan"
+            return True
+        if isinstance(known, (refit_plan.RefitPlan, layer_plan.LayeredPlan)):
+            what = "a parameter moved to new memory" if changed == "-" else f"{changed} changed shape or dtype"
+            log.warning("refit plan dropped: %s; recording it again", what)
+            del plans[layout]
+        return False
+
+    def _fleetrl_reload(self, manifest, buckets, dequantize_to, plans: dict, layout: str, kind: str) -> int:
+        """vLLM's layerwise reload of one version; with ``kind`` 'copies' or 'layers' a plan of that kind is
+        captured on the way and kept once it reproduces the reload."""
+        from contextlib import nullcontext
+
+        from rollout_service import layer_plan, refit_plan
         from rollout_service.reload_routing import route_reload_weights
         from weight_bus.ipc import iter_device_tensors
 
-        log = logging.getLogger(__name__)
-        plans = self.__dict__.setdefault("_fleetrl_plans", {})  # layout -> RefitPlan, or why it was refused
-        layout = refit_plan.layout_key(manifest)
-        known = plans.get(layout)
         model = self.model_runner.get_model()
-        if use_plan and isinstance(known, refit_plan.RefitPlan):
-            if refit_plan.still_served(known, model):
-                # A replay only copies bucket slices into the served parameters: a failure there is a bug, and the
-                # engine would serve half-updated weights; it propagates and the update fails loudly.
-                with profiled_load(manifest.version, "plan"):
-                    known.replay(buckets)
-                self.fleetrl_last_load_path = "plan"
-                return len(manifest.tensors)
-            log.warning("refit plan dropped: a parameter it writes moved to new memory; capturing it again")
-            del plans[layout]
-            known = None
-        dequantize_to = self._fleetrl_dequantize_target(manifest)
         attempt = None
-        reason = self._fleetrl_plan_unavailable(manifest, dequantize_to) if use_plan and known is None else "-"
-        if not reason:
+        if kind == "copies":
             attempt = refit_plan.attempt(model, iter_device_tensors(manifest, buckets), buckets, layout)
             if isinstance(attempt, str):
                 plans[layout], attempt = f"refused: {attempt}", None
                 log.warning("weight updates keep vLLM's reload (no refit plan): %s", plans[layout])
-        elif reason != "-":
-            plans[layout] = f"refused: {reason}"
-            log.info("weight updates keep vLLM's reload (no refit plan): %s", reason)
         loaded = 0
 
         def counted():
@@ -135,51 +157,56 @@ class WeightLoaderExtension:
 
         # Some models' loaders write tensors past the weight loaders the layerwise reload counts (gpt-oss).
         routed = route_reload_weights(model, counted())
+        recorded = layer_plan.recording(model, buckets, layout) if kind == "layers" else nullcontext()
         # Marlin's lock arrays stay where the CUDA graphs captured them (rollout_service/kernel_scratch.py); vLLM's
         # false "RotaryEmbedding: Failed to load weights" is dropped (rollout_service/reload_notices.py).
         with (
             profiled_load(manifest.version, "reload"),
             kept_across_reload(model),
             quiet_derived_buffer_warnings(model),
+            recorded as record,
         ):
             self.model_runner.reload_weights(weights_iterator=routed, is_checkpoint_format=True)
         self.fleetrl_last_load_path = "reload"
         if attempt is not None:
-            accepted = refit_plan.accept(attempt, model, buckets)
-            if isinstance(accepted, refit_plan.RefitPlan):
-                plans[layout] = accepted
-                log.info(
-                    "refit plan accepted: %d copies, %.1f MiB per update into %d parameters",
-                    len(accepted.copies),
-                    accepted.nbytes / 2**20,
-                    len(attempt.masks),
-                )
-            else:
-                plans[layout] = f"refused: {accepted}"
-                log.warning("weight updates keep vLLM's reload (refit plan refused): %s", accepted)
+            self._fleetrl_keep(plans, layout, refit_plan.accept(attempt, model, buckets))
             del attempt  # its masks and the plan's views of this version's buckets
+        if record is not None:
+            with kept_across_reload(model):
+                self._fleetrl_keep(plans, layout, layer_plan.accept(record, model, buckets))
         return loaded
 
-    def _fleetrl_plan_unavailable(self, manifest, dequantize_to) -> str:
-        """'' when a refit plan may be tried for ``manifest``, else why not."""
+    @staticmethod
+    def _fleetrl_keep(plans: dict, layout: str, accepted) -> None:
+        """Keep an accepted plan for the layout, or the reason it was refused."""
+        if isinstance(accepted, str):
+            plans[layout] = f"refused: {accepted}"
+            log.warning("weight updates keep vLLM's reload (refit plan refused): %s", accepted)
+            return
+        plans[layout] = accepted
+        log.info(
+            "refit plan accepted: %s, %.1f MiB copied per update", _plan_summary(accepted), accepted.nbytes / 2**20
+        )
+
+    def _fleetrl_plan_kind(self, manifest, dequantize_to) -> str:
+        """'copies' (rollout_service.refit_plan) or 'layers' (rollout_service.layer_plan) when a plan may be tried
+        for ``manifest``, else why not."""
         runner = self.model_runner
-        if runner.device.type != "cuda":
-            return "on CPU vLLM's kernels keep repacked copies of the weights (linear layers, lm_head) a plan misses"
-        if runner.model_config.quantization is not None:
-            return f"quantization {runner.model_config.quantization!r} repacks the loaded weights"
         if dequantize_to is not None or any(entry.codec != "raw" for entry in manifest.tensors):
             return "MXFP8 pairs are decoded at load"
         if getattr(runner, "lora_config", None) is not None:
             return "LoRA layers derive state from the base weights at load"
-        return ""
+        # Quantized layers and vLLM's CPU kernels serve tensors computed from the loaded ones (quantized, repacked,
+        # prepacked): only a plan that re-runs each layer's processing reproduces them.
+        if runner.device.type != "cuda" or runner.model_config.quantization is not None:
+            return "layers"
+        return "copies"
 
     def fleetrl_refit_plan_state(self) -> dict[str, str]:
         """Per manifest layout: 'accepted (<copies>)' or why its plan was refused; plus the last load's path."""
-        from rollout_service.refit_plan import RefitPlan
-
         plans = self.__dict__.get("_fleetrl_plans", {})
         state = {
-            layout[:12]: (f"accepted ({len(plan.copies)} copies)" if isinstance(plan, RefitPlan) else plan)
+            layout[:12]: plan if isinstance(plan, str) else f"accepted ({_plan_summary(plan)})"
             for layout, plan in plans.items()
         }
         state["last_load"] = getattr(self, "fleetrl_last_load_path", "")
@@ -255,6 +282,13 @@ class WeightLoaderExtension:
         parameters then read 0."""
         model = self.model_runner.get_model()
         return {name: _fingerprint(param.detach()) for name, param in model.named_parameters()}
+
+
+def _plan_summary(plan) -> str:
+    """'<n> copies' for a copy plan, '<n> layers, <m> copies' for a layer plan."""
+    if hasattr(plan, "layers"):
+        return f"{len(plan.layers)} layers, {sum(len(steps.copies()) for steps in plan.layers)} copies"
+    return f"{len(plan.copies)} copies"
 
 
 def _fingerprint(tensor) -> float:
