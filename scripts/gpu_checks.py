@@ -16,6 +16,9 @@ its output) and the next one runs. Results also go to DIR/gpu_checks.json as eac
             bandwidth-bound: decode tok/s at 8 and 64 sequences
   quantize  the public MXFP8 ``quantize`` call, one call at a time (outputs allocated), vs a device copy
   loop      ``fleetrl demo --config recipes/gpu-h200.yaml`` (summary.json)
+  chaos     the same demo (60 steps) with its trainer killed mid-step and its rollout server mid-stream (SIGKILL,
+            the launcher restarts them): time lost per fault, restarts, trajectories produced / trained exactly
+            once, final versions of trainer and server (scripts/gpu_check_chaos.py; not in the default list)
   beam      the tiny Beam in vLLM's Beam plugin: routes over every decoder layer, the dense first layers' rows
             and the MoE layers' agreement with the HF reference
   overhead  ``benchmarks/rollout_overhead.py`` on the GPU (gRPC / in-process tokens/s, 1024 sequences)
@@ -44,6 +47,7 @@ LIMITS_S = {
     "mxfp8_bandwidth": 300,
     "quantize": 90,
     "loop": 420,
+    "chaos": 480,
     "beam": 150,
     "overhead": 420,
     "lora_adapter_sync": 420,
@@ -97,6 +101,7 @@ def run_sections(args: argparse.Namespace) -> dict:
 def run_one(args: argparse.Namespace) -> None:
     import asyncio
 
+    from gpu_check_chaos import section_chaos
     from gpu_check_helpers import Result
     from gpu_check_lora import section_lora_adapter_sync
     from gpu_check_sections import (
@@ -124,6 +129,8 @@ def run_one(args: argparse.Namespace) -> None:
         section_quantize(result)
     elif name == "loop":
         section_loop(result, Path(args.out))
+    elif name == "chaos":
+        section_chaos(result, Path(args.out))
     elif name == "beam":
         asyncio.run(section_beam(result))
     elif name == "overhead":
