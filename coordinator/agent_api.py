@@ -74,6 +74,7 @@ class AgentServicer(pb_grpc.AgentServiceServicer):
                 list(request.stop_token_ids),
                 request.expected_length,
                 request.stream_interval,
+                request.top_logprobs,
             )
             async for chunk in turns:
                 yield _chunk_message(chunk)
@@ -157,6 +158,9 @@ def _turn_message(turn) -> pb.Turn:
         message.version_spans.extend(rpb.VersionSpan(version=v, start=s, end=e) for v, s, e in turn.version_spans)
     if turn.routes is not None:
         message.routed_experts.CopyFrom(_tensor(turn.routes))
+    if turn.top_token_ids is not None:  # [T, k] row-major, as the chunks sent them
+        message.top_token_ids.extend(turn.top_token_ids.ravel().tolist())
+        message.top_logprobs.extend(turn.top_logprobs.ravel().tolist())
     return message
 
 
@@ -172,6 +176,9 @@ def _chunk_message(chunk) -> pb.GenerateChunk:
         turn_index=chunk.turn_index,
         session_length=chunk.session_length,
     )
+    if chunk.top_token_ids is not None:  # per-token rows -> row-major [new tokens, k] (agent.proto fields 9, 10)
+        message.top_token_ids.extend(i for row in chunk.top_token_ids for i in row)
+        message.top_logprobs.extend(lp for row in chunk.top_logprobs for lp in row)
     if chunk.finished:
         turn = chunk.turn
         message.finish_reason = int(turn.finish_reason)

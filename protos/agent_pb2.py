@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from protos import rollout_pb2 as protos_dot_rollout__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x12protos/agent.proto\x12\x10\x66leetrl.agent.v1\x1a\x14protos/rollout.proto\";\n\x0fSessionSampling\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x42\x0e\n\x0c_temperature\"\xa3\x02\n\x12OpenSessionRequest\x12\x18\n\x10prompt_token_ids\x18\x01 \x03(\x05\x12\x11\n\tgroup_key\x18\x02 \x01(\t\x12\x12\n\ngroup_size\x18\x03 \x01(\r\x12\x33\n\x08sampling\x18\x04 \x01(\x0b\x32!.fleetrl.agent.v1.SessionSampling\x12\x44\n\x08metadata\x18\x05 \x03(\x0b\x32\x32.fleetrl.agent.v1.OpenSessionRequest.MetadataEntry\x12\x0f\n\x07task_id\x18\x06 \x01(\t\x12\x0f\n\x07open_id\x18\x07 \x01(\t\x1a/\n\rMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\x85\x01\n\x13OpenSessionResponse\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x16\n\x0epolicy_version\x18\x02 \x01(\x03\x12\x11\n\tserver_id\x18\x03 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x04 \x03(\x05\x12\x15\n\rmax_model_len\x18\x05 \x01(\x05\"\x83\x01\n\x0fGenerateRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x12\n\nmax_tokens\x18\x02 \x01(\x05\x12\x16\n\x0estop_token_ids\x18\x03 \x03(\x05\x12\x17\n\x0f\x65xpected_length\x18\x04 \x01(\x05\x12\x17\n\x0fstream_interval\x18\x05 \x01(\r\"\x97\x02\n\rGenerateChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\x12\x10\n\x08\x66inished\x18\x03 \x01(\x08\x12\x37\n\rfinish_reason\x18\x04 \x01(\x0e\x32 .fleetrl.rollout.v1.FinishReason\x12\x36\n\rversion_spans\x18\x05 \x03(\x0b\x32\x1f.fleetrl.rollout.v1.VersionSpan\x12\x32\n\x0erouted_experts\x18\x06 \x01(\x0b\x32\x1a.fleetrl.rollout.v1.Tensor\x12\x12\n\nturn_index\x18\x07 \x01(\x05\x12\x16\n\x0esession_length\x18\x08 \x01(\x05\"O\n\rAppendRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x17\n\x0f\x65xpected_length\x18\x03 \x01(\x05\"<\n\x0e\x41ppendResponse\x12\x12\n\nturn_index\x18\x01 \x01(\x05\x12\x16\n\x0esession_length\x18\x02 \x01(\x05\":\n\x13\x43loseSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x62\x61ndon\x18\x02 \x01(\x08\"\x16\n\x14\x43loseSessionResponse\"v\n\rSubmitRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x15\n\rsubmission_id\x18\x02 \x01(\t\x12\x13\n\x06reward\x18\x03 \x01(\x02H\x00\x88\x01\x01\x12\x1a\n\x12\x65xpected_token_ids\x18\x04 \x03(\x05\x42\t\n\x07_reward\"\x85\x01\n\x0eSubmitResponse\x12\x31\n\x0bgroup_state\x18\x01 \x01(\x0e\x32\x1c.fleetrl.agent.v1.GroupState\x12\x1a\n\x12sessions_submitted\x18\x02 \x01(\x05\x12\x12\n\ngroup_size\x18\x03 \x01(\x05\x12\x10\n\x08group_id\x18\x04 \x01(\t\"6\n\x10SetRewardRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0e\n\x06reward\x18\x02 \x01(\x02\"F\n\x11SetRewardResponse\x12\x31\n\x0bgroup_state\x18\x01 \x01(\x0e\x32\x1c.fleetrl.agent.v1.GroupState\"\'\n\x11GetSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"\xe3\x01\n\x04Turn\x12\x11\n\tgenerated\x18\x01 \x01(\x08\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x10\n\x08logprobs\x18\x03 \x03(\x02\x12\x37\n\rfinish_reason\x18\x04 \x01(\x0e\x32 .fleetrl.rollout.v1.FinishReason\x12\x36\n\rversion_spans\x18\x05 \x03(\x0b\x32\x1f.fleetrl.rollout.v1.VersionSpan\x12\x32\n\x0erouted_experts\x18\x06 \x01(\x0b\x32\x1a.fleetrl.rollout.v1.Tensor\"\xe7\x01\n\x0bSessionInfo\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12-\n\x05state\x18\x02 \x01(\x0e\x32\x1e.fleetrl.agent.v1.SessionState\x12\x11\n\tgroup_key\x18\x03 \x01(\t\x12\x16\n\x0epolicy_version\x18\x04 \x01(\x03\x12\x11\n\tserver_id\x18\x05 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x06 \x03(\x05\x12%\n\x05turns\x18\x07 \x03(\x0b\x32\x16.fleetrl.agent.v1.Turn\x12\x16\n\x0esession_length\x18\x08 \x01(\x05*\x8d\x01\n\nGroupState\x12\x1b\n\x17GROUP_STATE_UNSPECIFIED\x10\x00\x12\x17\n\x13GROUP_STATE_WAITING\x10\x01\x12\x16\n\x12GROUP_STATE_QUEUED\x10\x02\x12\x18\n\x14GROUP_STATE_ACCEPTED\x10\x03\x12\x17\n\x13GROUP_STATE_SKIPPED\x10\x04*\x99\x01\n\x0cSessionState\x12\x1d\n\x19SESSION_STATE_UNSPECIFIED\x10\x00\x12\x16\n\x12SESSION_STATE_OPEN\x10\x01\x12\x18\n\x14SESSION_STATE_CLOSED\x10\x02\x12\x1b\n\x17SESSION_STATE_SUBMITTED\x10\x03\x12\x1b\n\x17SESSION_STATE_ABANDONED\x10\x04\x32\xdd\x04\n\x0c\x41gentService\x12Z\n\x0bOpenSession\x12$.fleetrl.agent.v1.OpenSessionRequest\x1a%.fleetrl.agent.v1.OpenSessionResponse\x12P\n\x08Generate\x12!.fleetrl.agent.v1.GenerateRequest\x1a\x1f.fleetrl.agent.v1.GenerateChunk0\x01\x12K\n\x06\x41ppend\x12\x1f.fleetrl.agent.v1.AppendRequest\x1a .fleetrl.agent.v1.AppendResponse\x12]\n\x0c\x43loseSession\x12%.fleetrl.agent.v1.CloseSessionRequest\x1a&.fleetrl.agent.v1.CloseSessionResponse\x12K\n\x06Submit\x12\x1f.fleetrl.agent.v1.SubmitRequest\x1a .fleetrl.agent.v1.SubmitResponse\x12T\n\tSetReward\x12\".fleetrl.agent.v1.SetRewardRequest\x1a#.fleetrl.agent.v1.SetRewardResponse\x12P\n\nGetSession\x12#.fleetrl.agent.v1.GetSessionRequest\x1a\x1d.fleetrl.agent.v1.SessionInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x12protos/agent.proto\x12\x10\x66leetrl.agent.v1\x1a\x14protos/rollout.proto\";\n\x0fSessionSampling\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x42\x0e\n\x0c_temperature\"\xa3\x02\n\x12OpenSessionRequest\x12\x18\n\x10prompt_token_ids\x18\x01 \x03(\x05\x12\x11\n\tgroup_key\x18\x02 \x01(\t\x12\x12\n\ngroup_size\x18\x03 \x01(\r\x12\x33\n\x08sampling\x18\x04 \x01(\x0b\x32!.fleetrl.agent.v1.SessionSampling\x12\x44\n\x08metadata\x18\x05 \x03(\x0b\x32\x32.fleetrl.agent.v1.OpenSessionRequest.MetadataEntry\x12\x0f\n\x07task_id\x18\x06 \x01(\t\x12\x0f\n\x07open_id\x18\x07 \x01(\t\x1a/\n\rMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\x85\x01\n\x13OpenSessionResponse\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x16\n\x0epolicy_version\x18\x02 \x01(\x03\x12\x11\n\tserver_id\x18\x03 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x04 \x03(\x05\x12\x15\n\rmax_model_len\x18\x05 \x01(\x05\"\x99\x01\n\x0fGenerateRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x12\n\nmax_tokens\x18\x02 \x01(\x05\x12\x16\n\x0estop_token_ids\x18\x03 \x03(\x05\x12\x17\n\x0f\x65xpected_length\x18\x04 \x01(\x05\x12\x17\n\x0fstream_interval\x18\x05 \x01(\r\x12\x14\n\x0ctop_logprobs\x18\x06 \x01(\r\"\xc4\x02\n\rGenerateChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\x12\x10\n\x08\x66inished\x18\x03 \x01(\x08\x12\x37\n\rfinish_reason\x18\x04 \x01(\x0e\x32 .fleetrl.rollout.v1.FinishReason\x12\x36\n\rversion_spans\x18\x05 \x03(\x0b\x32\x1f.fleetrl.rollout.v1.VersionSpan\x12\x32\n\x0erouted_experts\x18\x06 \x01(\x0b\x32\x1a.fleetrl.rollout.v1.Tensor\x12\x12\n\nturn_index\x18\x07 \x01(\x05\x12\x16\n\x0esession_length\x18\x08 \x01(\x05\x12\x15\n\rtop_token_ids\x18\t \x03(\x05\x12\x14\n\x0ctop_logprobs\x18\n \x03(\x02\"O\n\rAppendRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x17\n\x0f\x65xpected_length\x18\x03 \x01(\x05\"<\n\x0e\x41ppendResponse\x12\x12\n\nturn_index\x18\x01 \x01(\x05\x12\x16\n\x0esession_length\x18\x02 \x01(\x05\":\n\x13\x43loseSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x62\x61ndon\x18\x02 \x01(\x08\"\x16\n\x14\x43loseSessionResponse\"v\n\rSubmitRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x15\n\rsubmission_id\x18\x02 \x01(\t\x12\x13\n\x06reward\x18\x03 \x01(\x02H\x00\x88\x01\x01\x12\x1a\n\x12\x65xpected_token_ids\x18\x04 \x03(\x05\x42\t\n\x07_reward\"\x85\x01\n\x0eSubmitResponse\x12\x31\n\x0bgroup_state\x18\x01 \x01(\x0e\x32\x1c.fleetrl.agent.v1.GroupState\x12\x1a\n\x12sessions_submitted\x18\x02 \x01(\x05\x12\x12\n\ngroup_size\x18\x03 \x01(\x05\x12\x10\n\x08group_id\x18\x04 \x01(\t\"6\n\x10SetRewardRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0e\n\x06reward\x18\x02 \x01(\x02\"F\n\x11SetRewardResponse\x12\x31\n\x0bgroup_state\x18\x01 \x01(\x0e\x32\x1c.fleetrl.agent.v1.GroupState\"\'\n\x11GetSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\"\x90\x02\n\x04Turn\x12\x11\n\tgenerated\x18\x01 \x01(\x08\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x10\n\x08logprobs\x18\x03 \x03(\x02\x12\x37\n\rfinish_reason\x18\x04 \x01(\x0e\x32 .fleetrl.rollout.v1.FinishReason\x12\x36\n\rversion_spans\x18\x05 \x03(\x0b\x32\x1f.fleetrl.rollout.v1.VersionSpan\x12\x32\n\x0erouted_experts\x18\x06 \x01(\x0b\x32\x1a.fleetrl.rollout.v1.Tensor\x12\x15\n\rtop_token_ids\x18\x07 \x03(\x05\x12\x14\n\x0ctop_logprobs\x18\x08 \x03(\x02\"\xe7\x01\n\x0bSessionInfo\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12-\n\x05state\x18\x02 \x01(\x0e\x32\x1e.fleetrl.agent.v1.SessionState\x12\x11\n\tgroup_key\x18\x03 \x01(\t\x12\x16\n\x0epolicy_version\x18\x04 \x01(\x03\x12\x11\n\tserver_id\x18\x05 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x06 \x03(\x05\x12%\n\x05turns\x18\x07 \x03(\x0b\x32\x16.fleetrl.agent.v1.Turn\x12\x16\n\x0esession_length\x18\x08 \x01(\x05*\x8d\x01\n\nGroupState\x12\x1b\n\x17GROUP_STATE_UNSPECIFIED\x10\x00\x12\x17\n\x13GROUP_STATE_WAITING\x10\x01\x12\x16\n\x12GROUP_STATE_QUEUED\x10\x02\x12\x18\n\x14GROUP_STATE_ACCEPTED\x10\x03\x12\x17\n\x13GROUP_STATE_SKIPPED\x10\x04*\x99\x01\n\x0cSessionState\x12\x1d\n\x19SESSION_STATE_UNSPECIFIED\x10\x00\x12\x16\n\x12SESSION_STATE_OPEN\x10\x01\x12\x18\n\x14SESSION_STATE_CLOSED\x10\x02\x12\x1b\n\x17SESSION_STATE_SUBMITTED\x10\x03\x12\x1b\n\x17SESSION_STATE_ABANDONED\x10\x04\x32\xdd\x04\n\x0c\x41gentService\x12Z\n\x0bOpenSession\x12$.fleetrl.agent.v1.OpenSessionRequest\x1a%.fleetrl.agent.v1.OpenSessionResponse\x12P\n\x08Generate\x12!.fleetrl.agent.v1.GenerateRequest\x1a\x1f.fleetrl.agent.v1.GenerateChunk0\x01\x12K\n\x06\x41ppend\x12\x1f.fleetrl.agent.v1.AppendRequest\x1a .fleetrl.agent.v1.AppendResponse\x12]\n\x0c\x43loseSession\x12%.fleetrl.agent.v1.CloseSessionRequest\x1a&.fleetrl.agent.v1.CloseSessionResponse\x12K\n\x06Submit\x12\x1f.fleetrl.agent.v1.SubmitRequest\x1a .fleetrl.agent.v1.SubmitResponse\x12T\n\tSetReward\x12\".fleetrl.agent.v1.SetRewardRequest\x1a#.fleetrl.agent.v1.SetRewardResponse\x12P\n\nGetSession\x12#.fleetrl.agent.v1.GetSessionRequest\x1a\x1d.fleetrl.agent.v1.SessionInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,10 +34,10 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_OPENSESSIONREQUEST_METADATAENTRY']._loaded_options = None
   _globals['_OPENSESSIONREQUEST_METADATAENTRY']._serialized_options = b'8\001'
-  _globals['_GROUPSTATE']._serialized_start=2086
-  _globals['_GROUPSTATE']._serialized_end=2227
-  _globals['_SESSIONSTATE']._serialized_start=2230
-  _globals['_SESSIONSTATE']._serialized_end=2383
+  _globals['_GROUPSTATE']._serialized_start=2198
+  _globals['_GROUPSTATE']._serialized_end=2339
+  _globals['_SESSIONSTATE']._serialized_start=2342
+  _globals['_SESSIONSTATE']._serialized_end=2495
   _globals['_SESSIONSAMPLING']._serialized_start=62
   _globals['_SESSIONSAMPLING']._serialized_end=121
   _globals['_OPENSESSIONREQUEST']._serialized_start=124
@@ -47,31 +47,31 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_OPENSESSIONRESPONSE']._serialized_start=418
   _globals['_OPENSESSIONRESPONSE']._serialized_end=551
   _globals['_GENERATEREQUEST']._serialized_start=554
-  _globals['_GENERATEREQUEST']._serialized_end=685
-  _globals['_GENERATECHUNK']._serialized_start=688
-  _globals['_GENERATECHUNK']._serialized_end=967
-  _globals['_APPENDREQUEST']._serialized_start=969
-  _globals['_APPENDREQUEST']._serialized_end=1048
-  _globals['_APPENDRESPONSE']._serialized_start=1050
-  _globals['_APPENDRESPONSE']._serialized_end=1110
-  _globals['_CLOSESESSIONREQUEST']._serialized_start=1112
-  _globals['_CLOSESESSIONREQUEST']._serialized_end=1170
-  _globals['_CLOSESESSIONRESPONSE']._serialized_start=1172
-  _globals['_CLOSESESSIONRESPONSE']._serialized_end=1194
-  _globals['_SUBMITREQUEST']._serialized_start=1196
-  _globals['_SUBMITREQUEST']._serialized_end=1314
-  _globals['_SUBMITRESPONSE']._serialized_start=1317
-  _globals['_SUBMITRESPONSE']._serialized_end=1450
-  _globals['_SETREWARDREQUEST']._serialized_start=1452
-  _globals['_SETREWARDREQUEST']._serialized_end=1506
-  _globals['_SETREWARDRESPONSE']._serialized_start=1508
-  _globals['_SETREWARDRESPONSE']._serialized_end=1578
-  _globals['_GETSESSIONREQUEST']._serialized_start=1580
-  _globals['_GETSESSIONREQUEST']._serialized_end=1619
-  _globals['_TURN']._serialized_start=1622
-  _globals['_TURN']._serialized_end=1849
-  _globals['_SESSIONINFO']._serialized_start=1852
-  _globals['_SESSIONINFO']._serialized_end=2083
-  _globals['_AGENTSERVICE']._serialized_start=2386
-  _globals['_AGENTSERVICE']._serialized_end=2991
+  _globals['_GENERATEREQUEST']._serialized_end=707
+  _globals['_GENERATECHUNK']._serialized_start=710
+  _globals['_GENERATECHUNK']._serialized_end=1034
+  _globals['_APPENDREQUEST']._serialized_start=1036
+  _globals['_APPENDREQUEST']._serialized_end=1115
+  _globals['_APPENDRESPONSE']._serialized_start=1117
+  _globals['_APPENDRESPONSE']._serialized_end=1177
+  _globals['_CLOSESESSIONREQUEST']._serialized_start=1179
+  _globals['_CLOSESESSIONREQUEST']._serialized_end=1237
+  _globals['_CLOSESESSIONRESPONSE']._serialized_start=1239
+  _globals['_CLOSESESSIONRESPONSE']._serialized_end=1261
+  _globals['_SUBMITREQUEST']._serialized_start=1263
+  _globals['_SUBMITREQUEST']._serialized_end=1381
+  _globals['_SUBMITRESPONSE']._serialized_start=1384
+  _globals['_SUBMITRESPONSE']._serialized_end=1517
+  _globals['_SETREWARDREQUEST']._serialized_start=1519
+  _globals['_SETREWARDREQUEST']._serialized_end=1573
+  _globals['_SETREWARDRESPONSE']._serialized_start=1575
+  _globals['_SETREWARDRESPONSE']._serialized_end=1645
+  _globals['_GETSESSIONREQUEST']._serialized_start=1647
+  _globals['_GETSESSIONREQUEST']._serialized_end=1686
+  _globals['_TURN']._serialized_start=1689
+  _globals['_TURN']._serialized_end=1961
+  _globals['_SESSIONINFO']._serialized_start=1964
+  _globals['_SESSIONINFO']._serialized_end=2195
+  _globals['_AGENTSERVICE']._serialized_start=2498
+  _globals['_AGENTSERVICE']._serialized_end=3103
 # @@protoc_insertion_point(module_scope)

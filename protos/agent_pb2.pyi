@@ -80,21 +80,23 @@ class OpenSessionResponse(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., policy_version: _Optional[int] = ..., server_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., max_model_len: _Optional[int] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("session_id", "max_tokens", "stop_token_ids", "expected_length", "stream_interval")
+    __slots__ = ("session_id", "max_tokens", "stop_token_ids", "expected_length", "stream_interval", "top_logprobs")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     EXPECTED_LENGTH_FIELD_NUMBER: _ClassVar[int]
     STREAM_INTERVAL_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     max_tokens: int
     stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
     expected_length: int
     stream_interval: int
-    def __init__(self, session_id: _Optional[str] = ..., max_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., expected_length: _Optional[int] = ..., stream_interval: _Optional[int] = ...) -> None: ...
+    top_logprobs: int
+    def __init__(self, session_id: _Optional[str] = ..., max_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., expected_length: _Optional[int] = ..., stream_interval: _Optional[int] = ..., top_logprobs: _Optional[int] = ...) -> None: ...
 
 class GenerateChunk(_message.Message):
-    __slots__ = ("token_ids", "logprobs", "finished", "finish_reason", "version_spans", "routed_experts", "turn_index", "session_length")
+    __slots__ = ("token_ids", "logprobs", "finished", "finish_reason", "version_spans", "routed_experts", "turn_index", "session_length", "top_token_ids", "top_logprobs")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     FINISHED_FIELD_NUMBER: _ClassVar[int]
@@ -103,6 +105,8 @@ class GenerateChunk(_message.Message):
     ROUTED_EXPERTS_FIELD_NUMBER: _ClassVar[int]
     TURN_INDEX_FIELD_NUMBER: _ClassVar[int]
     SESSION_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    TOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     logprobs: _containers.RepeatedScalarFieldContainer[float]
     finished: bool
@@ -111,7 +115,9 @@ class GenerateChunk(_message.Message):
     routed_experts: _rollout_pb2.Tensor
     turn_index: int
     session_length: int
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[_Union[_rollout_pb2.FinishReason, str]] = ..., version_spans: _Optional[_Iterable[_Union[_rollout_pb2.VersionSpan, _Mapping]]] = ..., routed_experts: _Optional[_Union[_rollout_pb2.Tensor, _Mapping]] = ..., turn_index: _Optional[int] = ..., session_length: _Optional[int] = ...) -> None: ...
+    top_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    top_logprobs: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[_Union[_rollout_pb2.FinishReason, str]] = ..., version_spans: _Optional[_Iterable[_Union[_rollout_pb2.VersionSpan, _Mapping]]] = ..., routed_experts: _Optional[_Union[_rollout_pb2.Tensor, _Mapping]] = ..., turn_index: _Optional[int] = ..., session_length: _Optional[int] = ..., top_token_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class AppendRequest(_message.Message):
     __slots__ = ("session_id", "token_ids", "expected_length")
@@ -188,20 +194,24 @@ class GetSessionRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ...) -> None: ...
 
 class Turn(_message.Message):
-    __slots__ = ("generated", "token_ids", "logprobs", "finish_reason", "version_spans", "routed_experts")
+    __slots__ = ("generated", "token_ids", "logprobs", "finish_reason", "version_spans", "routed_experts", "top_token_ids", "top_logprobs")
     GENERATED_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     VERSION_SPANS_FIELD_NUMBER: _ClassVar[int]
     ROUTED_EXPERTS_FIELD_NUMBER: _ClassVar[int]
+    TOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     generated: bool
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     logprobs: _containers.RepeatedScalarFieldContainer[float]
     finish_reason: _rollout_pb2.FinishReason
     version_spans: _containers.RepeatedCompositeFieldContainer[_rollout_pb2.VersionSpan]
     routed_experts: _rollout_pb2.Tensor
-    def __init__(self, generated: _Optional[bool] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., finish_reason: _Optional[_Union[_rollout_pb2.FinishReason, str]] = ..., version_spans: _Optional[_Iterable[_Union[_rollout_pb2.VersionSpan, _Mapping]]] = ..., routed_experts: _Optional[_Union[_rollout_pb2.Tensor, _Mapping]] = ...) -> None: ...
+    top_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    top_logprobs: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, generated: _Optional[bool] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., finish_reason: _Optional[_Union[_rollout_pb2.FinishReason, str]] = ..., version_spans: _Optional[_Iterable[_Union[_rollout_pb2.VersionSpan, _Mapping]]] = ..., routed_experts: _Optional[_Union[_rollout_pb2.Tensor, _Mapping]] = ..., top_token_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class SessionInfo(_message.Message):
     __slots__ = ("session_id", "state", "group_key", "policy_version", "server_id", "prompt_token_ids", "turns", "session_length")

@@ -159,32 +159,43 @@ class AsyncSession(SessionCore):
         super().__init__(opened, group_key)
         self._client = client
 
-    async def generate(self, max_tokens: int, *, stop_token_ids: Sequence[int] = ()) -> GeneratedTurn:
+    async def generate(
+        self, max_tokens: int, *, stop_token_ids: Sequence[int] = (), top_logprobs: int = 0
+    ) -> GeneratedTurn:
         """One model turn after everything the session holds; retried exactly-once (see module docstring)."""
         turn = None
-        async for chunk in self._turn_chunks(max_tokens, stop_token_ids, restartable=True):
+        async for chunk in self._turn_chunks(max_tokens, stop_token_ids, restartable=True, top_logprobs=top_logprobs):
             turn = chunk.turn
         assert turn is not None  # _turn_chunks ends with the finished chunk or raises
         return turn
 
-    def stream(self, max_tokens: int, *, stop_token_ids: Sequence[int] = ()) -> AsyncIterator[TurnChunk]:
+    def stream(
+        self, max_tokens: int, *, stop_token_ids: Sequence[int] = (), top_logprobs: int = 0
+    ) -> AsyncIterator[TurnChunk]:
         """One model turn as chunks of new tokens, each token as it comes; the last chunk has ``finished`` and ``turn`` set.
 
         A transient failure before the first chunk is retried like ``generate``; one after chunks were handed
         out is recovered from the record when the server kept the turn, else raises StreamInterrupted.
         Leaving the loop early leaves the session to resync with GetSession on its next call.
         """
-        return self._turn_chunks(max_tokens, stop_token_ids, restartable=False, stream_interval=1)
+        return self._turn_chunks(
+            max_tokens, stop_token_ids, restartable=False, stream_interval=1, top_logprobs=top_logprobs
+        )
 
     async def _turn_chunks(
-        self, max_tokens: int, stop_token_ids: Sequence[int], restartable: bool, stream_interval: int = 0
+        self,
+        max_tokens: int,
+        stop_token_ids: Sequence[int],
+        restartable: bool,
+        stream_interval: int = 0,
+        top_logprobs: int = 0,
     ):
         await self._sync_if_needed()
-        request = self._generate_request(max_tokens, stop_token_ids, stream_interval)
+        request = self._generate_request(max_tokens, stop_token_ids, stream_interval, top_logprobs)
         attempts = CallAttempts(self._client.retry, "Generate")
         self._needs_sync = True
         while True:
-            assembler = TurnAssembler(request.expected_length)
+            assembler = TurnAssembler(request.expected_length, request.top_logprobs)
             call = self._client._stub.Generate(request, metadata=self._client._metadata, timeout=self._client.timeout_s)
             try:
                 async for message in call:
@@ -221,7 +232,7 @@ class AsyncSession(SessionCore):
                         f"Generate on session {self.session_id}: refused as a repeat ({failure.details()}) but "
                         "the server's record holds no new turn"
                     ) from failure
-                yield TurnAssembler(request.expected_length).remainder(turn)
+                yield TurnAssembler(request.expected_length, request.top_logprobs).remainder(turn)
                 return
             await asyncio.sleep(delay)
 

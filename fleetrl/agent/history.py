@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from fleetrl.agent.errors import AgentError, SessionLost
-from fleetrl.agent.types import FinishReason, GeneratedTurn, TurnChunk, VersionSpan, tensor_to_numpy
+from fleetrl.agent.types import FinishReason, GeneratedTurn, TurnChunk, VersionSpan, tensor_to_numpy, top_arrays
 from protos import agent_pb2
 
 _SESSION_STATE_NAMES = {value: name for name, value in agent_pb2.SessionState.items()}
@@ -70,7 +70,11 @@ class SessionHistory:
 
 def recovered_turn(turn: agent_pb2.Turn, turn_index: int, session_length: int) -> GeneratedTurn:
     """A generated turn read back from GetSession, with its version spans and routed experts (the record keeps
-    them for the session's last generated turn, which a recovered turn is)."""
+    them for the session's last generated turn, which a recovered turn is) and its top logprobs when it asked for
+    them (k is the record's entries per token)."""
+    tokens = len(turn.token_ids)
+    k = len(turn.top_token_ids) // tokens if tokens else 0
+    top_ids, top_lps = top_arrays(turn.top_token_ids, turn.top_logprobs, tokens, k)
     return GeneratedTurn(
         token_ids=list(turn.token_ids),
         logprobs=list(turn.logprobs),
@@ -80,16 +84,21 @@ def recovered_turn(turn: agent_pb2.Turn, turn_index: int, session_length: int) -
         turn_index=turn_index,
         session_length=session_length,
         recovered=True,
+        top_token_ids=top_ids,
+        top_logprobs=top_lps,
     )
 
 
 class TurnAssembler:
     """Collects one Generate stream's chunks into a ``GeneratedTurn``."""
 
-    def __init__(self, start_length: int):
+    def __init__(self, start_length: int, top_logprobs: int = 0):
         self.start_length = start_length
+        self.top_k = top_logprobs  # what the request asked: the chunks' top_* hold k entries per token
         self.token_ids: list[int] = []
         self.logprobs: list[float] = []
+        self.top_token_ids: list[int] = []  # row-major [tokens, k], as the chunks send them
+        self.top_logprobs: list[float] = []
         self.turn: GeneratedTurn | None = None
 
     def add(self, chunk: agent_pb2.GenerateChunk) -> TurnChunk:
@@ -97,8 +106,11 @@ class TurnAssembler:
             raise AgentError("Generate: the server sent a chunk after the finished one")
         self.token_ids.extend(chunk.token_ids)
         self.logprobs.extend(chunk.logprobs)
+        self.top_token_ids.extend(chunk.top_token_ids)
+        self.top_logprobs.extend(chunk.top_logprobs)
         session_length = chunk.session_length or self.start_length + len(self.token_ids)
         if chunk.finished:
+            top_ids, top_lps = top_arrays(self.top_token_ids, self.top_logprobs, len(self.token_ids), self.top_k)
             self.turn = GeneratedTurn(
                 token_ids=list(self.token_ids),
                 logprobs=list(self.logprobs),
@@ -107,7 +119,10 @@ class TurnAssembler:
                 routed_experts=tensor_to_numpy(chunk.routed_experts) if chunk.HasField("routed_experts") else None,
                 turn_index=chunk.turn_index,
                 session_length=session_length,
+                top_token_ids=top_ids,
+                top_logprobs=top_lps,
             )
+        chunk_ids, chunk_lps = top_arrays(chunk.top_token_ids, chunk.top_logprobs, len(chunk.token_ids), self.top_k)
         return TurnChunk(
             token_ids=list(chunk.token_ids),
             logprobs=list(chunk.logprobs),
@@ -115,6 +130,8 @@ class TurnAssembler:
             session_length=session_length,
             finished=chunk.finished,
             turn=self.turn,
+            top_token_ids=chunk_ids,
+            top_logprobs=chunk_lps,
         )
 
     def remainder(self, turn: GeneratedTurn) -> TurnChunk:
@@ -129,4 +146,6 @@ class TurnAssembler:
             session_length=turn.session_length,
             finished=True,
             turn=turn,
+            top_token_ids=None if turn.top_token_ids is None else turn.top_token_ids[done:],
+            top_logprobs=None if turn.top_logprobs is None else turn.top_logprobs[done:],
         )

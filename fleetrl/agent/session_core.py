@@ -91,15 +91,18 @@ class SessionCore:
             raise AgentError(f"{method}: session {self.session_id} is {self.status.value}")
 
     def _generate_request(
-        self, max_tokens: int, stop_token_ids: Sequence[int], stream_interval: int = 0
+        self, max_tokens: int, stop_token_ids: Sequence[int], stream_interval: int = 0, top_logprobs: int = 0
     ) -> agent_pb2.GenerateRequest:
         self._check_open("Generate")
+        if top_logprobs < 0:  # the field is unsigned; the server checks the upper bound (INVALID_ARGUMENT)
+            raise ValueError(f"generate(): top_logprobs must be >= 0, got {top_logprobs}")
         return agent_pb2.GenerateRequest(
             session_id=self.session_id,
             max_tokens=max_tokens,
             stop_token_ids=list(stop_token_ids),
             expected_length=self._history.length,
             stream_interval=stream_interval,
+            top_logprobs=top_logprobs,
         )
 
     def _append_request(self, token_ids: Sequence[int]) -> agent_pb2.AppendRequest:

@@ -145,23 +145,34 @@ class Session(SessionCore):
         super().__init__(opened, group_key)
         self._client = client
 
-    def generate(self, max_tokens: int, *, stop_token_ids: Sequence[int] = ()) -> GeneratedTurn:
+    def generate(self, max_tokens: int, *, stop_token_ids: Sequence[int] = (), top_logprobs: int = 0) -> GeneratedTurn:
         turn = None
-        for chunk in self._turn_chunks(max_tokens, stop_token_ids, restartable=True):
+        for chunk in self._turn_chunks(max_tokens, stop_token_ids, restartable=True, top_logprobs=top_logprobs):
             turn = chunk.turn
         assert turn is not None  # _turn_chunks ends with the finished chunk or raises
         return turn
 
-    def stream(self, max_tokens: int, *, stop_token_ids: Sequence[int] = ()) -> Iterator[TurnChunk]:
-        return self._turn_chunks(max_tokens, stop_token_ids, restartable=False, stream_interval=1)
+    def stream(
+        self, max_tokens: int, *, stop_token_ids: Sequence[int] = (), top_logprobs: int = 0
+    ) -> Iterator[TurnChunk]:
+        return self._turn_chunks(
+            max_tokens, stop_token_ids, restartable=False, stream_interval=1, top_logprobs=top_logprobs
+        )
 
-    def _turn_chunks(self, max_tokens: int, stop_token_ids: Sequence[int], restartable: bool, stream_interval: int = 0):
+    def _turn_chunks(
+        self,
+        max_tokens: int,
+        stop_token_ids: Sequence[int],
+        restartable: bool,
+        stream_interval: int = 0,
+        top_logprobs: int = 0,
+    ):
         self._sync_if_needed()
-        request = self._generate_request(max_tokens, stop_token_ids, stream_interval)
+        request = self._generate_request(max_tokens, stop_token_ids, stream_interval, top_logprobs)
         attempts = CallAttempts(self._client.retry, "Generate")
         self._needs_sync = True
         while True:
-            assembler = TurnAssembler(request.expected_length)
+            assembler = TurnAssembler(request.expected_length, request.top_logprobs)
             call = self._client._stub.Generate(request, metadata=self._client._metadata, timeout=self._client.timeout_s)
             try:
                 for message in call:
@@ -200,7 +211,7 @@ class Session(SessionCore):
                         "the server's record holds no new turn"
                     ) from failure
                 assert isinstance(turn, GeneratedTurn)
-                yield TurnAssembler(request.expected_length).remainder(turn)
+                yield TurnAssembler(request.expected_length, request.top_logprobs).remainder(turn)
                 return
             time.sleep(delay)
 

@@ -42,6 +42,10 @@ class GeneratedTurn:
     turn_index: int
     session_length: int  # tokens the session holds after this turn
     recovered: bool = False
+    # generate(top_logprobs=k), k > 0: each token's k most likely tokens and their logprobs by the engine's rank,
+    # int32 / float32 [tokens, k] (answers only: never trained on); None when k was 0
+    top_token_ids: np.ndarray | None = field(default=None, repr=False)
+    top_logprobs: np.ndarray | None = field(default=None, repr=False)
 
 
 @dataclass(frozen=True)
@@ -54,6 +58,8 @@ class TurnChunk:
     session_length: int
     finished: bool = False
     turn: GeneratedTurn | None = field(default=None, repr=False)
+    top_token_ids: np.ndarray | None = field(default=None, repr=False)  # [new tokens, k] as in GeneratedTurn
+    top_logprobs: np.ndarray | None = field(default=None, repr=False)
 
 
 @dataclass(frozen=True)
@@ -75,6 +81,15 @@ def tensor_to_numpy(tensor: rollout_pb2.Tensor) -> np.ndarray | None:
     if not tensor.dtype:
         return None
     return Array(data=tensor.data, dtype=tensor.dtype, shape=tuple(tensor.shape)).to_numpy()
+
+
+def top_arrays(token_ids, logprobs, tokens: int, k: int) -> tuple[np.ndarray | None, np.ndarray | None]:
+    """agent.proto's row-major top_token_ids / top_logprobs of ``tokens`` tokens as [tokens, k] arrays; None, None
+    when k is 0."""
+    if k <= 0:
+        return None, None
+    shape = (tokens, k)
+    return np.asarray(token_ids, dtype=np.int32).reshape(shape), np.asarray(logprobs, dtype=np.float32).reshape(shape)
 
 
 def submit_result(response: agent_pb2.SubmitResponse) -> SubmitResult:

@@ -287,3 +287,66 @@ def test_the_sdk_opens_a_task_session_by_id_and_the_run_scores_it(rollout_server
             assert [s.reward for s in group.samples] == [EchoTask().reward(task_prompt, turns[0].token_ids), 0.5]
 
     asyncio.run(scenario())
+
+
+def test_generate_with_top_logprobs_streams_and_records_the_engines_top_k_per_token(
+    rollout_server, redis_url, tokens_file
+):
+    from fleetrl.agent import AsyncAgentClient
+    from fleetrl.agent import InvalidArgument as SdkInvalidArgument
+
+    k = 3
+
+    async def scenario():
+        async with harness(rollout_server, redis_url, tokens_file) as h:
+            session = await open_session(h.stub)
+            request = pb.GenerateRequest(session_id=session.session_id, max_tokens=8, stream_interval=1, top_logprobs=k)
+            chunks = [chunk async for chunk in h.stub.Generate(request, metadata=A)]
+            assert all(len(c.top_token_ids) == len(c.top_logprobs) == k * len(c.token_ids) for c in chunks)
+            tokens = [t for c in chunks for t in c.token_ids]
+            sampled = [lp for c in chunks for lp in c.logprobs]
+            top_ids = np.array([i for c in chunks for i in c.top_token_ids]).reshape(-1, k)
+            top_lps = np.array([lp for c in chunks for lp in c.top_logprobs], dtype=np.float32).reshape(-1, k)
+            for token, logprob, ids, lps in zip(tokens, sampled, top_ids.tolist(), top_lps.tolist(), strict=True):
+                assert lps == sorted(lps, reverse=True) and logprob <= lps[0] + 1e-5  # vLLM's rank order
+                if token in ids:  # the same number, from the same distribution
+                    assert logprob == pytest.approx(lps[ids.index(token)], abs=1e-5)
+
+            turn = h.book.sessions[session.session_id].turns[0]  # recorded as the door records it
+            assert turn.top_token_ids.tolist() == top_ids.tolist() and turn.top_logprobs.tolist() == top_lps.tolist()
+            stored = {s.record.session_id: s for s in (await h.book.records.store.load()).sessions}
+            record = stored[session.session_id].turns[0]
+            assert record.top_token_ids.to_numpy().tolist() == top_ids.tolist()
+            info = await h.stub.GetSession(pb.GetSessionRequest(session_id=session.session_id), metadata=A)
+            assert list(info.turns[0].top_token_ids) == top_ids.ravel().tolist()
+            assert np.array(info.turns[0].top_logprobs, dtype=np.float32).tolist() == top_lps.ravel().tolist()
+
+            plain = await turn_chunks_of(h.stub, session.session_id, top_logprobs=0)
+            assert all(not c.top_token_ids and not c.top_logprobs for c in plain)  # k = 0 sends nothing extra
+            length = plain[-1].session_length
+            code, details = await code_of(turn_chunks_of(h.stub, session.session_id, top_logprobs=21))
+            assert code == grpc.StatusCode.INVALID_ARGUMENT and "top_logprobs" in details, details
+            info = await h.stub.GetSession(pb.GetSessionRequest(session_id=session.session_id), metadata=A)
+            assert info.session_length == length  # the refused call generated nothing
+
+            async with AsyncAgentClient(f"127.0.0.1:{h.server_port}", TOKENS["team-a"][0]) as client:
+                sdk_session = await client.open_session(PROMPT, group_key="task-1", group_size=2)
+                generated = await sdk_session.generate(8, top_logprobs=k)
+                recorded = h.book.sessions[sdk_session.session_id].turns[0]
+                assert generated.top_token_ids.shape == (len(generated.token_ids), k)
+                assert generated.top_token_ids.tolist() == recorded.top_token_ids.tolist()
+                assert generated.top_logprobs.tolist() == recorded.top_logprobs.tolist()
+                streamed = [c async for c in sdk_session.stream(4, top_logprobs=k)]
+                assert np.concatenate([c.top_token_ids for c in streamed]).tolist() == (
+                    streamed[-1].turn.top_token_ids.tolist()
+                )
+                with pytest.raises(SdkInvalidArgument) as refused:
+                    await sdk_session.generate(4, top_logprobs=21)
+                assert refused.value.field == "top_logprobs"
+
+    asyncio.run(scenario())
+
+
+async def turn_chunks_of(stub, session_id: str, top_logprobs: int) -> list:
+    request = pb.GenerateRequest(session_id=session_id, max_tokens=4, top_logprobs=top_logprobs)
+    return [chunk async for chunk in stub.Generate(request, metadata=A)]
