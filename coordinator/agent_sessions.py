@@ -142,8 +142,13 @@ class SessionBook(Submissions, Endings):
             raise InvalidArgument(f"sampling.temperature: {temperature}, must be >= 0")
         if len(metadata) > MAX_METADATA:
             raise InvalidArgument(f"metadata: {len(metadata)} entries, at most {MAX_METADATA}")
-        if sum(s.state == SessionState.OPEN for s in self.sessions.values()) >= self.config.max_sessions:
+        if self._num_open() >= self.config.max_sessions:
             raise Exhausted(f"{self.config.max_sessions} sessions are open (agent.max_sessions)", 1000)
+
+    def _num_open(self) -> int:
+        """Open sessions: only open groups hold any (a group leaves ``groups`` once complete or dropped), so this
+        counts the live groups' members, not every session the book still remembers (DONE_RETENTION_S)."""
+        return sum(s.state == SessionState.OPEN for g in self.groups.values() for s in g.sessions.values())
 
     def _check_tokens(self, name: str, tokens: list[int]) -> None:
         bad = next((t for t in tokens if not 0 <= t < self.vocab_size), None)
