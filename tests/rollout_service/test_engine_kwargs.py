@@ -69,3 +69,32 @@ def test_the_gpu_mxfp8_recipe_serves_online_mxfp8_with_ipc_updates_for_fifty_ste
     assert kwargs["quantization"] == "mxfp8" and kwargs["enable_return_routed_experts"]
     assert (config.weight_bus.transport, config.weight_bus.codec, config.num_steps) == ("ipc", "bf16", 50)
     assert list(config.trainer.geo_mask) == [0.99, 1.01]
+
+
+def test_a_server_restarted_beside_a_grown_trainer_asks_vllm_only_for_the_share_still_free(monkeypatch):
+    """With the KV cache sized in bytes, vLLM uses gpu_memory_utilization only to refuse a start when that share is not
+    free; a rollout server restarted on the GPU its trainer has grown into must still start (the GPU chaos run)."""
+    from rollout_service import engine_args
+    from rollout_service.engine import RolloutEngine
+
+    config = load_run_config(Path(__file__).resolve().parents[2] / "recipes" / "gpu-h200.yaml")
+    assert config.rollout.kv_cache_gib and config.rollout.gpu_memory_utilization == 0.35
+    asked = []
+
+    def free_share(devices: int) -> float | None:
+        asked.append(devices)
+        return free[0]
+
+    monkeypatch.setattr(engine_args, "gpu_free_share", free_share)
+    engine = RolloutEngine(config.model_path or "", config.rollout)
+    free = [26.72 / 79.18]  # what the restarted server found in that run
+    assert engine.engine_kwargs(on_cpu=False)["gpu_memory_utilization"] == round(26.72 / 79.18 - 0.02, 4)
+    free = [0.9]  # a first start on an idle GPU keeps the recipe's share
+    assert engine.engine_kwargs(on_cpu=False)["gpu_memory_utilization"] == 0.35
+    free = [None]  # no NVML: the recipe's share
+    assert engine.engine_kwargs(on_cpu=False)["gpu_memory_utilization"] == 0.35
+    assert asked == [1, 1, 1]  # one GPU per engine in the recipe (tensor x pipeline parallel)
+    sized_by_share = config.rollout.model_copy(update={"kv_cache_gib": None})
+    free = [0.05]  # without kv_cache_gib the share sizes the KV cache: never lowered behind the user's back
+    assert RolloutEngine("", sized_by_share).engine_kwargs(on_cpu=False)["gpu_memory_utilization"] == 0.35
+    assert engine_args.gpu_free_share(1) is None or 0.0 <= engine_args.gpu_free_share(1) <= 1.0
