@@ -85,6 +85,8 @@ class DemoLauncher:
         self.posted_reports: dict[str, dict] = {}  # what roles.json holds
         self.started = time.monotonic()
         self.rollout_rates: list[float] = []  # the coordinator's tokens/s reports (summary median)
+        # (server, version) -> that update's (update_s, paused_s), as the servers' reports showed them per step
+        self.weight_updates: dict[tuple[str, int], tuple[float, float]] = {}
         self.redis_down_since: float | None = None  # monotonic time the monitor lost Redis (None: it reaches it)
 
     # process management --------------------------------------------------------------------
@@ -290,7 +292,8 @@ class DemoLauncher:
         )
 
     def speed_summary(self, client: redis.Redis, steps: list[dict]) -> dict:
-        return speed_figures(steps, self.rollout_rates, list(self.fleet_reports(client).values()))
+        self.fleet_versions(client)  # the last updates too
+        return speed_figures(steps, self.rollout_rates, self.weight_updates)
 
     def fleet_reports(self, client: redis.Redis) -> dict:
         """The rollout servers' version reports; none while Redis is unreachable (a step line, a summary figure)."""
@@ -301,7 +304,12 @@ class DemoLauncher:
             return {}
 
     def fleet_versions(self, client: redis.Redis) -> dict[str, int]:
-        return {server: report.policy_version for server, report in self.fleet_reports(client).items()}
+        """Each server's version; its last update's durations are kept for the summary's medians."""
+        reports = self.fleet_reports(client)
+        for server, report in reports.items():
+            if report.update_s > 0:
+                self.weight_updates[(server, report.policy_version)] = (report.update_s, report.paused_s)
+        return {server: report.policy_version for server, report in reports.items()}
 
     def wait_for_fleet(self, client: redis.Redis, version: int, timeout_s: float = 30.0) -> None:
         """Until every rollout server that beats (a report younger than ``coordinator.server_timeout_s``) is on

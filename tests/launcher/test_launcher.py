@@ -8,7 +8,6 @@ import pytest
 from launcher.demo import check_gpu_layout
 from launcher.run_figures import speed_figures
 from protos.config import load_run_config
-from protos.records import ReportStatus, VersionReport
 
 pytestmark = pytest.mark.unit
 
@@ -32,11 +31,14 @@ def test_speed_figures_are_medians_after_the_first_step_with_the_replay_mismatch
             "on_policy_abs_logprob_diff_natural": 0.02,
         }
     ] + [{"train_s": t, "step_s": 2 * t, "publish_s": 1.0} for t in (1.0, 2.0, 3.0)]
-    reports = [VersionReport("rollout-0", "a", 4, ReportStatus.OK, "", 0.0, update_s=0.5, paused_s=0.25)]
-    figures = speed_figures(steps, [0.0, 100.0, 300.0], reports)
+    # each server's first update (a plan recorded, caches cold) is left out, as the first step is
+    updates = {("rollout-0", 1): (9.0, 9.0), ("rollout-0", 2): (0.5, 0.25), ("rollout-0", 3): (0.7, 0.35)}
+    updates |= {("rollout-1", 2): (8.0, 8.0), ("rollout-1", 3): (0.4, 0.15)}
+    figures = speed_figures(steps, [0.0, 100.0, 300.0], updates)
     assert (figures["train_s_per_step"], figures["step_s"], figures["publish_s"]) == (2.0, 4.0, 1.0)
     assert figures["rollout_tokens_per_s"] == 200.0  # idle reports (0 tok/s) left out
-    assert (figures["weight_update_s"], figures["weight_update_paused_s"]) == (0.5, 0.25)
+    assert (figures["weight_update_s"], figures["weight_update_paused_s"]) == (0.5, 0.25)  # medians of 3 later ones
+    assert speed_figures(steps, [], {})["weight_update_s"] == 0.0
     assert figures["on_policy_abs_logprob_diff_r3"] == 0.004 and figures["on_policy_abs_logprob_diff_natural"] == 0.02
 
 
