@@ -1,6 +1,6 @@
 """External agents' sessions in Redis: what a restarted coordinator needs to serve them again.
 
-The coordinator's agent API (coordinator/agent_sessions.py) writes every change of a session or group here before
+The coordinator's agent API (coordinator/agents/sessions.py) writes every change of a session or group here before
 the reply that depends on it, and reads everything back when it starts (``load``).
 
 Layout (``RedisKeys.agent_session`` / ``agent_group``):

@@ -172,9 +172,9 @@ async def start_operators(
 
 @dataclass
 class AgentDoor:
-    """The agent API (coordinator/agent_api.py) and its expiry loop: stopped at the end of the run."""
+    """The agent API (coordinator/agents/api.py) and its expiry loop: stopped at the end of the run."""
 
-    book: object  # coordinator.agent_sessions.SessionBook
+    book: object  # coordinator.agents.sessions.SessionBook
     server: object  # grpc.aio.Server
     port: int
     expiry: asyncio.Task
@@ -186,9 +186,9 @@ async def start_agent_door(config, pipeline: Pipeline, fleet, stop: asyncio.Even
     in Redis (restored before it serves and before any admission); its expiry loop is supervised with the
     operators'."""
     from channels.agent_sessions import AgentSessionStore
-    from coordinator.agent_api import agent_authenticator
-    from coordinator.agent_sessions import SessionBook
-    from coordinator.agent_store import restore_book
+    from coordinator.agents.api import agent_authenticator
+    from coordinator.agents.sessions import SessionBook
+    from coordinator.agents.store import restore_book
     from coordinator.kept_port import start_agent_server_of_run
 
     scheduler = pipeline.scheduler
@@ -211,7 +211,7 @@ async def start_agent_door(config, pipeline: Pipeline, fleet, stop: asyncio.Even
     logger.info("agent API on %s:%d (only agents: %s)", config.agent.host, port, config.agent.only_agents)
     door = None
     if config.agent.openai_port >= 0:
-        from coordinator.agent_api import http_authorize
+        from coordinator.agents.api import http_authorize
         from coordinator.kept_port import start_openai_door_of_run
         from coordinator.tasks import load_tokenizer
 

@@ -14,8 +14,8 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
-from coordinator.agent_api import start_agent_server
-from coordinator.openai_door import MAX_BODY_BYTES, start_openai_door
+from coordinator.agents.api import start_agent_server
+from coordinator.agents.door import MAX_BODY_BYTES, start_openai_door
 from protos.redis_keys import RedisKeys, as_text
 
 __all__ = ["PortTaken", "listen_on_kept_port", "start_agent_server_of_run", "start_openai_door_of_run"]

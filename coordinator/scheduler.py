@@ -6,7 +6,7 @@ admitted, q being the groups an earlier coordinator of the run left queued (0 on
 pushed in slot order, so slot i is trained at version v_0 + (q + i) // B; it is dispatched only to a server
 whose version is >= v_0 + (q + i) // B - k. Together these make
 ``v_trainer - min token version <= k`` hold for every sample, with nothing thrown away. External agents' groups
-keep this true by moving between slots (coordinator/agent_slots.py): into a dropped group's slot, and ahead of one
+keep this true by moving between slots (coordinator/agents/slots.py): into a dropped group's slot, and ahead of one
 that waits for its rewards, which takes their later slot only where it can still be trained within the bound.
 
 Dynamic sampling: a group whose rewards are all equal carries no GRPO signal. It is skipped (counted)
@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from channels.trajectory_stream import TrajectoryStreamWriter
-from coordinator.agent_slots import ExternalSlots
+from coordinator.agents.slots import ExternalSlots
 from coordinator.fleet import Fleet
 from coordinator.latency import LatencyHistogram
 from coordinator.rewards import RewardResult

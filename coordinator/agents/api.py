@@ -1,6 +1,6 @@
 """The agent API's gRPC adapter (protos/agent.proto): auth, request -> SessionBook call, refusal -> status.
 
-Thin on purpose: every decision is in ``agent_sessions.SessionBook``; this file checks the caller's token and
+Thin on purpose: every decision is in ``sessions.SessionBook``; this file checks the caller's token and
 scope (``coordinator/auth.py``), converts messages, and maps the core's refusals to gRPC codes.
 """
 
@@ -10,9 +10,9 @@ import logging
 
 import grpc
 
-from coordinator.agent_errors import AgentRefused
-from coordinator.agent_groups import SessionState
-from coordinator.agent_sessions import SessionBook
+from coordinator.agents.errors import AgentRefused
+from coordinator.agents.groups import SessionState
+from coordinator.agents.sessions import SessionBook
 from coordinator.auth import Authenticator, Refused, Scope, process_authenticator
 from protos import agent_pb2 as pb
 from protos import agent_pb2_grpc as pb_grpc
@@ -231,7 +231,7 @@ HTTP_STATUS = {
 
 def http_authorize(auth: Authenticator):
     """The OpenAI door's ``authorize(token, scope) -> grant name`` over the same token book and rate limits."""
-    from coordinator.openai_door import DoorRefused
+    from coordinator.agents.door import DoorRefused
 
     def authorize(token: str | None, scope: str) -> str:
         metadata = (("authorization", f"Bearer {token}"),) if token else ()

@@ -1,14 +1,14 @@
 """The OpenAI-compatible door: ``POST /v1/chat/completions`` and ``POST /v1/responses`` onto SessionBook
 sessions (docs/agents.md).
 
-An adapter like ``agent_api.py``, over HTTP: an agent that speaks the OpenAI chat or Responses API trains by
+An adapter like ``api.py``, over HTTP: an agent that speaks the OpenAI chat or Responses API trains by
 changing its base URL. Each request's messages are rendered with the model's chat template; the first request of
 a session opens it with that rendering as its prompt (``n`` > 1 opens n sessions of one group, one per choice), a
 later one (header ``X-Fleetrl-Session``) must render to the session's record followed by new tokens, which are
 appended (mask 0) before the model's turn. Token truth is the core's: what is trained is the record, never the
-agent's text. Reading the request and rendering it are in ``openai_requests.py`` (a Responses request is read
-into the same chat request, ``openai_responses.py``): rendering runs in a worker thread, bounded by the context
-before any tokenizing. ``stream: true`` sends the tokens as the engine generates them (``openai_stream.py``).
+agent's text. Reading the request and rendering it are in ``door_requests.py`` (a Responses request is read
+into the same chat request, ``door_responses.py``): rendering runs in a worker thread, bounded by the context
+before any tokenizing. ``stream: true`` sends the tokens as the engine generates them (``door_stream.py``).
 """
 
 from __future__ import annotations
@@ -21,14 +21,14 @@ import math
 
 from aiohttp import web
 
-from coordinator.agent_groups import GroupState
-from coordinator.agent_sessions import Session, SessionBook
-from coordinator.openai_answers import chat_answer
-from coordinator.openai_errors import ERROR_TYPE, refusal_of
-from coordinator.openai_requests import ChatRenderer, ChatRequest, DoorRefused, parse_chat
-from coordinator.openai_responses import RESPONSES_FIELDS, parse_responses, response_answer
-from coordinator.openai_responses_events import ResponseEvents
-from coordinator.openai_stream import ChatEvents, stream_turns
+from coordinator.agents.door_answers import chat_answer
+from coordinator.agents.door_errors import ERROR_TYPE, refusal_of
+from coordinator.agents.door_requests import ChatRenderer, ChatRequest, DoorRefused, parse_chat
+from coordinator.agents.door_responses import RESPONSES_FIELDS, parse_responses, response_answer
+from coordinator.agents.door_responses_events import ResponseEvents
+from coordinator.agents.door_stream import ChatEvents, stream_turns
+from coordinator.agents.groups import GroupState
+from coordinator.agents.sessions import Session, SessionBook
 
 __all__ = ["DoorRefused", "build_app", "start_openai_door"]
 
@@ -92,7 +92,7 @@ class OpenAIDoor:
         return web.json_response(chat_answer(self.tokenizer, turns, chat))
 
     async def responses(self, request: web.Request) -> web.StreamResponse:
-        """``POST /v1/responses``: the Responses API's request as a chat request (``openai_responses.py``)."""
+        """``POST /v1/responses``: the Responses API's request as a chat request (``door_responses.py``)."""
         owner = await self.grant(request, "generate")
         request[PARAM_NAMES] = RESPONSES_FIELDS  # refusals name the fields as this route spells them
         chat, echo = parse_responses(await _json_body(request), self.tokenizer, self.book.max_model_len)

@@ -1,7 +1,7 @@
 """The OpenAI door's ``chat.completion`` answer, built from recorded turns: one choice per sampled session.
 
 Everything here reads the record (``Session.turns``); nothing is generated or written. The content is the
-detokenized turn, tool calls are parsed out of it when the request gave tools (``openai_tools.py``), and the
+detokenized turn, tool calls are parsed out of it when the request gave tools (``door_tools.py``), and the
 ``fleetrl`` field carries the engine's token ids and logprobs, which are what is trained.
 """
 
@@ -10,10 +10,10 @@ from __future__ import annotations
 import math
 import time
 
-from coordinator.agent_groups import Turn
-from coordinator.agent_sessions import Session
-from coordinator.openai_requests import ChatRequest
-from coordinator.openai_tools import parse_tool_calls
+from coordinator.agents.door_requests import ChatRequest
+from coordinator.agents.door_tools import parse_tool_calls
+from coordinator.agents.groups import Turn
+from coordinator.agents.sessions import Session
 from protos.records import FinishReason
 
 __all__ = ["answer_choice", "chat_answer", "content_token_ids", "context_tokens", "token_logprobs", "turn_tops"]

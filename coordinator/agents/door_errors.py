@@ -2,13 +2,13 @@
 names the field as the request spelled it (the chat route's names, or a route's own through ``renames``).
 
 Used for plain answers (the door's middleware) and for refusals that come after a stream's headers went out
-(sent as an error event, ``openai_stream.py``).
+(sent as an error event, ``door_stream.py``).
 """
 
 from __future__ import annotations
 
-from coordinator.agent_errors import AgentRefused
-from coordinator.openai_requests import DoorRefused
+from coordinator.agents.door_requests import DoorRefused
+from coordinator.agents.errors import AgentRefused
 
 __all__ = ["ERROR_TYPE", "STATUS", "refusal_of"]
 

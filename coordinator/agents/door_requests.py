@@ -11,8 +11,8 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass
 
-from coordinator.agent_turns import MAX_TOP_LOGPROBS
-from coordinator.openai_tools import template_message
+from coordinator.agents.door_tools import template_message
+from coordinator.agents.turns import MAX_TOP_LOGPROBS
 
 # Fields that would change the sampling distribution: accepted only at their neutral values (the trainer needs
 # the logprobs of full-vocabulary sampling at the group's temperature). Other unknown fields are ignored.
@@ -47,7 +47,7 @@ class ChatRequest:
     model: str
     logprobs: bool
     template_kwargs: dict
-    stream: bool = False  # answered as server-sent events (openai_stream.py)
+    stream: bool = False  # answered as server-sent events (door_stream.py)
     include_usage: bool = False  # stream_options.include_usage: a last chunk with the usage
     n: int = 1  # samples of this turn: one session each, members of one group (opening requests only)
     parse_tools: bool = False  # tools were given and tool_choice is not "none": read tool calls out of turns

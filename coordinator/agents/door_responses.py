@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import time
 
-from coordinator.agent_groups import Session
-from coordinator.openai_answers import answer_choice, context_tokens
-from coordinator.openai_requests import NEUTRAL, ChatRequest, DoorRefused, flat_content, parse_chat
+from coordinator.agents.door_answers import answer_choice, context_tokens
+from coordinator.agents.door_requests import NEUTRAL, ChatRequest, DoorRefused, flat_content, parse_chat
+from coordinator.agents.groups import Session
 
 __all__ = ["RESPONSES_FIELDS", "parse_responses", "response_answer", "response_head", "response_output"]
 

@@ -9,11 +9,11 @@ A turn that fails after its first token ends with an ``error`` event and ``respo
 
 from __future__ import annotations
 
-from coordinator.agent_sessions import TurnChunk
-from coordinator.openai_answers import answer_choice, token_logprobs
-from coordinator.openai_requests import ChatRequest
-from coordinator.openai_responses import RESPONSES_FIELDS, response_answer, response_head
-from coordinator.openai_stream import TextDeltas, error_event, sse
+from coordinator.agents.door_answers import answer_choice, token_logprobs
+from coordinator.agents.door_requests import ChatRequest
+from coordinator.agents.door_responses import RESPONSES_FIELDS, response_answer, response_head
+from coordinator.agents.door_stream import TextDeltas, error_event, sse
+from coordinator.agents.sessions import TurnChunk
 
 __all__ = ["ResponseEvents"]
 

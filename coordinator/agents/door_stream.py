@@ -19,9 +19,9 @@ import time
 
 from aiohttp import web
 
-from coordinator.agent_sessions import TurnChunk
-from coordinator.openai_answers import answer_choice, chat_answer, token_logprobs, turn_tops
-from coordinator.openai_errors import refusal_of
+from coordinator.agents.door_answers import answer_choice, chat_answer, token_logprobs, turn_tops
+from coordinator.agents.door_errors import refusal_of
+from coordinator.agents.sessions import TurnChunk
 
 __all__ = ["ChatEvents", "TextDeltas", "error_event", "sse", "stream_turns"]
 

@@ -1,10 +1,10 @@
-"""What the agent API's core refuses, by kind; ``agent_api.py`` maps each kind to a gRPC status at the boundary."""
+"""What the agent API's core refuses, by kind; ``api.py`` maps each kind to a gRPC status at the boundary."""
 
 from __future__ import annotations
 
 
 class AgentRefused(Exception):
-    """A call the core refuses; ``kind`` maps to a gRPC status at the boundary (agent_api.py)."""
+    """A call the core refuses; ``kind`` maps to a gRPC status at the boundary (api.py)."""
 
     kind = "invalid"  # invalid | not_found | precondition | denied | exhausted | unavailable
 

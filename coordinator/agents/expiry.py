@@ -1,4 +1,4 @@
-"""How sessions and groups end (a mixin of ``agent_sessions.SessionBook``): abandoned by their agent or when idle,
+"""How sessions and groups end (a mixin of ``sessions.SessionBook``): abandoned by their agent or when idle,
 dropped when their last session leaves or their group times out, forgotten once done.
 
 Every second ``expire`` abandons sessions idle past ``agent.session_timeout_s``, drops groups not complete after
@@ -13,8 +13,8 @@ import logging
 import time
 
 from channels.retry import UNREACHABLE
-from coordinator.agent_errors import Unavailable
-from coordinator.agent_groups import AgentGroup, Session, SessionState
+from coordinator.agents.errors import Unavailable
+from coordinator.agents.groups import AgentGroup, Session, SessionState
 from protos.agent_records import AgentGroupState
 
 logger = logging.getLogger(__name__)

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from coordinator.agent_errors import InvalidArgument
+from coordinator.agents.errors import InvalidArgument
 from protos.agent_records import AgentGroupState
 from protos.agent_records import AgentSessionState as SessionState
 from protos.records import Array, FinishReason, Sample, TrajectoryGroup, VersionSpan

@@ -1,6 +1,6 @@
 """SessionBook: external agents' sessions, their recorded tokens, and the GRPO groups they are submitted into.
 
-The plain core of the agent API (``agent_api.py`` and ``openai_door.py`` are its adapters). What it guarantees:
+The plain core of the agent API (``api.py`` and ``door.py`` are its adapters). What it guarantees:
 
 - Token truth: every token of a session is recorded here as it is generated (with its logprob and version) or
   appended (tool results, user turns). A trajectory is built from this record only; a submission carries no
@@ -13,8 +13,8 @@ The plain core of the agent API (``agent_api.py`` and ``openai_door.py`` are its
   ``expected_length`` make retried calls return their first answer instead of acting twice.
 - Stickiness: a session generates on one server (its prefix stays in that server's cache); when the server
   fails mid-turn the turn is lost (nothing recorded) and the session moves to another server on the next turn.
-- Durability: every change is written to Redis (``agent_store.BookRecords``) before the reply that depends on
-  it, so a coordinator killed at any point and restarted serves the same sessions (``agent_store.restore_book``).
+- Durability: every change is written to Redis (``store.BookRecords``) before the reply that depends on
+  it, so a coordinator killed at any point and restarted serves the same sessions (``store.restore_book``).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 
-from coordinator.agent_errors import (
+from coordinator.agents.errors import (
     Exhausted,
     FailedPrecondition,
     InvalidArgument,
@@ -33,8 +33,8 @@ from coordinator.agent_errors import (
     PermissionDenied,
     Unavailable,
 )
-from coordinator.agent_expiry import ABANDONED_BY_AGENT, DONE_RETENTION_S, Endings
-from coordinator.agent_groups import (
+from coordinator.agents.expiry import ABANDONED_BY_AGENT, DONE_RETENTION_S, Endings
+from coordinator.agents.groups import (
     AgentGroup,
     Session,
     SessionState,
@@ -42,10 +42,10 @@ from coordinator.agent_groups import (
     UniformGroups,
     build_trajectory_group,
 )
-from coordinator.agent_store import BookRecords
-from coordinator.agent_submissions import Submissions, SubmitResult
-from coordinator.agent_tasks import AgentTasks
-from coordinator.agent_turns import MAX_TOP_LOGPROBS, TurnChunk, stream_turn
+from coordinator.agents.store import BookRecords
+from coordinator.agents.submissions import Submissions, SubmitResult
+from coordinator.agents.tasks import AgentTasks
+from coordinator.agents.turns import MAX_TOP_LOGPROBS, TurnChunk, stream_turn
 from coordinator.fleet import NoServerAvailable
 from protos.config import AgentConfig
 
@@ -59,8 +59,8 @@ __all__ = ["SessionBook", "SubmitResult", "TurnChunk"]
 class SessionBook(Submissions, Endings):
     """Sessions by id, open groups by (owner, group key); the scheduler admits and pushes their groups.
 
-    Opening and turns are here; submissions in ``agent_submissions.Submissions``, how sessions and groups end in
-    ``agent_expiry.Endings``.
+    Opening and turns are here; submissions in ``submissions.Submissions``, how sessions and groups end in
+    ``expiry.Endings``.
     """
 
     def __init__(self, config: AgentConfig, scheduler, fleet, temperature, max_model_len: int, vocab_size: int, store):

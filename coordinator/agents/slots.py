@@ -36,14 +36,14 @@ class ExternalSlots:
         self._pushed_external: set[str] = set()  # ids of agent groups pushed
         self._awaiting: dict[int, int] = {}  # slot of an agent group waiting for rewards -> its oldest token version
         # async (group id) -> None, awaited after an agent group's push and before the next push: the agent API
-        # records that its group is on the stream (coordinator/agent_sessions.py), so a restart never pushes it twice
+        # records that its group is on the stream (coordinator/agents/sessions.py), so a restart never pushes it twice
         self.on_external_pushed = None
         # (old slot, new slot) -> None, called when a group waiting for rewards moves behind a complete one: the agent
         # API completes or drops it at its new slot
         self.on_external_moved = None
 
     def admit_external(self) -> int | None:
-        """A slot for a group an external agent generates (coordinator/agent_sessions.py), or None when none is
+        """A slot for a group an external agent generates (coordinator/agents/sessions.py), or None when none is
         admissible now. A released slot comes first: it was admitted under the bound already and keeps its train
         version and version floor, so (as a dynamic-sampling re-draw) the admission arithmetic is unchanged."""
         if self._released and self.running:

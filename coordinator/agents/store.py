@@ -1,7 +1,7 @@
 """The agent sessions' records in Redis, as the SessionBook writes them and a restarted coordinator restores them.
 
 ``BookRecords`` converts the book's sessions, turns and groups to the records of protos/records.py and writes
-them through ``channels.agent_sessions.AgentSessionStore``; a write that cannot reach Redis is refused UNAVAILABLE
+them through ``channels.sessions.AgentSessionStore``; a write that cannot reach Redis is refused UNAVAILABLE
 (the caller applies nothing). ``restore_book`` rebuilds the book when the coordinator starts:
 
 - groups on the stream, dropped or skipped are remembered (a replayed Submit gets its first answer) but take no
@@ -26,8 +26,8 @@ import numpy as np
 
 from channels.agent_sessions import AgentSessionStore, StoredSession
 from channels.retry import UNREACHABLE
-from coordinator.agent_errors import InvalidArgument, Unavailable
-from coordinator.agent_groups import AgentGroup, Session, SessionState, Turn
+from coordinator.agents.errors import InvalidArgument, Unavailable
+from coordinator.agents.groups import AgentGroup, Session, SessionState, Turn
 from protos.agent_records import AgentGroupRecord, AgentGroupState, AgentSessionRecord, AgentTurn
 from protos.records import Array, VersionSpan
 

@@ -1,13 +1,13 @@
-"""The SessionBook's submissions (a mixin of ``agent_sessions.SessionBook``): Submit, SetReward, and what follows
+"""The SessionBook's submissions (a mixin of ``sessions.SessionBook``): Submit, SetReward, and what follows
 once a group's last reward is in.
 
 A session's submission (state, submission id, reward) and, when it completes its group, the group's new state are
 written in one transaction before the reply. A group whose sessions are all submitted but some rewards are still to
 come (reward null, set later) tells the scheduler it waits for rewards: complete groups behind it may be pushed first
-(``agent_slots.ExternalSlots``). A complete group goes to the scheduler's in-order push, unless its
-rewards are all equal and the run's dynamic sampling skips it (``agent_groups.UniformGroups``): its slot is then
+(``slots.ExternalSlots``). A complete group goes to the scheduler's in-order push, unless its
+rewards are all equal and the run's dynamic sampling skips it (``groups.UniformGroups``): its slot is then
 released as a dropped group's. Once the scheduler has pushed a group its record says PUSHED, so a restarted
-coordinator never pushes it again (``agent_store.restore_book``).
+coordinator never pushes it again (``store.restore_book``).
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from coordinator.agent_errors import FailedPrecondition, InvalidArgument, Unavailable
-from coordinator.agent_groups import (
+from coordinator.agents.errors import FailedPrecondition, InvalidArgument, Unavailable
+from coordinator.agents.groups import (
     AgentGroup,
     GroupState,
     Session,

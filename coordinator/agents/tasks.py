@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import logging
 
-from coordinator.agent_errors import InvalidArgument
-from coordinator.agent_groups import Session
+from coordinator.agents.errors import InvalidArgument
+from coordinator.agents.groups import Session
 from coordinator.tasks import Task, TaskPrompt
 
 logger = logging.getLogger(__name__)

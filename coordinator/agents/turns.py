@@ -15,8 +15,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from coordinator.agent_errors import Unavailable
-from coordinator.agent_groups import Session, Turn
+from coordinator.agents.errors import Unavailable
+from coordinator.agents.groups import Session, Turn
 from coordinator.fleet import NoServerAvailable
 from coordinator.rollout_client import RolloutFailed
 from protos.records import FinishReason

@@ -297,9 +297,9 @@ def test_the_admin_cli_passes_its_token_over_tls_and_a_refused_token_is_one_line
 
 def test_one_rate_limit_per_token_across_the_admin_api_the_agent_api_and_the_openai_door(redis_url, tmp_path):
     """The coordinator's APIs share the process's one Authenticator: calls on any of them spend the same budget."""
-    from coordinator.agent_api import agent_authenticator, http_authorize
+    from coordinator.agents.api import agent_authenticator, http_authorize
+    from coordinator.agents.door import DoorRefused
     from coordinator.auth import process_authenticator
-    from coordinator.openai_door import DoorRefused
     from protos import admin_pb2, admin_pb2_grpc
 
     path = tmp_path / "tokens.yaml"

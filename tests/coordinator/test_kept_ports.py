@@ -4,7 +4,7 @@ bound again by a restarted coordinator of the run, a taken one moves with a warn
 A real grpc.aio agent server and real Redis. No session book is needed: which port the server binds does not touch
 sessions, and a call without a token is refused by the token check before any session is looked at, which shows
 the AgentService itself answers on the port. The door's keeping is tested through the real door in
-test_openai_agent_surface.py.
+agents/test_openai_agent_surface.py.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import pytest
 import redis.asyncio as aioredis
 import yaml
 
-from coordinator.agent_api import agent_authenticator, start_agent_server
+from coordinator.agents.api import agent_authenticator, start_agent_server
 from coordinator.kept_port import start_agent_server_of_run
 from protos import agent_pb2 as pb
 from protos import agent_pb2_grpc as pb_grpc

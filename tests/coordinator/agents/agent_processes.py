@@ -14,7 +14,7 @@ from protos.records import decode_group
 from protos.redis_keys import RedisKeys
 from tests.waiting import wait_until
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+REPO_ROOT = Path(__file__).resolve().parents[3]
 
 
 def agents_only_config(run_id: str, redis_url: str, port: int, tokens_file: Path, **agent) -> dict:

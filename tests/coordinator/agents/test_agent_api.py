@@ -15,12 +15,12 @@ import numpy as np
 import pytest
 import yaml
 
-from coordinator.agent_api import agent_authenticator, start_agent_server
+from coordinator.agents.api import agent_authenticator, start_agent_server
 from modeling.tiny_model import BOS_ID, DIGIT_IDS
 from protos import agent_pb2 as pb
 from protos import agent_pb2_grpc as pb_grpc
 from protos.redis_keys import RedisKeys
-from tests.coordinator.agent_core import BookHarness
+from tests.coordinator.agents.agent_core import BookHarness
 
 pytestmark = pytest.mark.integration
 
@@ -241,8 +241,8 @@ def test_an_abandoned_group_frees_its_slot_for_the_next_group_and_nothing_reache
 def test_get_session_gives_each_generated_turn_its_version_spans_and_the_last_one_its_routes(
     rollout_server, redis_url, tokens_file
 ):
-    from coordinator.agent_api import _turn_message
-    from coordinator.agent_groups import Turn
+    from coordinator.agents.api import _turn_message
+    from coordinator.agents.groups import Turn
     from protos.records import FinishReason
 
     async def scenario():

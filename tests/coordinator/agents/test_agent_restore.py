@@ -1,7 +1,7 @@
 """The agent core across a coordinator restart, in one test process: a SessionBook over a real rollout server and
 Redis writes its sessions; a second book (a new scheduler, as a restarted coordinator builds it) restores them
 from Redis and finishes their groups. The same module checks task sessions and dynamic sampling of agent groups,
-which share its rollout server. (tests/coordinator/test_agents_restart_e2e.py kills a real coordinator process.)
+which share its rollout server. (tests/coordinator/agents/test_agents_restart_e2e.py kills a real coordinator process.)
 """
 
 from __future__ import annotations
@@ -11,13 +11,13 @@ import time
 
 import pytest
 
-from coordinator.agent_errors import Exhausted, InvalidArgument
-from coordinator.agent_groups import GroupState
+from coordinator.agents.errors import Exhausted, InvalidArgument
+from coordinator.agents.groups import GroupState
 from coordinator.tasks import EchoTask
 from modeling.tiny_model import BOS_ID, DIGIT_IDS
 from protos.agent_records import AgentGroupState
 from protos.redis_keys import RedisKeys
-from tests.coordinator.agent_core import BookHarness
+from tests.coordinator.agents.agent_core import BookHarness
 
 pytestmark = pytest.mark.integration
 

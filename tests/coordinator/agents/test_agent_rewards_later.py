@@ -11,12 +11,12 @@ import asyncio
 
 import pytest
 
-from coordinator.agent_errors import FailedPrecondition
-from coordinator.agent_groups import GroupState
+from coordinator.agents.errors import FailedPrecondition
+from coordinator.agents.groups import GroupState
 from modeling.tiny_model import BOS_ID, DIGIT_IDS
 from protos.agent_records import AgentGroupState
 from protos.redis_keys import RedisKeys
-from tests.coordinator.agent_core import BookHarness
+from tests.coordinator.agents.agent_core import BookHarness
 
 pytestmark = pytest.mark.integration
 

@@ -8,9 +8,9 @@ import json
 
 import pytest
 
-from coordinator.agent_errors import InvalidArgument
-from coordinator.agent_groups import AgentGroup, Session, Turn
-from coordinator.agent_tasks import AgentTasks
+from coordinator.agents.errors import InvalidArgument
+from coordinator.agents.groups import AgentGroup, Session, Turn
+from coordinator.agents.tasks import AgentTasks
 from coordinator.scheduler import SchedulerStats
 from coordinator.tasks import MAX_ECHO_PROMPT, EchoTask, build_task
 from modeling.tiny_model import build_tokenizer

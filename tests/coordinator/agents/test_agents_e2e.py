@@ -24,7 +24,7 @@ from protos import agent_pb2 as pb
 from protos import agent_pb2_grpc as pb_grpc
 from protos.records import decode_metrics
 from protos.redis_keys import RedisKeys
-from tests.coordinator.agent_processes import REPO_ROOT, agents_only_config, queued, start_coordinator
+from tests.coordinator.agents.agent_processes import REPO_ROOT, agents_only_config, queued, start_coordinator
 from tests.rollout_service.server_process import stop_process
 from tests.waiting import wait_until
 

@@ -19,7 +19,7 @@ from fleetrl.agent import AdmissionTimeout, AgentClient, GroupState, RetryPolicy
 from launcher.redis_server import free_port
 from modeling.tiny_model import BOS_ID, DIGIT_IDS
 from protos.redis_keys import RedisKeys
-from tests.coordinator.agent_processes import agents_only_config, queued, start_coordinator
+from tests.coordinator.agents.agent_processes import agents_only_config, queued, start_coordinator
 from tests.rollout_service.server_process import stop_process
 
 pytestmark = pytest.mark.e2e

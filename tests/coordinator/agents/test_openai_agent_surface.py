@@ -12,10 +12,10 @@ import socket
 import openai
 import pytest
 
+from coordinator.agents.door_answers import content_token_ids
 from coordinator.kept_port import start_openai_door_of_run
-from coordinator.openai_answers import content_token_ids
 from coordinator.tasks import load_tokenizer
-from tests.coordinator.test_openai_door import USER, DoorHarness, authorize
+from tests.coordinator.agents.test_openai_door import USER, DoorHarness, authorize
 
 pytestmark = pytest.mark.integration
 

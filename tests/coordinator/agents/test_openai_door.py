@@ -14,11 +14,11 @@ import aiohttp
 import openai
 import pytest
 
-from coordinator.openai_answers import content_token_ids
-from coordinator.openai_door import MAX_BODY_BYTES, DoorRefused, start_openai_door
+from coordinator.agents.door import MAX_BODY_BYTES, DoorRefused, start_openai_door
+from coordinator.agents.door_answers import content_token_ids
 from coordinator.tasks import load_tokenizer
 from protos.redis_keys import RedisKeys
-from tests.coordinator.agent_core import BookHarness
+from tests.coordinator.agents.agent_core import BookHarness
 
 pytestmark = pytest.mark.integration
 

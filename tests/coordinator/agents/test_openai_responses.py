@@ -9,9 +9,9 @@ import contextlib
 
 import pytest
 
-from tests.coordinator import test_openai_agent_surface
-from tests.coordinator.test_openai_agent_surface import TOOLS, sdk
-from tests.coordinator.test_openai_door import USER, DoorHarness
+from tests.coordinator.agents import test_openai_agent_surface
+from tests.coordinator.agents.test_openai_agent_surface import TOOLS, sdk
+from tests.coordinator.agents.test_openai_door import USER, DoorHarness
 
 pytestmark = pytest.mark.integration
 

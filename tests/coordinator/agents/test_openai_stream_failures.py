@@ -18,9 +18,9 @@ import openai
 import pytest
 
 from rollout_service import standin_fleet
-from tests.coordinator import test_openai_door
-from tests.coordinator.test_openai_agent_surface import sdk
-from tests.coordinator.test_openai_door import USER, DoorHarness
+from tests.coordinator.agents import test_openai_door
+from tests.coordinator.agents.test_openai_agent_surface import sdk
+from tests.coordinator.agents.test_openai_door import USER, DoorHarness
 
 pytestmark = pytest.mark.integration
 

@@ -13,13 +13,13 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from coordinator.openai_answers import content_token_ids
-from coordinator.openai_stream import TextDeltas
-from tests.coordinator import test_openai_door
-from tests.coordinator.test_openai_agent_surface import sdk
-from tests.coordinator.test_openai_door import TEMPLATE, USER, DoorHarness
-from tests.coordinator.test_openai_responses import door_with_client
-from tests.coordinator.test_openai_stream_failures import spawned_standin
+from coordinator.agents.door_answers import content_token_ids
+from coordinator.agents.door_stream import TextDeltas
+from tests.coordinator.agents import test_openai_door
+from tests.coordinator.agents.test_openai_agent_surface import sdk
+from tests.coordinator.agents.test_openai_door import TEMPLATE, USER, DoorHarness
+from tests.coordinator.agents.test_openai_responses import door_with_client
+from tests.coordinator.agents.test_openai_stream_failures import spawned_standin
 
 pytestmark = pytest.mark.integration
 

@@ -9,11 +9,11 @@ import json
 import pytest
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
-from coordinator.agent_groups import Session, Turn
-from coordinator.openai_answers import chat_answer
-from coordinator.openai_requests import ChatRequest, DoorRefused, parse_chat
-from coordinator.openai_stream import _choice_chunks
-from coordinator.openai_tools import parse_tool_calls, template_message
+from coordinator.agents.door_answers import chat_answer
+from coordinator.agents.door_requests import ChatRequest, DoorRefused, parse_chat
+from coordinator.agents.door_stream import _choice_chunks
+from coordinator.agents.door_tools import parse_tool_calls, template_message
+from coordinator.agents.groups import Session, Turn
 from modeling.tiny_model import build_tokenizer
 from protos.records import FinishReason
 
