@@ -187,8 +187,8 @@ async def start_agent_door(config, pipeline: Pipeline, fleet, stop: asyncio.Even
     operators'."""
     from channels.agent_sessions import AgentSessionStore
     from coordinator.agents.api import agent_authenticator
+    from coordinator.agents.restore import restore_book
     from coordinator.agents.sessions import SessionBook
-    from coordinator.agents.store import restore_book
     from coordinator.kept_port import start_agent_server_of_run
 
     scheduler = pipeline.scheduler

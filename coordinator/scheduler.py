@@ -6,8 +6,9 @@ admitted, q being the groups an earlier coordinator of the run left queued (0 on
 pushed in slot order, so slot i is trained at version v_0 + (q + i) // B; it is dispatched only to a server
 whose version is >= v_0 + (q + i) // B - k. Together these make
 ``v_trainer - min token version <= k`` hold for every sample, with nothing thrown away. External agents' groups
-keep this true by moving between slots (coordinator/agents/slots.py): into a dropped group's slot, and ahead of one
-that waits for its rewards, which takes their later slot only where it can still be trained within the bound.
+keep this true by moving between slots (``ExternalGroups``, which coordinator/agents/slots.py implements): into a
+dropped group's slot, and ahead of one that waits for its rewards, which takes their later slot only where it can
+still be trained within the bound.
 
 Dynamic sampling: a group whose rewards are all equal carries no GRPO signal. It is skipped (counted)
 and a new prompt is drawn *for the same slot*, so the admission arithmetic above is unchanged: the
@@ -30,11 +31,12 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass
+from typing import Protocol
 
+import msgspec
 import numpy as np
 
 from channels.trajectory_stream import TrajectoryStreamWriter
-from coordinator.agents.slots import ExternalSlots
 from coordinator.fleet import Fleet
 from coordinator.latency import LatencyHistogram
 from coordinator.rewards import RewardResult
@@ -72,7 +74,22 @@ class SchedulerStats:
     agent_turns_lost: int = 0  # agent turns lost to a failed server (nothing recorded; the agent retries)
 
 
-class Scheduler(ExternalSlots):
+class ExternalGroups(Protocol):
+    """Groups generated outside the coordinator (external agents' groups) that hold slots in its push order; the
+    scheduler consults them at each push (``Scheduler.attach_external``)."""
+
+    def give_way(self, slot: int) -> bool:
+        """``slot`` is next to push and nothing is buffered there: where an external group waiting for its rewards
+        holds it, move that group behind a complete group buffered later (within the staleness bound) and put the
+        complete group at ``slot`` (``Scheduler.renumber_own`` for one of the coordinator's own). True when moved."""
+        ...
+
+    async def group_pushed(self, slot: int, group: TrajectoryGroup) -> None:
+        """``group`` was pushed from ``slot``; awaited before the next push."""
+        ...
+
+
+class Scheduler:
     """Plain core of the coordinator; the ``run()`` loop in ``__main__`` drives it."""
 
     def __init__(
@@ -105,17 +122,23 @@ class Scheduler(ExternalSlots):
         self.state = RunState.RUNNING
         self.stats = SchedulerStats()
         self.in_flight: set[int] = set()
-        self._done: dict[int, TrajectoryGroup] = {}
+        self.buffered: dict[int, TrajectoryGroup] = {}  # slot -> finished group waiting for its turn to be pushed
         # slot of one of the coordinator's own groups, not pushed yet -> (its admission order, the task position
         # before its first draw); agent groups draw no prompt from the stream and have none
         self._cursor_at_admit: dict[int, tuple[int, dict[str, int]]] = {}
-        self._init_external_slots()
+        self.external: ExternalGroups | None = None  # external agents' groups, once attached
         self._push_lock = asyncio.Lock()
         # Admission -> first request sent, per group (draws of dynamic sampling included); and the part of it that
         # was not spent waiting for a server at the group's version floor (the coordinator's own routing time).
         self.dispatch_latency = LatencyHistogram()
         self.routing_latency = LatencyHistogram()
         self._admitted_s: dict[int, float] = {}  # slot -> monotonic admission time, until its first dispatch
+
+    def attach_external(self, external: ExternalGroups) -> None:
+        """Take external groups (coordinator/agents/slots.py) into the push order; at most one set per scheduler."""
+        if self.external is not None:
+            raise ValueError("the scheduler has external groups attached already")
+        self.external = external
 
     @property
     def clients(self) -> list[RolloutClient]:
@@ -167,12 +190,12 @@ class Scheduler(ExternalSlots):
         return self.running and self.stats.slots_admitted < self.admission_limit()
 
     def admit(self) -> tuple[int, TaskPrompt]:
-        slot = self._new_slot()
+        slot = self.new_slot()
         self._admitted_s[slot] = time.monotonic()
         self._cursor_at_admit[slot] = (slot, self.task.cursor())
         return slot, self.task.next_prompt()
 
-    def _new_slot(self) -> int:
+    def new_slot(self) -> int:
         slot = self.stats.slots_admitted
         self.stats.slots_admitted += 1
         self.stats.groups_admitted += 1
@@ -192,6 +215,12 @@ class Scheduler(ExternalSlots):
         """The id of the coordinator's own group at ``slot``: slots number after the groups earlier coordinators of
         the run pushed, so an id never repeats across restarts (the trainer drops a repeated id as a duplicate)."""
         return f"{prompt_id}-{self.pushed_before + slot}"
+
+    def renumber_own(self, group: TrajectoryGroup, old_slot: int, new_slot: int) -> TrajectoryGroup:
+        """The coordinator's own ``group``, moved from ``old_slot`` to ``new_slot`` ahead of an external group: its id
+        numbers its slot, and where its prompt was drawn goes with it."""
+        self._cursor_at_admit[new_slot] = self._cursor_at_admit.pop(old_slot)
+        return msgspec.structs.replace(group, group_id=self.own_group_id(group.prompt_id, new_slot))
 
     def train_version(self, slot: int) -> int:
         """The trainer version that will train slot ``slot``."""
@@ -316,22 +345,20 @@ class Scheduler(ExternalSlots):
     # in-order push -------------------------------------------------------------------------
     async def complete(self, slot: int, group: TrajectoryGroup) -> None:
         """Buffer a finished group and push every group that is now next in slot order (a group waiting for its
-        rewards lets complete groups behind it go first, within the staleness bound: ``ExternalSlots._overtake``)."""
-        self._done[slot] = group
-        await self._push_ready()
+        rewards lets complete groups behind it go first, within the staleness bound: ``ExternalGroups.give_way``)."""
+        self.buffered[slot] = group
+        await self.push_ready()
 
-    async def _push_ready(self) -> None:
+    async def push_ready(self) -> None:
         async with self._push_lock:
-            while self.stats.groups_pushed in self._done or self._overtake(self.stats.groups_pushed):
-                ready = self._done[self.stats.groups_pushed]
+            while self._next_is_ready():
+                slot = self.stats.groups_pushed
+                ready = self.buffered[slot]
                 # Taken out of the buffer only once it is on the queue: a push that fails (Redis gone past the retry
                 # policy) leaves it here for the next call, instead of losing it and stalling every later slot.
                 await self.queue.push(ready, self.resume_cursor(ready))
-                del self._done[self.stats.groups_pushed]
-                self._cursor_at_admit.pop(self.stats.groups_pushed, None)
-                if self.stats.groups_pushed in self._external_done:
-                    self._external_done.discard(self.stats.groups_pushed)
-                    self._pushed_external.add(ready.group_id)
+                del self.buffered[slot]
+                self._cursor_at_admit.pop(slot, None)
                 oldest = min(s.min_version for s in ready.samples)
                 staleness = self.train_version(ready.admission_index) - oldest
                 self.stats.max_staleness_at_push = max(self.stats.max_staleness_at_push, staleness)
@@ -339,6 +366,11 @@ class Scheduler(ExternalSlots):
                 self.stats.samples_pushed += len(ready.samples)
                 self.stats.reward_sum += sum(s.reward for s in ready.samples)
                 self.in_flight.discard(ready.admission_index)
-                if ready.group_id in self._pushed_external and self.on_external_pushed is not None:
-                    await self.on_external_pushed(ready.group_id)
+                if self.external is not None:
+                    await self.external.group_pushed(slot, ready)
         self.update_state()
+
+    def _next_is_ready(self) -> bool:
+        """Whether the next slot in push order holds a finished group (an external one may give way to one)."""
+        slot = self.stats.groups_pushed
+        return slot in self.buffered or (self.external is not None and self.external.give_way(slot))

@@ -1,4 +1,4 @@
-"""How sessions and groups end (a mixin of ``sessions.SessionBook``): abandoned by their agent or when idle,
+"""How sessions and groups end (``sessions.SessionBook`` delegates here): abandoned by their agent or when idle,
 dropped when their last session leaves or their group times out, forgotten once done.
 
 Every second ``expire`` abandons sessions idle past ``agent.session_timeout_s``, drops groups not complete after
@@ -14,8 +14,13 @@ import time
 
 from channels.retry import UNREACHABLE
 from coordinator.agents.errors import Unavailable
-from coordinator.agents.groups import AgentGroup, Session, SessionState
+from coordinator.agents.groups import AgentGroup, BookTables, Session, SessionState
+from coordinator.agents.slots import AgentSlots
+from coordinator.agents.store import BookRecords
+from coordinator.agents.submissions import Submissions
+from coordinator.scheduler import SchedulerStats
 from protos.agent_records import AgentGroupState
+from protos.config import AgentConfig
 
 logger = logging.getLogger(__name__)
 
@@ -26,7 +31,27 @@ DONE_RETENTION_S = 30.0
 
 
 class Endings:
-    """Mixin of SessionBook: its ``sessions``, ``groups``, ``opened``, ``completing``, ``records`` and ``scheduler``."""
+    """Abandoning, dropping and forgetting; ``sessions``, ``groups``, ``opened`` and ``completing`` are the book's own
+    tables (``sessions.SessionBook``)."""
+
+    def __init__(
+        self,
+        config: AgentConfig,
+        records: BookRecords,
+        slots: AgentSlots,
+        stats: SchedulerStats,
+        submissions: Submissions,
+        tables: BookTables,
+    ):
+        self.config = config
+        self.records = records
+        self.slots = slots
+        self.stats = stats  # agent_groups_dropped
+        self.submissions = submissions  # records pushes whose record failed at the push
+        self.sessions = tables.sessions
+        self.groups = tables.groups
+        self.opened = tables.opened
+        self.completing = tables.completing
 
     async def expire(self, now: float | None = None) -> None:
         """Abandon idle sessions, drop groups that can no longer complete, forget what is done (about once a
@@ -46,16 +71,16 @@ class Endings:
             if now - group.created > self.config.group_timeout_s:
                 async with group.lock:
                     await self.drop_group(group, f"not complete after {self.config.group_timeout_s:.0f}s")
-            elif self.scheduler.waiting_is_stale(group.slot):
+            elif self.slots.waiting_is_stale(group.slot):
                 await self._drop_stale(group)
         for group_id, group in list(self.completing.items()):
             if group.pushed:  # its PUSHED record failed when it was pushed
-                await self.record_pushed(group_id)
+                await self.submissions.record_pushed(group_id)
         await self._forget(forgotten)
 
     async def _drop_stale(self, group: AgentGroup) -> None:
         async with group.lock:
-            if self.scheduler.waiting_is_stale(group.slot):  # still so now the lock is held (no reward came meanwhile)
+            if self.slots.waiting_is_stale(group.slot):  # still so now the lock is held (no reward came meanwhile)
                 await self.drop_group(group, "stale: it can no longer be trained within max_staleness")
 
     async def _abandon_idle(self, session: Session, idle: float) -> None:
@@ -96,7 +121,7 @@ class Endings:
         if last:  # nobody left in it: its slot goes to another group
             await self.drop_group(group, why if why == ABANDONED_BY_AGENT else f"every session abandoned ({why})", True)
 
-    async def _drop_if_empty(self, group: AgentGroup, why: str, locked: bool = False) -> None:
+    async def drop_if_empty(self, group: AgentGroup, why: str, locked: bool = False) -> None:
         """Drop a group left with no session and none being opened (its first session failed to open)."""
         if group.sessions or group.opening or group.done:
             return
@@ -121,8 +146,8 @@ class Endings:
         for session in list(group.sessions.values()):
             session.state = SessionState.ABANDONED
         self.groups.pop((group.owner, group.key), None)
-        await self.scheduler.release_slot(group.slot)
-        self.scheduler.stats.agent_groups_dropped += 1
+        await self.slots.release(group.slot)
+        self.stats.agent_groups_dropped += 1
         # an agent abandoning its own group is routine (info); a timeout or a missing server is worth a warning
         level = logging.INFO if why == ABANDONED_BY_AGENT else logging.WARNING
         logger.log(level, "agent group %r of %s dropped (%s); slot %d re-used", group.key, group.owner, why, group.slot)

@@ -24,9 +24,20 @@ from protos.records import Array, FinishReason, Sample, TrajectoryGroup, Version
 
 if TYPE_CHECKING:
     from coordinator.rollout_client import RolloutClient
+    from coordinator.scheduler import SchedulerStats
     from coordinator.tasks import TaskPrompt
+    from protos.config import CoordinatorConfig
 
-__all__ = ["AgentGroup", "GroupState", "Session", "SessionState", "Turn", "build_trajectory_group", "oldest_version"]
+__all__ = [
+    "AgentGroup",
+    "BookTables",
+    "GroupState",
+    "Session",
+    "SessionState",
+    "Turn",
+    "build_trajectory_group",
+    "oldest_version",
+]
 
 
 class GroupState(enum.IntEnum):
@@ -144,15 +155,25 @@ class AgentGroup:
             raise InvalidArgument(f"group_key: group {self.key!r} has its {self.size} sessions already")
 
 
+@dataclass
+class BookTables:
+    """The SessionBook's tables, shared with the helpers it delegates to (submissions, endings)."""
+
+    sessions: dict[str, Session] = field(default_factory=dict)  # every session remembered, by id
+    groups: dict[tuple[str, str], AgentGroup] = field(default_factory=dict)  # open groups by (owner, group key)
+    opened: dict[tuple[str, str], str] = field(default_factory=dict)  # (owner, open_id) -> session id
+    completing: dict[str, AgentGroup] = field(default_factory=dict)  # group id -> complete, not known on the stream
+
+
 class UniformGroups:
     """Dynamic sampling for agent groups, by the coordinator's own settings (``coordinator.dynamic_sampling``, read
     live): a complete group whose rewards are all equal carries no GRPO signal and is skipped (its slot released as
     for a dropped group) unless it is the ``dynamic_sampling_max_tries``-th in a row, which is kept (counted), so a
     run whose agents all score alike still trains."""
 
-    def __init__(self, config, stats):
-        self.config = config  # CoordinatorConfig (live: the admin API changes it in place)
-        self.stats = stats  # SchedulerStats: groups_skipped, groups_kept_uniform
+    def __init__(self, config: CoordinatorConfig, stats: SchedulerStats):
+        self.config = config  # live: the admin API changes it in place
+        self.stats = stats  # groups_skipped, groups_kept_uniform
         self.in_a_row = 0  # uniform agent groups skipped since the last one kept
 
     def skips(self, rewards: list[float]) -> bool:

@@ -5,7 +5,7 @@ The plain core of the agent API (``api.py`` and ``door.py`` are its adapters). W
 - Token truth: every token of a session is recorded here as it is generated (with its logprob and version) or
   appended (tool results, user turns). A trajectory is built from this record only; a submission carries no
   tokens to train on, so an agent cannot train on tokens it did not receive from the engine.
-- Admission: the first session of a group key takes a scheduler slot (``Scheduler.admit_external``) under the
+- Admission: the first session of a group key takes a scheduler slot (``slots.AgentSlots.admit``) under the
   same staleness bound as the coordinator's own groups; when none is admissible the open is refused with a retry
   delay. Every turn is generated on a server at or above the slot's version floor.
 - Exactly once: a group is pushed once all its sessions are submitted with rewards, through the scheduler's
@@ -14,7 +14,7 @@ The plain core of the agent API (``api.py`` and ``door.py`` are its adapters). W
 - Stickiness: a session generates on one server (its prefix stays in that server's cache); when the server
   fails mid-turn the turn is lost (nothing recorded) and the session moves to another server on the next turn.
 - Durability: every change is written to Redis (``store.BookRecords``) before the reply that depends on
-  it, so a coordinator killed at any point and restarted serves the same sessions (``store.restore_book``).
+  it, so a coordinator killed at any point and restarted serves the same sessions (``restore.restore_book``).
 """
 
 from __future__ import annotations
@@ -23,8 +23,9 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
+from channels.agent_sessions import AgentSessionStore
 from coordinator.agents.errors import (
     Exhausted,
     FailedPrecondition,
@@ -36,17 +37,21 @@ from coordinator.agents.errors import (
 from coordinator.agents.expiry import ABANDONED_BY_AGENT, DONE_RETENTION_S, Endings
 from coordinator.agents.groups import (
     AgentGroup,
+    BookTables,
+    GroupState,
     Session,
     SessionState,
     Turn,
     UniformGroups,
     build_trajectory_group,
 )
+from coordinator.agents.slots import AgentSlots
 from coordinator.agents.store import BookRecords
 from coordinator.agents.submissions import Submissions, SubmitResult
 from coordinator.agents.tasks import AgentTasks
-from coordinator.agents.turns import MAX_TOP_LOGPROBS, TurnChunk, stream_turn
-from coordinator.fleet import NoServerAvailable
+from coordinator.agents.turns import MAX_TOP_LOGPROBS, TurnChunk, TurnRunner
+from coordinator.fleet import Fleet, NoServerAvailable
+from coordinator.scheduler import Scheduler
 from protos.config import AgentConfig
 
 logger = logging.getLogger(__name__)
@@ -56,30 +61,43 @@ MAX_METADATA = 32
 __all__ = ["SessionBook", "SubmitResult", "TurnChunk"]
 
 
-class SessionBook(Submissions, Endings):
-    """Sessions by id, open groups by (owner, group key); the scheduler admits and pushes their groups.
+class SessionBook:
+    """Sessions by id, open groups by (owner, group key); the scheduler admits and pushes their groups through their
+    slots (``slots.AgentSlots``, whose events the book takes: ``slots.SlotEvents``).
 
-    Opening and turns are here; submissions in ``submissions.Submissions``, how sessions and groups end in
-    ``expiry.Endings``.
+    Opening and turns are here; it delegates running turns to ``turns.TurnRunner``, submissions to
+    ``submissions.Submissions`` and how sessions and groups end to ``expiry.Endings``.
     """
 
-    def __init__(self, config: AgentConfig, scheduler, fleet, temperature, max_model_len: int, vocab_size: int, store):
+    def __init__(
+        self,
+        config: AgentConfig,
+        scheduler: Scheduler,
+        fleet: Fleet,
+        temperature: Callable[[], float],  # the run's sampling temperature (it can change live)
+        max_model_len: int,
+        vocab_size: int,
+        store: AgentSessionStore,
+    ):
         self.config = config
-        self.scheduler = scheduler  # coordinator.scheduler.Scheduler
-        self.fleet = fleet  # coordinator.fleet.Fleet
-        self.temperature = temperature  # () -> the run's sampling temperature (it can change live)
+        self.scheduler = scheduler
+        self.fleet = fleet
+        self.temperature = temperature
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         self.records = BookRecords(store, config, DONE_RETENTION_S)
         self.tasks = AgentTasks(scheduler.task, scheduler.stats)
-        self.uniform = UniformGroups(scheduler.config, scheduler.stats)
-        self.sessions: dict[str, Session] = {}
-        self.groups: dict[tuple[str, str], AgentGroup] = {}  # open groups
-        self.opened: dict[tuple[str, str], str] = {}  # (owner, open_id) -> session id
+        self.tables = BookTables()
+        self.sessions = self.tables.sessions
+        self.groups = self.tables.groups  # open groups
+        self.opened = self.tables.opened
+        self.completing = self.tables.completing
         self._opening: dict[tuple[str, str], asyncio.Future] = {}  # (owner, open_id) of opens in progress
-        self.completing: dict[str, AgentGroup] = {}  # group id -> complete group not known to be on the stream
-        scheduler.on_external_pushed = self.record_pushed
-        scheduler.on_external_moved = self.moved
+        self.slots = AgentSlots(scheduler, self)  # attaches itself to the scheduler's push order
+        uniform = UniformGroups(scheduler.config, scheduler.stats)
+        self.submissions = Submissions(self.records, self.tasks, uniform, self.slots, self.tables)
+        self.endings = Endings(config, self.records, self.slots, scheduler.stats, self.submissions, self.tables)
+        self.turns = TurnRunner(scheduler, fleet, self.records)
 
     # opening --------------------------------------------------------------------------------------
     async def open(
@@ -156,7 +174,7 @@ class SessionBook(Submissions, Endings):
             raise InvalidArgument(f"{name}: token id {bad} is outside the vocabulary [0, {self.vocab_size})")
 
     def _admit_group(self, owner, group_key, group_size, prompt, temperature, task_id, task_prompt) -> AgentGroup:
-        slot = self.scheduler.admit_external()
+        slot = self.slots.admit()
         if slot is None:
             raise Exhausted(
                 f"the staleness budget is spent (trainer v{self.scheduler.trainer_version}, max_staleness "
@@ -180,7 +198,7 @@ class SessionBook(Submissions, Endings):
         finally:
             group.opening -= 1
         if server is None:
-            await self._drop_if_empty(group, "no server")
+            await self.endings.drop_if_empty(group, "no server")
             raise Unavailable(f"no rollout server at policy version >= {floor}: {failure}") from failure
         session_id = uuid.uuid4().hex
         session = Session(session_id, owner, group, list(group.prompt), server, server.policy_version, dict(metadata))
@@ -191,7 +209,7 @@ class SessionBook(Submissions, Endings):
             try:
                 await self.records.write(group, group=self.records.group(group), session=self.records.session(session))
             except Unavailable:
-                await self._drop_if_empty(group, "its first session could not be recorded", locked=True)
+                await self.endings.drop_if_empty(group, "its first session could not be recorded", locked=True)
                 raise
             group.sessions[session_id] = session
             self.adopt(session)
@@ -211,19 +229,24 @@ class SessionBook(Submissions, Endings):
         submitted = group.submitted()
         if not group.complete:
             self.groups[(group.owner, group.key)] = group
-            await self.wait_for_rewards(group)
+            await self.submissions.wait_for_rewards(group)
         elif len(submitted) == group.size and all(s.reward is not None for s in submitted):
             self.completing[group.group_id] = group
-            await self.scheduler.complete_external(group.slot, build_trajectory_group(group, submitted))
+            await self.slots.complete(group.slot, build_trajectory_group(group, submitted))
         else:  # not written this way by any coordinator: refuse to train it rather than guess
             group.complete = False
-            await self.drop_group(group, f"its record is complete but {len(submitted)} sessions were submitted")
+            await self.endings.drop_group(group, f"its record is complete but {len(submitted)} sessions were submitted")
 
-    def moved(self, old_slot: int, new_slot: int) -> None:
+    # slots.SlotEvents ------------------------------------------------------------------------------------------
+    def group_moved(self, old_slot: int, new_slot: int) -> None:
         """The scheduler pushed a complete group ahead of the group waiting for rewards at ``old_slot``, which takes
         ``new_slot``: it is completed or dropped there."""
         group = next(g for g in self.groups.values() if g.slot == old_slot and not g.done)
         group.slot = new_slot
+
+    async def group_pushed(self, group_id: str) -> None:
+        """The scheduler pushed agent group ``group_id``: recorded, so a restart never pushes it again."""
+        await self.submissions.record_pushed(group_id)
 
     # turns ------------------------------------------------------------------------------------------
     def get(self, owner: str, session_id: str) -> Session:
@@ -271,7 +294,7 @@ class SessionBook(Submissions, Endings):
             raise InvalidArgument(f"session_id: the session holds {session.length} tokens = max_model_len")
         session.busy = True
         try:
-            chunks = stream_turn(self, session, min(max_tokens, room), stop_token_ids, stream_interval, top_logprobs)
+            chunks = self.turns.stream(session, min(max_tokens, room), stop_token_ids, stream_interval, top_logprobs)
             async for chunk in chunks:
                 yield chunk
         finally:
@@ -309,12 +332,26 @@ class SessionBook(Submissions, Endings):
                     raise FailedPrecondition(f"session {session_id} is submitted; it cannot be abandoned")
                 return
             if abandon and session.state != SessionState.ABANDONED:
-                await self.abandon_session(session, ABANDONED_BY_AGENT)
+                await self.endings.abandon_session(session, ABANDONED_BY_AGENT)
             elif not abandon and session.state == SessionState.OPEN:
                 await self.records.write(
                     session.group, session=self.records.session(session, state=SessionState.CLOSED)
                 )
                 session.state = SessionState.CLOSED
+
+    # submissions and endings (submissions.Submissions, expiry.Endings) -----------------------------------------
+    async def submit(
+        self, owner: str, session_id: str, submission_id: str, reward: float | None, expected: list[int]
+    ) -> SubmitResult:
+        return await self.submissions.submit(self.get(owner, session_id), submission_id, reward, expected)
+
+    async def set_reward(self, owner: str, session_id: str, reward: float) -> GroupState:
+        return await self.submissions.set_reward(self.get(owner, session_id), reward)
+
+    async def expire(self, now: float | None = None) -> None:
+        """Abandon idle sessions, drop groups that can no longer complete, forget what is done (about once a
+        second)."""
+        await self.endings.expire(now)
 
 
 def _repeated_append(session: Session, token_ids: list[int], expected_length: int) -> tuple[int, int] | None:

@@ -1,13 +1,13 @@
-"""The SessionBook's submissions (a mixin of ``sessions.SessionBook``): Submit, SetReward, and what follows
+"""The SessionBook's submissions (``sessions.SessionBook`` delegates to them): Submit, SetReward, and what follows
 once a group's last reward is in.
 
 A session's submission (state, submission id, reward) and, when it completes its group, the group's new state are
 written in one transaction before the reply. A group whose sessions are all submitted but some rewards are still to
 come (reward null, set later) tells the scheduler it waits for rewards: complete groups behind it may be pushed first
-(``slots.ExternalSlots``). A complete group goes to the scheduler's in-order push, unless its
+(``slots.AgentSlots``). A complete group goes to the scheduler's in-order push, unless its
 rewards are all equal and the run's dynamic sampling skips it (``groups.UniformGroups``): its slot is then
 released as a dropped group's. Once the scheduler has pushed a group its record says PUSHED, so a restarted
-coordinator never pushes it again (``store.restore_book``).
+coordinator never pushes it again (``restore.restore_book``).
 """
 
 from __future__ import annotations
@@ -18,12 +18,17 @@ from dataclasses import dataclass
 from coordinator.agents.errors import FailedPrecondition, InvalidArgument, Unavailable
 from coordinator.agents.groups import (
     AgentGroup,
+    BookTables,
     GroupState,
     Session,
     SessionState,
+    UniformGroups,
     build_trajectory_group,
     oldest_version,
 )
+from coordinator.agents.slots import AgentSlots
+from coordinator.agents.store import BookRecords
+from coordinator.agents.tasks import AgentTasks
 from protos.agent_records import AgentGroupState
 
 logger = logging.getLogger(__name__)
@@ -38,12 +43,27 @@ class SubmitResult:
 
 
 class Submissions:
-    """Mixin of SessionBook: its ``records``, ``tasks``, ``uniform``, ``scheduler``, ``groups`` and ``completing``."""
+    """Submit and SetReward of sessions the book looked up; ``groups`` and ``completing`` are the book's tables."""
+
+    def __init__(
+        self,
+        records: BookRecords,
+        tasks: AgentTasks,
+        uniform: UniformGroups,
+        slots: AgentSlots,
+        tables: BookTables,
+    ):
+        self.records = records
+        self.tasks = tasks
+        self.uniform = uniform
+        self.slots = slots
+        self.groups = tables.groups
+        self.completing = tables.completing
 
     async def submit(
-        self, owner: str, session_id: str, submission_id: str, reward: float | None, expected: list[int]
+        self, session: Session, submission_id: str, reward: float | None, expected: list[int]
     ) -> SubmitResult:
-        session = self.get(owner, session_id)
+        session_id = session.session_id
         if not submission_id:
             raise InvalidArgument("submission_id: empty (a client-chosen id makes a retried submit safe)")
         async with session.group.lock:
@@ -72,8 +92,8 @@ class Submissions:
                 session.busy = False
             return self._result(session.group)
 
-    async def set_reward(self, owner: str, session_id: str, reward: float) -> GroupState:
-        session = self.get(owner, session_id)
+    async def set_reward(self, session: Session, reward: float) -> GroupState:
+        session_id = session.session_id
         async with session.group.lock:
             if session.state != SessionState.SUBMITTED:
                 raise FailedPrecondition(f"session {session_id} is not submitted (submit it first)")
@@ -109,17 +129,17 @@ class Submissions:
             logger.info(
                 "agent group %r of %s skipped: rewards all %.3f (dynamic sampling)", group.key, group.owner, reward
             )
-            await self.scheduler.release_slot(group.slot)
+            await self.slots.release(group.slot)
             return
         self.completing[group.group_id] = group
-        await self.scheduler.complete_external(group.slot, build_trajectory_group(group, group.submitted()))
+        await self.slots.complete(group.slot, build_trajectory_group(group, group.submitted()))
 
     async def wait_for_rewards(self, group: AgentGroup) -> None:
         """A group whose sessions are all submitted, some without a reward, has its tokens final: the scheduler may
         push complete groups behind it first, as long as it can still be trained within the staleness bound."""
         submitted = group.submitted()
         if not group.complete and len(submitted) == group.size:
-            await self.scheduler.wait_rewards(group.slot, oldest_version(submitted))
+            await self.slots.wait_rewards(group.slot, oldest_version(submitted))
 
     async def record_pushed(self, group_id: str) -> None:
         """The scheduler pushed agent group ``group_id``: record it (a restart must not push it again).

@@ -17,6 +17,7 @@ import logging
 
 from coordinator.agents.errors import InvalidArgument
 from coordinator.agents.groups import Session
+from coordinator.scheduler import SchedulerStats
 from coordinator.tasks import Task, TaskPrompt
 
 logger = logging.getLogger(__name__)
@@ -25,9 +26,9 @@ logger = logging.getLogger(__name__)
 class AgentTasks:
     """The coordinator's task as agents use it: a prompt by id, the reward of a session."""
 
-    def __init__(self, task: Task, stats):
+    def __init__(self, task: Task, stats: SchedulerStats):
         self.task = task
-        self.stats = stats  # SchedulerStats: reward_errors
+        self.stats = stats  # reward_errors
 
     def prompt(self, task_id: str) -> TaskPrompt:
         try:

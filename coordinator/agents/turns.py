@@ -17,8 +17,10 @@ import numpy as np
 
 from coordinator.agents.errors import Unavailable
 from coordinator.agents.groups import Session, Turn
-from coordinator.fleet import NoServerAvailable
+from coordinator.agents.store import BookRecords
+from coordinator.fleet import Fleet, NoServerAvailable
 from coordinator.rollout_client import RolloutFailed
+from coordinator.scheduler import Scheduler
 from protos.records import FinishReason
 
 logger = logging.getLogger(__name__)
@@ -46,66 +48,86 @@ def top_rows(values, tokens: int, k: int) -> list[list]:
     return [list(values[i * k : (i + 1) * k]) for i in range(tokens)]
 
 
-async def stream_turn(
-    book, session: Session, max_tokens: int, stop_token_ids: list[int], stream_interval: int, top_logprobs: int = 0
-):
-    """The chunks of one turn of ``session`` (checked and marked busy by ``SessionBook.generate``); with
-    ``top_logprobs`` k > 0 each chunk and the recorded turn carry the engine's k most likely tokens per token."""
-    await _ensure_server(book, session)
-    index, start = len(session.turns), session.length
-    turn = Turn(True, [], [], server_id=session.server.server_id or session.server.address)
-    request_id = f"agent-{session.session_id[:12]}-t{index}-{uuid.uuid4().hex[:6]}"
-    final = None
-    top_ids: list[list[int]] = []
-    top_lps: list[list[float]] = []
-    try:
-        stream = session.server.stream_one(
-            session.tokens(),
-            max_tokens,
-            session.group.temperature,
-            stop_token_ids,
-            book.scheduler.config.request_timeout_s,
-            request_id,
-            stream_interval or DEFAULT_STREAM_INTERVAL,
-            top_logprobs,
-        )
-        async for chunk in stream:
-            turn.token_ids += chunk.token_ids
-            turn.logprobs += chunk.logprobs
-            chunk_ids, chunk_lps = tops = _tops(chunk, top_logprobs)
-            if chunk_ids is not None:
-                top_ids += chunk_ids
-                top_lps += chunk_lps
-            if chunk.finished:
-                final, final_tops = chunk, tops
-                break
-            yield TurnChunk(
-                list(chunk.token_ids),
-                list(chunk.logprobs),
-                index,
-                start + len(turn.token_ids),
-                top_token_ids=chunk_ids,
-                top_logprobs=chunk_lps,
+class TurnRunner:
+    """Runs the turns of the book's sessions on the fleet's servers and records them (``sessions.SessionBook``)."""
+
+    def __init__(self, scheduler: Scheduler, fleet: Fleet, records: BookRecords):
+        self.scheduler = scheduler  # the slots' version floors, the request timeout, the token and lost-turn counts
+        self.fleet = fleet
+        self.records = records
+
+    async def stream(
+        self, session: Session, max_tokens: int, stop_token_ids: list[int], stream_interval: int, top_logprobs: int = 0
+    ):
+        """The chunks of one turn of ``session`` (checked and marked busy by ``SessionBook.generate``); with
+        ``top_logprobs`` k > 0 each chunk and the recorded turn carry the engine's k most likely tokens per token."""
+        await self._ensure_server(session)
+        index, start = len(session.turns), session.length
+        turn = Turn(True, [], [], server_id=session.server.server_id or session.server.address)
+        request_id = f"agent-{session.session_id[:12]}-t{index}-{uuid.uuid4().hex[:6]}"
+        final = None
+        top_ids: list[list[int]] = []
+        top_lps: list[list[float]] = []
+        try:
+            stream = session.server.stream_one(
+                session.tokens(),
+                max_tokens,
+                session.group.temperature,
+                stop_token_ids,
+                self.scheduler.config.request_timeout_s,
+                request_id,
+                stream_interval or DEFAULT_STREAM_INTERVAL,
+                top_logprobs,
             )
-        if final is None:
-            raise RolloutFailed(f"{session.server.address}: the stream ended before the turn finished")
-    except RolloutFailed as error:
-        book.scheduler.stats.agent_turns_lost += 1
-        session.server = None  # the next turn goes to another server, with the whole history
-        raise Unavailable(f"turn {index} lost ({error}); nothing was recorded: generate it again") from error
-    turn.finish_reason = FinishReason(final.finish_reason)
-    turn.version_spans = [(s.version, s.start, s.end) for s in final.version_spans]
-    turn.routes = _routes(final)
-    if top_logprobs > 0:
-        turn.top_token_ids = np.asarray(top_ids, dtype=np.int32).reshape(len(top_ids), top_logprobs)
-        turn.top_logprobs = np.asarray(top_lps, dtype=np.float32).reshape(len(top_lps), top_logprobs)
-    await book.records.write_turn(session, index, turn)  # UNAVAILABLE when it cannot be: nothing recorded
-    previous = session.last_generated()
-    if previous is not None:
-        previous.routes = None  # superseded: the trainer replays the last generated turn's only
-    session.turns.append(turn)
-    book.scheduler.stats.tokens_generated += len(turn.token_ids)  # the coordinator's rollout tok/s counts agents
-    yield TurnChunk(list(final.token_ids), list(final.logprobs), index, session.length, True, turn, *final_tops)
+            async for chunk in stream:
+                turn.token_ids += chunk.token_ids
+                turn.logprobs += chunk.logprobs
+                chunk_ids, chunk_lps = tops = _tops(chunk, top_logprobs)
+                if chunk_ids is not None:
+                    top_ids += chunk_ids
+                    top_lps += chunk_lps
+                if chunk.finished:
+                    final, final_tops = chunk, tops
+                    break
+                yield TurnChunk(
+                    list(chunk.token_ids),
+                    list(chunk.logprobs),
+                    index,
+                    start + len(turn.token_ids),
+                    top_token_ids=chunk_ids,
+                    top_logprobs=chunk_lps,
+                )
+            if final is None:
+                raise RolloutFailed(f"{session.server.address}: the stream ended before the turn finished")
+        except RolloutFailed as error:
+            self.scheduler.stats.agent_turns_lost += 1
+            session.server = None  # the next turn goes to another server, with the whole history
+            raise Unavailable(f"turn {index} lost ({error}); nothing was recorded: generate it again") from error
+        turn.finish_reason = FinishReason(final.finish_reason)
+        turn.version_spans = [(s.version, s.start, s.end) for s in final.version_spans]
+        turn.routes = _routes(final)
+        if top_logprobs > 0:
+            turn.top_token_ids = np.asarray(top_ids, dtype=np.int32).reshape(len(top_ids), top_logprobs)
+            turn.top_logprobs = np.asarray(top_lps, dtype=np.float32).reshape(len(top_lps), top_logprobs)
+        await self.records.write_turn(session, index, turn)  # UNAVAILABLE when it cannot be: nothing recorded
+        previous = session.last_generated()
+        if previous is not None:
+            previous.routes = None  # superseded: the trainer replays the last generated turn's only
+        session.turns.append(turn)
+        self.scheduler.stats.tokens_generated += len(turn.token_ids)  # the coordinator's rollout tok/s counts agents
+        yield TurnChunk(list(final.token_ids), list(final.logprobs), index, session.length, True, turn, *final_tops)
+
+    async def _ensure_server(self, session: Session) -> None:
+        if session.server is not None and session.server.healthy and session.server in self.fleet.clients:
+            return
+        floor = self.scheduler.version_floor(session.group.slot)
+        try:
+            session.server = await self.fleet.pick(
+                lambda c: c.policy_version >= floor, set(), 10.0, f"at v >= {floor} for session {session.session_id}"
+            )
+        except NoServerAvailable as error:
+            raise Unavailable(f"no rollout server for session {session.session_id}: {error}") from error
+        logger.info("agent session %s moved to %s", session.session_id, session.server.address)
 
 
 def _tops(chunk, k: int) -> tuple[list | None, list | None]:
@@ -113,19 +135,6 @@ def _tops(chunk, k: int) -> tuple[list | None, list | None]:
         return None, None
     tokens = len(chunk.token_ids)
     return top_rows(chunk.top_token_ids, tokens, k), top_rows(chunk.top_logprobs, tokens, k)
-
-
-async def _ensure_server(book, session: Session) -> None:
-    if session.server is not None and session.server.healthy and session.server in book.fleet.clients:
-        return
-    floor = book.scheduler.version_floor(session.group.slot)
-    try:
-        session.server = await book.fleet.pick(
-            lambda c: c.policy_version >= floor, set(), 10.0, f"at v >= {floor} for session {session.session_id}"
-        )
-    except NoServerAvailable as error:
-        raise Unavailable(f"no rollout server for session {session.session_id}: {error}") from error
-    logger.info("agent session %s moved to %s", session.session_id, session.server.address)
 
 
 def _routes(chunk) -> np.ndarray | None:

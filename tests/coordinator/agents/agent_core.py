@@ -8,8 +8,8 @@ import redis.asyncio as aioredis
 
 from channels.agent_sessions import AgentSessionStore
 from channels.trajectory_stream import TrajectoryStreamWriter
+from coordinator.agents.restore import restore_book
 from coordinator.agents.sessions import SessionBook
-from coordinator.agents.store import restore_book
 from coordinator.fleet import Fleet
 from coordinator.rollout_client import RolloutClient
 from coordinator.scheduler import Scheduler

@@ -218,6 +218,6 @@ def test_expiry_racing_a_push_record_neither_fails_the_submit_nor_stops_later_pu
             stored = await h.store.load()
             assert sorted(g.state for g in stored.groups.values()) == [AgentGroupState.PUSHED] * 2
             h.scheduler.set_trainer_version(1)  # the trainer took the front group: one more slot is admissible
-            assert h.scheduler.admit_external() == 2
+            assert h.book.slots.admit() == 2
 
     asyncio.run(scenario())

@@ -73,7 +73,7 @@ def test_a_group_waiting_for_rewards_is_dropped_once_it_cannot_be_trained_within
             await h.book.expire()
             assert group.dropped and h.scheduler.stats.agent_groups_dropped == 1
             assert (await h.store.load()).groups[group.uid].state == AgentGroupState.DROPPED
-            assert h.scheduler.in_flight == set() and h.scheduler.admit_external() == 0  # its slot is re-used
+            assert h.scheduler.in_flight == set() and h.book.slots.admit() == 0  # its slot is re-used
             with pytest.raises(FailedPrecondition):  # a reward after the drop trains nothing
                 await h.book.set_reward(OWNER, judged[0].session_id, 0.5)
             assert h.queued() == []
