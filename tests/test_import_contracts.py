@@ -1,6 +1,7 @@
 """The layering contracts of pyproject.toml [tool.importlinter] hold (protos/modeling import no role, channels
 imports only protos, weight_bus only protos and channels, the three roles never import each other, the launcher
-imports only protos, channels and modeling and no role imports it)."""
+imports only protos, channels and modeling and no role imports it, the coordinator's core imports nothing of its
+agent gateway but where it is wired in)."""
 
 from __future__ import annotations
 
@@ -38,3 +39,17 @@ def test_the_launcher_is_kept_apart_from_the_roles():
     assert "launcher" in config["root_packages"]
     assert any(source == ("launcher",) and set(roles) <= set(banned) for source, banned in forbidden)
     assert any(set(source) == set(roles) and banned == ("launcher",) for source, banned in forbidden)
+
+
+def test_the_coordinators_core_is_kept_apart_from_its_agent_gateway():
+    """Every coordinator module but the gateway's wiring (__main__, kept_port) is barred from coordinator.agents,
+    and only the gateway's own imports, the wiring's and nothing else are let through."""
+    config = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]
+    [contract] = [c for c in config["contracts"] if "coordinator.agents" in c.get("forbidden_modules", [])]
+    assert contract["type"] == "forbidden" and contract["source_modules"] == ["coordinator.*"]
+    assert set(contract["ignore_imports"]) == {
+        "coordinator.agents.** -> coordinator.agents.**",
+        "coordinator.__main__ -> coordinator.agents.**",
+        "coordinator.__main__ -> coordinator.kept_port",
+        "coordinator.kept_port -> coordinator.agents.**",
+    }
