@@ -33,7 +33,8 @@ from dataclasses import dataclass, field
 import torch
 from torch.overrides import TorchFunctionMode
 
-from rollout_service.refit_plan import BucketSlice, PlanRefused, bits, bucket_views, locate, same_values_as
+from rollout_service.bucket_slices import BucketSlice, PlanRefused, bucket_views, locate
+from rollout_service.refit_plan import bits, same_values_as
 
 
 @dataclass(frozen=True)

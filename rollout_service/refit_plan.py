@@ -27,9 +27,7 @@ from dataclasses import dataclass
 import torch
 from torch.overrides import TorchFunctionMode
 
-
-class PlanRefused(Exception):
-    """The loaders did something a plan cannot replay; the message says what."""
+from rollout_service.bucket_slices import PlanRefused, bucket_views, locate
 
 
 @dataclass(frozen=True)
@@ -83,50 +81,6 @@ def layout_key(manifest) -> str:
         digest.update(f"{entry.name}|{entry.dtype}|{entry.shape}|{entry.codec}|{entry.bucket}|{entry.offset};".encode())
     digest.update(str(manifest.bucket_nbytes).encode())
     return digest.hexdigest()
-
-
-@dataclass(frozen=True)
-class BucketSlice:
-    """Where a copy's source lies: a strided view of bucket ``bucket`` read as ``dtype``."""
-
-    bucket: int
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-    stride: tuple[int, ...]
-    element_offset: int  # from the bucket's first byte, in elements of ``dtype``
-
-
-def bucket_views(slices, buckets: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Views of ``buckets`` for ``slices`` (anything with BucketSlice's fields: SliceCopy too), in order."""
-    typed: dict[tuple[int, torch.dtype], torch.Tensor] = {}
-    views = []
-    for piece in slices:
-        base = typed.get((piece.bucket, piece.dtype))
-        if base is None:
-            base = typed[(piece.bucket, piece.dtype)] = _typed(buckets[piece.bucket], piece.dtype)
-        views.append(base.as_strided(piece.shape, piece.stride, base.storage_offset() + piece.element_offset))
-    return views
-
-
-def locate(source: torch.Tensor, buckets: list[torch.Tensor], what: str) -> BucketSlice | None:
-    """``source`` as a slice of one of ``buckets``, or None when it lies in none of them."""
-    pointer = source.data_ptr()
-    for index, bucket in enumerate(buckets):
-        start = bucket.data_ptr()
-        if start <= pointer < start + bucket.numel() and source.untyped_storage().data_ptr() == (
-            bucket.untyped_storage().data_ptr()
-        ):
-            offset_bytes = pointer - start
-            if offset_bytes % source.element_size():
-                raise PlanRefused(f"a copy into {what} from a misaligned slice")
-            shape, stride = tuple(source.shape), tuple(source.stride())
-            return BucketSlice(index, source.dtype, shape, stride, offset_bytes // source.element_size())
-    return None
-
-
-def _typed(bucket: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    usable = bucket.numel() // dtype.itemsize * dtype.itemsize
-    return bucket[:usable].view(dtype)
 
 
 class _RecordCopies(TorchFunctionMode):
@@ -341,7 +295,7 @@ def check(plan: RefitPlan, model: torch.nn.Module, buckets, before: dict[str, fl
             reloaded = parameter.clone()
             try:
                 for write in [*(plan.copies[i] for i in indices), *fills_of.get(name, ())]:
-                    scribble(write.target)
+                    _scribble(write.target)
                 if indices:
                     torch._foreach_copy_([plan.copies[i].target for i in indices], [sources[i] for i in indices])
                 for fill in fills_of.get(name, ()):
@@ -364,7 +318,7 @@ def still_served(plan: RefitPlan, model: torch.nn.Module) -> bool:
     return all(copy.target.untyped_storage().data_ptr() == _storage(parameters, copy) for copy in plan.writes())
 
 
-def scribble(target: torch.Tensor) -> None:
+def _scribble(target: torch.Tensor) -> None:
     target.fill_(float("nan") if target.is_floating_point() else -1)
 
 
